@@ -1,0 +1,47 @@
+"""The report files' column headers, exactly as msprobe users know them (SPEC §7).
+
+Every writer and every reader of the reports takes its headers from here; nothing else spells them.
+"""
+
+RESULT_HEADER = ["API name", "Forward Test Success", "Backward Test Success", "Message"]
+
+# Per-output metric columns of accuracy_checking_details, in file order, keyed by the attribute name of
+# gpu_server.metrics.OutputMetrics that fills each one.
+METRIC_COLUMNS = [
+    ("cosine", "余弦相似度"),
+    ("max_abs_err", "最大绝对误差"),
+    ("hundredth", "双百指标"),
+    ("thousandth", "双千指标"),
+    ("ten_thousandth", "双万指标"),
+    ("binary_error_rate", "二进制一致错误率"),
+    ("error_balance", "误差均衡性"),
+    ("rmse", "均方根误差"),
+    ("small_value_error_ratio", "小值域错误占比"),
+    ("max_rel_err", "相对误差最大值"),
+    ("mean_rel_err", "相对误差平均值"),
+    ("inf_nan_error_rate", "inf/nan错误率"),
+    ("rel_err_rate", "相对误差错误率"),
+    ("abs_err_rate", "绝对误差错误率"),
+    ("ulp_max", "ULP误差最大值"),
+    ("ulp_mean", "ULP误差平均值"),
+    ("ulp_over_threshold", "ULP误差大于阈值占比"),
+]
+
+DETAILS_HEADER = (["API Name", "Bench Dtype", "DEVICE Dtype", "Shape"]
+                  + [title for _, title in METRIC_COLUMNS] + ["Status", "Message"])
+
+PRECISION_RESULT_HEADER = ["API Name", "Forward Test Success", "Backward Test Success", "Message"]
+
+PRECISION_DETAILS_HEADER = [
+    "API Name", "小值域错误比值", "小值域判定结果", "均方根误差比值", "均方根误差判定结果", "相对误差最大值比值",
+    "相对误差最大值判定结果", "相对误差平均值比值", "相对误差平均值判定结果", "误差均衡性比值", "误差均衡性判定结果",
+    "inf/nan错误率", "inf/nan判定结果", "相对误差错误率", "相对误差判定结果", "绝对误差错误率", "绝对误差判定结果",
+    "二进制一致错误率", "二进制一致错误率判定结果", "ULP误差平均值", "ULP误差大于阈值占比", "ULP误差大于阈值占比比值",
+    "ULP误差判定结果", "双千指标", "双千指标判定结果", "比对结果", "比对算法", "Message",
+]
+
+# Our own columns, always after msprobe's.
+EXTRA_COLUMNS = ["Step"]
+
+BLANK = " "  # a cell a check does not set
+FLOAT_DECIMALS = 14
