@@ -1,0 +1,113 @@
+"""Precision standards of SPEC §6.3 (api_precision_compare `比对结果`): pure functions, no I/O.
+
+`judge(api_name, bench, device, same)` selects a standard (selection.py) from the output dtype and the API name,
+computes the device output's metrics and the same-dtype run's metrics against the bench (gpu_server.metrics) and
+lets the registered standard (binary.py, absolute.py, ulp.py, thousandth.py, benchmark.py) decide. Every threshold
+is in thresholds.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gpu_server.columns import BLANK
+from gpu_server.standards import absolute, benchmark, binary, thousandth, ulp  # noqa: F401  (they register)
+from gpu_server.standards.registry import (
+    ERROR,
+    PASS,
+    SKIP,
+    STANDARD_REGISTRY,
+    StandardInput,
+    StandardResult,
+    register_standard,
+)
+from gpu_server.standards.selection import BINARY, canonical_name, select_standard
+from gpu_server.standards.thresholds import THRESHOLDS
+
+__all__ = ["PrecisionJudgement", "judge", "bit_identical", "select_standard", "canonical_name", "register_standard",
+           "STANDARD_REGISTRY", "THRESHOLDS"]
+
+
+@dataclass
+class PrecisionJudgement:
+    cells: dict[str, str | float] = field(default_factory=dict)  # api_precision_compare_details cells by title
+    status: str = SKIP                                              # 比对结果: "pass" | "error" | "SKIP"
+    algorithm: str = BLANK                                          # 比对算法
+    message: str = ""
+
+
+def bit_identical(a: torch.Tensor | None, b: torch.Tensor) -> bool:
+    """Same dtype, same shape, same bits (NaN payloads and signed zeros included)."""
+    if a is None or a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return False
+    a, b = a.detach().to(b.device).reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+def judge(api_name: str, bench: Any, device: Any, same: Any = None) -> PrecisionJudgement:
+    """SPEC §6.3 verdict of one output. bench: upcast bench output; device: device output; same: the same-dtype
+    run's output on the trusted host (None when it could not run)."""
+    from gpu_server.metrics import output_metrics, scalar_error_rate  # metrics imports this package's thresholds
+
+    if bench is None:
+        return PrecisionJudgement(message="no bench output")
+    if not (isinstance(bench, torch.Tensor) and isinstance(device, torch.Tensor)):
+        if isinstance(bench, torch.Tensor) or isinstance(device, torch.Tensor):
+            return _error(BINARY, f"output type differs: bench {type(bench).__name__}, device "
+                                  f"{type(device).__name__}")
+        rate = scalar_error_rate(bench, device)
+        return _finish(BINARY, STANDARD_REGISTRY[BINARY].judge(_scalar_input(rate)), "")
+
+    key = select_standard(api_name, device.dtype)
+    if tuple(bench.shape) != tuple(device.shape):
+        return _error(key, f"shape mismatch: bench {tuple(bench.shape)} vs device {tuple(device.shape)}")
+    if _kind(bench.dtype) != _kind(device.dtype):
+        return _error(key, f"dtype kind mismatch: bench {bench.dtype} vs device {device.dtype}, cannot compare")
+    if _kind(device.dtype) != "integer/bool" and device.dtype not in THRESHOLDS.judged_dtypes:
+        return PrecisionJudgement(status=SKIP, algorithm=STANDARD_REGISTRY[key].algorithm,
+                                  message=f"{device.dtype} is not supported by the precision standard")
+
+    notes = []
+    same_metrics = None
+    if same is not None:
+        if isinstance(same, torch.Tensor) and tuple(same.shape) == tuple(device.shape) \
+                and _kind(same.dtype) == _kind(device.dtype):
+            same_metrics = output_metrics(bench, same)
+        else:
+            notes.append("same-dtype run output not comparable (" + _describe(same) + "), ignored")
+    result = STANDARD_REGISTRY[key].judge(StandardInput(device.dtype, output_metrics(bench, device), same_metrics))
+    if result.status != PASS and bit_identical(same, device):
+        result.status = PASS
+        notes.append("pass: the device output is bit-identical to the same-dtype run")
+    return _finish(key, result, "; ".join(notes))
+
+
+def _kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "integer/bool"
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
+
+
+def _scalar_input(rate: float) -> StandardInput:
+    from gpu_server.metrics import OutputMetrics
+
+    return StandardInput(None, OutputMetrics(binary_error_rate=rate), None)
+
+
+def _error(key: str, message: str) -> PrecisionJudgement:
+    return PrecisionJudgement(status=ERROR, algorithm=STANDARD_REGISTRY[key].algorithm, message=message)
+
+
+def _finish(key: str, result: StandardResult, note: str) -> PrecisionJudgement:
+    message = "; ".join([m for m in result.messages if m] + ([note] if note else []))
+    cells = {k: v for k, v in result.cells.items() if v is not None}
+    return PrecisionJudgement(cells, result.status, STANDARD_REGISTRY[key].algorithm, message)
+

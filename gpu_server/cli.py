@@ -1,0 +1,112 @@
+"""`gpu-server --config server.json --out ./results`: the benchmark host's command (SPEC §5.1).
+
+msprobe's spellings `-config` and `-o` work too. SIGINT/SIGTERM: stop accepting, check everything already accepted,
+flush the reports, print the summary, exit 0 (non-zero with `--fail-on error` when an API failed).
+"""
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+
+from gpu_server.config import ServerConfigError, load_server_config
+from protos.limits import DEFAULT_LIMITS, MiB
+
+log = logging.getLogger("gpu_server")
+
+
+def _args(argv):
+    p = argparse.ArgumentParser(prog="gpu-server", description="Online accuracy checker: the benchmark-host server.")
+    p.add_argument("--config", "-config", required=True, help="msprobe run_ut config.json (task run_ut)")
+    p.add_argument("--out", "-o", "--out_path", default="./", help="folder for the reports (created if missing)")
+    p.add_argument("--device", "-d", default=None, help="cpu, cuda or cuda:N (default: every GPU, else CPU)")
+    p.add_argument("--workers", type=int, default=None, help="CPU worker threads (default 1; GPUs: one each)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks expected (with --exit-when-done)")
+    p.add_argument("--exit-when-done", action="store_true",
+                   help="exit once every expected rank has sent its end message (needs --world-size or rank_list)")
+    p.add_argument("--fail-on", choices=("never", "error"), default="never",
+                   help="'error': exit status 1 when any API failed (for CI)")
+    p.add_argument("--backward-memory-mb", type=float, default=4096,
+                   help="memory for forward inputs kept until their backward check (default 4096)")
+    p.add_argument("--max-record-mb", type=float, default=DEFAULT_LIMITS.max_record_bytes / MiB,
+                   help="largest record accepted")
+    p.add_argument("--quiet", action="store_true", help="no live progress line")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="[gpu-server] %(levelname)s %(message)s", stream=sys.stderr)
+    ns = _args(argv)
+    try:
+        config = load_server_config(ns.config)
+    except ServerConfigError as exc:
+        print(f"gpu-server: {exc}", file=sys.stderr)
+        return 2
+    from gpu_server.app import ServerApp  # imports torch: after the cheap checks
+
+    os.makedirs(ns.out, exist_ok=True)
+    limits = DEFAULT_LIMITS.replace(max_record_bytes=int(ns.max_record_mb * MiB))
+    expected = ns.world_size or (len(config.rank_list) if config.rank_list else None)
+    if ns.exit_when_done and not expected:
+        print("gpu-server: --exit-when-done needs --world-size N (or a non-empty rank_list)", file=sys.stderr)
+        return 2
+    try:
+        app = ServerApp(config, ns.out, device=ns.device, workers=ns.workers, limits=limits,
+                        backward_budget=int(ns.backward_memory_mb * MiB),
+                        expected_ranks=expected if ns.exit_when_done else None)
+        app.start()
+    except (ValueError, OSError) as exc:
+        print(f"gpu-server: {exc}", file=sys.stderr)
+        return 2
+    if config.nfs_path:
+        log.info("watching shared folder %s; reports in %s", config.nfs_path, os.path.abspath(ns.out))
+    else:
+        if not config.tls_path and not _loopback(config.host):
+            log.warning("serving plaintext on %s: training data crosses the network unencrypted; set run_ut.tls_path "
+                        "for mutual TLS (certs/README.md)", config.host)
+        log.info("listening on %s (%s); reports in %s", app.bind_target, "mutual TLS" if config.tls_path else
+                 "plaintext", os.path.abspath(ns.out))
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("%s: draining what was accepted, then exiting", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    tty = sys.stderr.isatty()
+    last = ""
+    while not stop.is_set() and not app.done.is_set():
+        stop.wait(0.5 if tty else 2.0)
+        line = app.summary.progress_line()
+        if not ns.quiet and line != last:
+            print(("\r" + line) if tty else f"[gpu-server] {line}", end="" if tty else "\n", file=sys.stderr,
+                  flush=True)
+            last = line
+    if tty and not ns.quiet:
+        print(file=sys.stderr)
+    t0 = time.time()
+    app.shutdown()
+    paths = app.finish()
+    print(app.summary.human())
+    print(f"reports ({time.time() - t0:.1f} s to drain):")
+    for p in paths:
+        print(f"  {p}")
+    failed = sum(app.summary.failed.values())
+    return 1 if ns.fail_on == "error" and failed else 0
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Accepting records, whatever transport brought them (SPEC §4, §5.1).
+
+`FrameAssembler` joins one stream's frames into (Record, payload). `Intake.accept` validates a whole record
+(header, names, tensor table, values), drops duplicates (same run, rank, seq), applies the rank and API filters and
+hands a decoded `Job` to the workers. Every outcome is an acknowledgement status and, for bad records, a SKIP row.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+import torch
+
+from gpu_server.config import ServerConfig
+from gpu_server.registry import known
+from protos import online_check_pb2 as pb
+from protos.codec import RecordDecoder, WireError
+from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, valid_call_name
+
+ACCEPTED, DUPLICATE, REJECTED = pb.Ack.ACCEPTED, pb.Ack.DUPLICATE, pb.Ack.REJECTED
+
+
+@dataclasses.dataclass
+class Job:
+    run_id: str
+    rank: int
+    step: int
+    seq: int
+    name: str                  # Functional.linear.0
+    category: str
+    api: str
+    direction: int
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    output: Any = None
+    grad_output: Any = None
+    grad_input: Any = None
+    grad_input_positions: tuple[int, ...] = ()
+    requires_grad: frozenset[int] = frozenset()   # ids of decoded input tensors that required grad
+    grad_enabled: bool = False
+    autocast: tuple[bool, str, str] = (False, "", "")
+    inplace: bool = False
+    backward_expected: bool = False
+    rng_state: bytes = b""
+    rng_device: str = ""
+    mask: torch.Tensor | None = None
+    skip_reason: str = ""      # set: the call is reported SKIP with this reason
+    nbytes: int = 0
+
+
+class FrameAssembler:
+    """One stream's frames -> complete records. Frames of one record are contiguous and in offset order."""
+
+    def __init__(self, limits: Limits = DEFAULT_LIMITS):
+        self.limits = limits
+        self.record: pb.Record | None = None
+        self.payload: bytearray | None = None
+        self.filled = 0
+
+    def feed(self, frame: pb.Frame) -> tuple[pb.Record, bytearray] | None:
+        body = frame.WhichOneof("body")
+        data = frame.data
+        if body == "record":
+            if self.record is not None:
+                seq = self.record.header.seq
+                self.reset()
+                raise WireError(f"record {seq} was cut off by the next record after {self.filled} bytes")
+            rec = frame.record
+            if rec.payload_bytes > self.limits.max_record_bytes:
+                raise WireError(f"record {rec.header.seq} announces {rec.payload_bytes} payload bytes, above the "
+                                f"limit of {self.limits.max_record_bytes}")
+            self.record, self.filled = rec, 0
+            self.payload = bytearray(rec.payload_bytes)
+            offset = 0
+        elif body == "chunk":
+            if self.record is None or frame.chunk.seq != self.record.header.seq:
+                raise WireError(f"chunk of record {frame.chunk.seq} without its record header")
+            offset = frame.chunk.offset
+        else:
+            raise WireError(f"unexpected {body or 'empty'} frame inside a record")
+        if offset != self.filled or offset + len(data) > len(self.payload):
+            rec = self.record
+            self.reset()
+            raise WireError(f"record {rec.header.seq}: chunk at offset {offset} (+{len(data)} bytes) does not continue "
+                            f"the payload at {self.filled} of {rec.payload_bytes}")
+        self.payload[offset:offset + len(data)] = data
+        self.filled += len(data)
+        if self.filled == len(self.payload):
+            out = (self.record, self.payload)
+            self.reset()
+            return out
+        return None
+
+    def reset(self) -> None:
+        self.record, self.payload, self.filled = None, None, 0
+
+
+class Intake:
+    def __init__(self, config: ServerConfig, dispatch: Callable[[Job], None], limits: Limits = DEFAULT_LIMITS,
+                 on_end: Callable[[pb.End], None] | None = None):
+        self.config = config
+        self.dispatch = dispatch
+        self.limits = limits
+        self.on_end = on_end or (lambda end: None)
+        self._seen: dict[tuple[str, int], set[int]] = {}
+        self._lock = threading.Lock()
+        self.received = 0
+        self.duplicates = 0
+        self.rejected = 0
+        self.filtered = 0
+
+    def mark_seen(self, run_id: str, rank: int, seq: int) -> bool:
+        """True if new. The durable spool replays this on restart so duplicates are caught across restarts."""
+        with self._lock:
+            seen = self._seen.setdefault((run_id, rank), set())
+            if seq in seen:
+                return False
+            seen.add(seq)
+            return True
+
+    def accept(self, record: pb.Record, payload: bytearray) -> tuple[int, str]:
+        h = record.header
+        self.received += 1
+        if not RUN_ID.match(h.run_id):
+            self.rejected += 1
+            return REJECTED, f"record {h.seq}: run id {h.run_id[:80]!r} is not 1-64 letters, digits, '-' or '_'"
+        if not self.mark_seen(h.run_id, h.rank, h.seq):
+            self.duplicates += 1
+            return DUPLICATE, ""
+        match = valid_call_name(h.name)
+        if match is None:
+            self.rejected += 1
+            reason = f"record {h.seq}: API name {h.name[:80]!r} is not Category.api.n with a known category"
+            self._reject_row(h, f"invalid.record.{h.seq}", reason)
+            return REJECTED, reason
+        category, api = match.group(1), match.group(2)
+        if not self.config.wants_rank(h.rank) or not self.config.wants(api):
+            self.filtered += 1
+            return ACCEPTED, ""
+        if h.direction not in (pb.FORWARD, pb.BACKWARD):
+            self.rejected += 1
+            reason = f"{h.name}: direction {h.direction} is neither forward nor backward"
+            self._reject_row(h, h.name, reason)
+            return REJECTED, reason
+        try:
+            job = decode_job(record, payload, self.limits)
+        except WireError as exc:
+            self.rejected += 1
+            reason = f"{h.name}: malformed record: {exc}"
+            self._reject_row(h, h.name, reason)
+            return REJECTED, reason
+        if not job.skip_reason:
+            why = known(category, api)
+            if why is not None:
+                self.rejected += 1
+                self._reject_row(h, h.name, why, job)
+                return REJECTED, f"{h.name}: {why}"
+        self.dispatch(job)
+        return ACCEPTED, ""
+
+    def _reject_row(self, h: pb.RecordHeader, name: str, reason: str, job: Job | None = None) -> None:
+        if not self.config.wants_rank(h.rank):
+            return
+        match = valid_call_name(name)
+        category, api = (match.group(1), match.group(2)) if match else ("", "")
+        job = job or Job(run_id=h.run_id if RUN_ID.match(h.run_id) else "invalid", rank=h.rank, step=h.step,
+                         seq=h.seq, name=name, category=category, api=api, direction=h.direction or pb.FORWARD)
+        job.skip_reason = reason
+        job.backward_expected = False
+        self.dispatch(job)
+
+
+def decode_job(record: pb.Record, payload: bytearray, limits: Limits = DEFAULT_LIMITS) -> Job:
+    h = record.header
+    match = valid_call_name(h.name)
+    dec = RecordDecoder(record, payload, limits)
+    requires_grad: set[int] = set()
+
+    def value(v):
+        return dec.value(v)
+
+    args = tuple(value(v) for v in record.args.items)
+    kwargs = dec.mapping(record.kwargs)
+    for i, meta in enumerate(record.tensors):
+        if meta.requires_grad:
+            requires_grad.add(id(dec.tensor(i)))
+    job = Job(
+        run_id=h.run_id, rank=h.rank, step=h.step, seq=h.seq, name=h.name, category=match.group(1),
+        api=match.group(2), direction=h.direction, args=args, kwargs=kwargs,
+        output=value(record.output) if record.HasField("output") else None,
+        grad_output=value(record.grad_output) if record.HasField("grad_output") else None,
+        grad_input=value(record.grad_input) if record.HasField("grad_input") else None,
+        grad_input_positions=tuple(record.grad_input_positions), requires_grad=frozenset(requires_grad),
+        grad_enabled=record.grad_enabled,
+        autocast=(record.autocast.enabled, record.autocast.dtype, record.autocast.device_type),
+        inplace=record.inplace, backward_expected=record.backward_expected, skip_reason=record.skip_reason[:1000],
+        nbytes=len(payload),
+    )
+    if record.HasField("random"):
+        r = record.random
+        job.rng_state, job.rng_device = r.generator_state, r.device_type[:32]
+        if r.has_mask:
+            mask = dec.tensor(r.mask)
+            if mask.dtype != torch.bool:
+                raise WireError(f"dropout mask has dtype {mask.dtype}, expected bool")
+            job.mask = mask
+    return job

@@ -1,0 +1,95 @@
+"""The gRPC side of the server: one bidirectional stream per agent connection (SPEC §4).
+
+Frames come in as raw bytes and are parsed here (never unpickled); records are assembled, validated and handed to
+the intake; every record gets an acknowledgement, bad ones a REJECTED with the reason, and the stream goes on.
+"""
+from __future__ import annotations
+
+import logging
+from concurrent import futures
+from typing import Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gpu_server.intake import FrameAssembler, Intake
+from protos import online_check_pb2 as pb
+from protos.codec import WireError
+from protos.limits import RUN_ID, Limits
+
+log = logging.getLogger("gpu_server")
+SERVICE = "online_check.v1.OnlineCheck"
+
+
+class StreamHandler:
+    def __init__(self, intake: Intake, limits: Limits, on_end: Callable[[pb.End], None]):
+        self.intake = intake
+        self.limits = limits
+        self.on_end = on_end
+
+    def stream(self, request_iterator, context):
+        asm = FrameAssembler(self.limits)
+        peer = context.peer()
+        for raw in request_iterator:
+            try:
+                frame = pb.Frame.FromString(raw)
+            except DecodeError:
+                asm.reset()
+                self.intake.rejected += 1
+                yield pb.Ack(status=pb.Ack.REJECTED, reason=f"a {len(raw)}-byte message is not a valid Frame; "
+                                                            "this server speaks online_check.v1 protobuf only")
+                continue
+            body = frame.WhichOneof("body")
+            if body == "hello":
+                log.info("agent connected from %s: run %s rank %d", peer, frame.hello.run_id[:64], frame.hello.rank)
+                continue
+            if body == "end":
+                end = frame.end
+                if not RUN_ID.match(end.run_id):
+                    yield pb.Ack(status=pb.Ack.REJECTED, reason="end message with an invalid run id")
+                    continue
+                self.on_end(end)
+                yield pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED)
+                continue
+            try:
+                done = asm.feed(frame)
+            except WireError as exc:
+                self.intake.rejected += 1
+                seq = frame.record.header.seq if body == "record" else frame.chunk.seq if body == "chunk" else 0
+                yield pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc))
+                continue
+            if done is None:
+                continue
+            record, payload = done
+            status, reason = self.intake.accept(record, payload)
+            yield pb.Ack(seq=record.header.seq, status=status, reason=reason)
+
+
+def make_server(handler: StreamHandler, bind: str, limits: Limits, tls_path: str = "") -> tuple[grpc.Server, int]:
+    """A gRPC server bound to `bind` only, with the health service. Returns (server, port)."""
+    options = [("grpc.max_receive_message_length", limits.max_frame_bytes),
+               ("grpc.max_send_message_length", 16 << 20),
+               ("grpc.so_reuseport", 0),
+               ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
+    interceptors = []
+    creds = None
+    if tls_path:
+        from protos import tls
+
+        creds = tls.server_credentials(tls_path)
+        interceptors.append(tls.RevocationInterceptor(tls.CrlReloader(tls_path)))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="gpu-server-rpc"),
+                         options=options, interceptors=interceptors, maximum_concurrent_rpcs=1024)
+    rpc = grpc.stream_stream_rpc_method_handler(handler.stream, request_deserializer=None,
+                                                response_serializer=pb.Ack.SerializeToString)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Stream": rpc}),))
+    health_servicer = health.HealthServicer()
+    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
+    if port == 0:
+        raise OSError(f"cannot bind {bind}: the address is in use or not available on this host")
+    return server, port

@@ -1,0 +1,66 @@
+"""Benchmark (标杆比对法): the default standard (every API not listed elsewhere, all npu_* fused ops included).
+
+For each of small-value error ratio, RMSE, max and mean relative error: ratio = device metric / max(same-dtype
+metric, floor[dtype]); error if the ratio exceeds its limit (2, 2, 10, 2). An inf/NaN device metric passes only if
+the same-dtype run has the same inf/NaN (its ratio cell is then NaN). The error balance ratio is reported, not
+judged. Needs the same-dtype run: without it the row is SKIP.
+"""
+from __future__ import annotations
+
+import math
+
+from gpu_server.standards.registry import (
+    ERROR,
+    PASS,
+    SKIP,
+    StandardInput,
+    StandardResult,
+    fmt,
+    inf_nan_consistent,
+    ratio_to_same,
+    register_standard,
+    status_of,
+)
+from gpu_server.standards.selection import BENCHMARK
+from gpu_server.standards.thresholds import THRESHOLDS
+
+# (OutputMetrics attribute, ratio column, status column, key of THRESHOLDS.benchmark_ratio_limits)
+_JUDGED = (
+    ("small_value_error_ratio", "小值域错误比值", "小值域判定结果", "small_value"),
+    ("rmse", "均方根误差比值", "均方根误差判定结果", "rmse"),
+    ("max_rel_err", "相对误差最大值比值", "相对误差最大值判定结果", "max_rel"),
+    ("mean_rel_err", "相对误差平均值比值", "相对误差平均值判定结果", "mean_rel"),
+)
+_REPORTED = ("error_balance", "误差均衡性比值")
+
+
+@register_standard(BENCHMARK, "标杆比对法")
+def benchmark(inp: StandardInput) -> StandardResult:
+    if inp.same is None:
+        return StandardResult(SKIP, messages=["the benchmark standard needs the same-dtype run, which is not "
+                                              "available"])
+    floor = THRESHOLDS.for_dtype(inp.dtype).ratio_floor
+    result = StandardResult(PASS)
+    for attr, ratio_column, status_column, limit_key in _JUDGED:
+        value, same = getattr(inp.device, attr), getattr(inp.same, attr)
+        consistent = inf_nan_consistent(value, same)
+        if consistent is None:
+            limit = THRESHOLDS.benchmark_ratio_limits[limit_key]
+            ratio = ratio_to_same(value, same, floor)
+            ok = ratio <= limit
+            why = (f"ERROR: {ratio_column}超过阈值 ({fmt(ratio)} > {limit}; device {fmt(value)}, same-dtype "
+                   f"{fmt(same)}, floor {fmt(floor)})")
+        else:
+            ratio, ok = math.nan, consistent
+            why = (f"ERROR: {ratio_column.removesuffix('比值')}inf或nan不一致 (device {fmt(value)}, same-dtype "
+                   f"{fmt(same)})")
+        result.cells[ratio_column] = ratio
+        result.cells[status_column] = status_of(ok)
+        if not ok:
+            result.status = ERROR
+            result.messages.append(why)
+    attr, ratio_column = _REPORTED
+    value, same = getattr(inp.device, attr), getattr(inp.same, attr)
+    result.cells[ratio_column] = (math.nan if inf_nan_consistent(value, same) is not None
+                                  else ratio_to_same(value, same, floor))
+    return result

@@ -1,0 +1,18 @@
+"""Binary consistency (二进制一致法): the device output must equal the bench element for element.
+
+Chosen for integer/bool outputs and for the exact operations SPEC §6.3 lists (abs, floor, gather, relu, ...).
+Passes iff the binary error rate (share of elements with device != bench; both NaN counts as equal) is 0.
+"""
+from __future__ import annotations
+
+from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard, status_of
+from gpu_server.standards.selection import BINARY
+
+
+@register_standard(BINARY, "二进制一致法")
+def binary_consistency(inp: StandardInput) -> StandardResult:
+    rate = inp.device.binary_error_rate
+    ok = rate == 0
+    status = status_of(ok)
+    messages = [] if ok else [f"ERROR: 二进制一致错误率超过阈值 (binary error rate {fmt(rate)} > 0)"]
+    return StandardResult(status, {"二进制一致错误率": rate, "二进制一致错误率判定结果": status}, messages)

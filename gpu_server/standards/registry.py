@@ -1,0 +1,84 @@
+"""The registry of precision standards (in the shape of torch/utils/flop_counter.py's flop_registry).
+
+Each standard is a small pure module that registers one judging function with `@register_standard(key, algorithm)`.
+A judging function takes a `StandardInput` (the device dtype, the device output's metrics against the bench and the
+same-dtype run's metrics against the bench) and returns a `StandardResult` (its status, its cells of
+api_precision_compare_details keyed by column title, and its messages).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+if TYPE_CHECKING:
+    from gpu_server.metrics import OutputMetrics
+
+PASS, WARNING, ERROR, SKIP = "pass", "Warning", "error", "SKIP"
+
+
+@dataclass(frozen=True)
+class StandardInput:
+    dtype: torch.dtype | None        # the device output's dtype; None for a Python scalar
+    device: OutputMetrics            # device output against the bench
+    same: OutputMetrics | None       # same-dtype run against the bench; None when it is not available
+
+
+@dataclass
+class StandardResult:
+    status: str                                          # PASS | ERROR | SKIP
+    cells: dict[str, str | float] = field(default_factory=dict)
+    messages: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Standard:
+    key: str
+    algorithm: str                                       # msprobe's 比对算法 name
+    judge: Callable[[StandardInput], StandardResult]
+
+
+STANDARD_REGISTRY: dict[str, Standard] = {}
+
+
+def register_standard(key: str, algorithm: str) -> Callable:
+    """Decorator: register `fn(StandardInput) -> StandardResult` as the standard `key`."""
+
+    def decorator(fn: Callable[[StandardInput], StandardResult]) -> Callable[[StandardInput], StandardResult]:
+        if key in STANDARD_REGISTRY:
+            raise ValueError(f"precision standard {key!r} registered twice")
+        STANDARD_REGISTRY[key] = Standard(key, algorithm, fn)
+        return fn
+
+    return decorator
+
+
+def fmt(value: float | None) -> str:
+    """A number in a message: enough digits to see on which side of a threshold it lies."""
+    return "blank" if value is None else f"{value:.6g}"
+
+
+def status_of(ok: bool) -> str:
+    return PASS if ok else ERROR
+
+
+def inf_nan_consistent(device_value: float, same_value: float | None) -> bool | None:
+    """SPEC §6.3: an inf/NaN device metric passes only if the same-dtype run has the same inf/NaN.
+    None when the device metric is finite (the rule does not apply)."""
+    if math.isfinite(device_value):
+        return None
+    if same_value is None:
+        return False
+    if math.isnan(device_value):
+        return math.isnan(same_value)
+    return device_value == same_value
+
+
+def ratio_to_same(device_value: float, same_value: float, floor: float) -> float:
+    """device metric / max(same-dtype metric, floor); a non-finite same-dtype metric is no reference a finite device
+    metric can exceed (ratio 0)."""
+    if not math.isfinite(same_value):
+        return 0.0
+    return abs(device_value) / max(abs(same_value), floor)

@@ -1,0 +1,119 @@
+"""Two-way status of SPEC §6.2 (accuracy_checking_details `Status`) and the API-level aggregation. Pure, no I/O.
+
+Statuses are msprobe's strings: "pass", "Warning", "error", "SKIP"; an empty list aggregates to " " (no backward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu_server.columns import BLANK
+from gpu_server.metrics import Analysis, OutputMetrics, analyse, scalar_error_rate
+from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING, fmt
+from gpu_server.standards.thresholds import THRESHOLDS
+
+# Python values compared by equality (SPEC §6.2 "Python scalars"; str, dtype, device and size come along).
+_SCALARS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
+
+
+@dataclass
+class OutputComparison:
+    metrics: OutputMetrics | None
+    status: str  # "pass" | "Warning" | "error" | "SKIP"
+    message: str
+
+
+def aggregate(statuses: list[str]) -> str:
+    """API-level Forward/Backward Test Success: any error wins, then any Warning, else pass; all SKIP -> SKIP;
+    no rows -> " " (msprobe's run_ut let the last non-pass row win; SPEC §6.2 fixes that)."""
+    if not statuses:
+        return BLANK
+    if all(s == SKIP for s in statuses):
+        return SKIP
+    if ERROR in statuses:
+        return ERROR
+    if WARNING in statuses:
+        return WARNING
+    return PASS
+
+
+def dtype_kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    if dtype.is_floating_point:
+        return "float"
+    return "integer/bool"
+
+
+def compare_output(bench: Any, device: Any) -> OutputComparison:
+    """SPEC §6.2 status of one output (a tensor or a Python scalar)."""
+    if bench is None:
+        return OutputComparison(None, SKIP, "Bench output is None, skip this test.")
+    if isinstance(bench, torch.Tensor) or isinstance(device, torch.Tensor):
+        if not (isinstance(bench, torch.Tensor) and isinstance(device, torch.Tensor)):
+            return OutputComparison(None, ERROR, f"output type differs: bench {type(bench).__name__}, "
+                                                 f"device {type(device).__name__}")
+        return _compare_tensors(bench, device)
+    if isinstance(bench, _SCALARS):
+        return _compare_scalars(bench, device)
+    return OutputComparison(None, ERROR, f"unexpected output type {type(bench).__name__}")
+
+
+def _compare_scalars(bench: Any, device: Any) -> OutputComparison:
+    rate = scalar_error_rate(bench, device)
+    metrics = OutputMetrics(binary_error_rate=rate)
+    if rate == 0:
+        return OutputComparison(metrics, PASS, "")
+    if type(bench) is not type(device):
+        return OutputComparison(metrics, ERROR, f"output type differs: bench {type(bench).__name__}, device "
+                                                f"{type(device).__name__}")
+    return OutputComparison(metrics, ERROR, f"bench {bench!r} != device {device!r}")
+
+
+def _compare_tensors(bench: torch.Tensor, device: torch.Tensor) -> OutputComparison:
+    if tuple(bench.shape) != tuple(device.shape):
+        return OutputComparison(None, ERROR, f"shape mismatch: bench {tuple(bench.shape)} vs device "
+                                             f"{tuple(device.shape)}")
+    bench_kind, device_kind = dtype_kind(bench.dtype), dtype_kind(device.dtype)
+    if bench_kind != device_kind:
+        return OutputComparison(None, ERROR, f"dtype kind mismatch: bench {bench.dtype} ({bench_kind}) vs device "
+                                             f"{device.dtype} ({device_kind}), cannot compare")
+    result = analyse(bench, device)
+    m = result.metrics
+    if not result.is_float:
+        if m.binary_error_rate == 0:
+            return OutputComparison(m, PASS, "")
+        differ = round(m.binary_error_rate * result.numel)
+        return OutputComparison(m, ERROR, f"binary error rate {fmt(m.binary_error_rate)} ({differ} of "
+                                          f"{result.numel} elements differ; {device.dtype} must be identical)")
+    return OutputComparison(m, *_float_status(result))
+
+
+def _float_status(result: Analysis) -> tuple[str, str]:
+    t, m, cos = THRESHOLDS, result.metrics, result.cosine
+    dtype_name = str(result.device_dtype).replace("torch.", "")
+    if not cos.passed:
+        why = cos.note or f"cosine {fmt(cos.value)} <= {t.cosine_pass}"
+        return ERROR, why
+    if m.max_abs_err < t.max_abs_pass:
+        return PASS, f"max abs error {fmt(m.max_abs_err)} < {t.max_abs_pass}"
+
+    def share(name: str, value: float, bound: float, pass_value: float, op: str) -> str:
+        outside = round((1 - value) * result.numel)
+        return (f"{name} {fmt(value)} {op} {pass_value} ({dtype_name}; {outside} of {result.numel} elements with "
+                f"relative error >= {bound})")
+
+    if t.for_dtype(result.device_dtype).low_precision:
+        if not m.hundredth > t.hundredth_pass:
+            return ERROR, share("double-hundredth", m.hundredth, t.hundredth, t.hundredth_pass, "<=")
+        if m.thousandth > t.thousandth_pass:
+            return PASS, share("double-thousandth", m.thousandth, t.thousandth, t.thousandth_pass, ">")
+        return WARNING, share("double-thousandth", m.thousandth, t.thousandth, t.thousandth_pass, "<=")
+    if not m.thousandth > t.thousandth_pass:
+        return ERROR, share("double-thousandth", m.thousandth, t.thousandth, t.thousandth_pass, "<=")
+    if not m.ten_thousandth > t.ten_thousandth_pass:
+        return WARNING, share("double-ten-thousandth", m.ten_thousandth, t.ten_thousandth, t.ten_thousandth_pass,
+                              "<=")
+    return PASS, share("double-ten-thousandth", m.ten_thousandth, t.ten_thousandth, t.ten_thousandth_pass, ">")

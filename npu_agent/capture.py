@@ -1,0 +1,223 @@
+"""Level-L1 capture: a TorchFunctionMode that names each API call and snapshots it (SPEC §3.3).
+
+The mode is pushed only while capture is on. Inside `__torch_function__` the mode is already popped, so what
+the API does internally, and our own copies, are not seen. Nothing here may raise into the training: every
+failure of ours is counted and logged once, and the call itself always runs exactly as it would without us.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from npu_agent import naming
+from npu_agent.records import PendingRecord
+from npu_agent.snapshot import iter_tensors, snapshot
+from protos.codec import dtype_name
+
+log = logging.getLogger("npu_agent")
+
+
+@dataclasses.dataclass
+class CallContext:
+    record: PendingRecord
+    category: str
+    api: str
+    args: tuple
+    kwargs: dict
+    taps: Any = None   # backward taps installed for this call (npu_agent.backward)
+
+
+class CaptureMode(TorchFunctionMode):
+    def __init__(self, capturer: "Capturer"):
+        super().__init__()
+        self.capturer = capturer
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # must stay the first statement: compiled regions are opaque
+            return func(*args, **kwargs)
+        info = naming.classify(func)
+        if info is None:
+            return func(*args, **kwargs)
+        cap = self.capturer
+        try:
+            ctx = cap.before_call(func, info, args, kwargs)
+        except Exception as exc:  # noqa: BLE001 - our failure must never reach the training
+            cap.internal_error("capturing the inputs of " + ".".join(info), exc)
+            ctx = None
+        if ctx is None:
+            return func(*args, **kwargs)
+        out = func(*ctx.args, **ctx.kwargs)
+        try:
+            return cap.after_call(ctx, out)
+        except Exception as exc:  # noqa: BLE001
+            cap.internal_error("capturing the outputs of " + ctx.record.name, exc)
+            return out
+
+
+def autocast_state(args: tuple, kwargs: dict) -> tuple[bool, str, str]:
+    device_type = "cpu"
+    for t in iter_tensors((args, kwargs)):
+        device_type = t.device.type
+        break
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+        return (enabled, dtype_name(torch.get_autocast_dtype(device_type)) if enabled else "", device_type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        return (False, "", device_type)
+
+
+def _rng_get(device_type: str) -> torch.Tensor | None:
+    if device_type == "cpu":
+        return torch.get_rng_state()
+    mod = getattr(torch, device_type, None)  # torch.cuda, torch.npu (torch_npu), torch.xpu, ...
+    getter = getattr(mod, "get_rng_state", None)
+    return getter() if getter else None
+
+
+def _rng_set(device_type: str, state: torch.Tensor) -> None:
+    if device_type == "cpu":
+        torch.set_rng_state(state)
+    else:
+        getattr(torch, device_type).set_rng_state(state)
+
+
+def _dropout_params(category: str, api: str, args: tuple, kwargs: dict) -> tuple[float, bool] | None:
+    """(p, training) of a dropout-family call, from its documented signature."""
+    if category == "Functional":  # F.dropout*(input, p=0.5, training=True, inplace=False)
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        training = args[2] if len(args) > 2 else kwargs.get("training", True)
+    elif category in ("Torch", "Tensor"):  # torch.dropout(input, p, train)
+        p = args[1] if len(args) > 1 else kwargs.get("p")
+        training = args[2] if len(args) > 2 else kwargs.get("train", True)
+    else:
+        return None
+    if not isinstance(p, (int, float)) or isinstance(p, bool):
+        return None
+    return float(p), bool(training)
+
+
+class Capturer:
+    """Turns calls into PendingRecords and hands them to `sink` (the sender)."""
+
+    def __init__(self, sink: Callable[[PendingRecord], None], api_list: tuple[str, ...] = (),
+                 scope: tuple[str, ...] = (), backward=None):
+        self.sink = sink
+        self.api_list = api_list
+        self.scope = scope
+        self.backward = backward          # npu_agent.backward.BackwardTaps, or None
+        self.counters = naming.Counters()
+        self.step = 0
+        self.captured = 0
+        self.errors = 0
+        self._scope_state = 0             # 0: before scope[0]; 1: inside; 2: after scope[1]
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+
+    # -- step boundary -------------------------------------------------------------------------------------
+    def next_step(self, step: int) -> None:
+        self.counters.reset()
+        self.step = step
+        self._scope_state = 0
+
+    # -- selection -----------------------------------------------------------------------------------------
+    def _selected(self, full_name: str) -> bool:
+        if self.scope:
+            first, last = self.scope
+            if self._scope_state == 0 and full_name == first:
+                self._scope_state = 1
+            if self._scope_state != 1:
+                return False
+            if full_name == last:
+                self._scope_state = 2
+        return naming.matches_list(full_name, self.api_list)
+
+    # -- the two halves of a call --------------------------------------------------------------------------
+    def before_call(self, func, info: tuple[str, str], args: tuple, kwargs: dict) -> CallContext | None:
+        if torch._C._current_graph_task_id() != -1:
+            # Inside a backward pass: a checkpoint recompute or a custom backward. Its forward was recorded already.
+            return self.backward.recompute_call(self, func, info, args, kwargs) if self.backward else None
+        category, api = info
+        name = self.counters.next_name(category, api)
+        if not self._selected(name):
+            return None
+        grad_enabled = torch.is_grad_enabled()
+        rec = PendingRecord(name=name, step=self.step, grad_enabled=grad_enabled,
+                            inplace=naming.is_inplace(api, kwargs), autocast=autocast_state(args, kwargs))
+        if category == "Distributed":
+            rec.skip_reason = "collective communication is not replayed on the benchmark host"
+            return CallContext(rec, category, api, args, kwargs)
+        rec.inputs = snapshot((args, kwargs))
+        if naming.is_random(api):
+            self._random_state(rec, category, api, args, kwargs)
+        ctx = CallContext(rec, category, api, args, kwargs)
+        if grad_enabled and self.backward is not None:
+            self.backward.tap_inputs(ctx)
+        return ctx
+
+    def after_call(self, ctx: CallContext, out: Any) -> Any:
+        rec = ctx.record
+        if rec.skip_reason:
+            self._submit(rec)
+            return out
+        if rec.inplace and out is None and ctx.args and isinstance(ctx.args[0], torch.Tensor):
+            rec.output = snapshot(ctx.args[0])   # `x[i] = v` returns None: what it produced is the new x
+        else:
+            rec.output = snapshot(out)
+        if ctx.taps is not None:
+            out = self.backward.tap_outputs(ctx, out)
+        if rec.mask is not None:
+            self._dropout_mask(ctx)
+        self._submit(rec)
+        return out
+
+    def _submit(self, rec: PendingRecord) -> None:
+        self.captured += 1
+        self.sink(rec)
+
+    # -- random APIs ---------------------------------------------------------------------------------------
+    def _random_state(self, rec: PendingRecord, category: str, api: str, args: tuple, kwargs: dict) -> None:
+        device_type = rec.autocast[2]
+        state = _rng_get(device_type)
+        if state is None:
+            return
+        rec.rng_device = device_type
+        rec.rng_state = bytes(state.cpu().numpy().tobytes()) if device_type == "cpu" else bytes(
+            state.cpu().numpy().tobytes())
+        params = _dropout_params(category, api, args, kwargs) if api in naming.DROPOUT_MASKED else None
+        if params is not None and params[1] and params[0] > 0 and args and isinstance(args[0], torch.Tensor):
+            rec.mask = (state, params, category, api)  # the mask itself is rebuilt after the call
+
+    def _dropout_mask(self, ctx: CallContext) -> None:
+        """Rebuild the true keep-mask from the generator state before the call, then put the state back:
+        the training's random stream is left exactly where the real call left it."""
+        state_before, (p, _), category, api = ctx.record.mask
+        device_type = ctx.record.rng_device
+        x = ctx.record.inputs.tree[0][0]
+        state_after = _rng_get(device_type)
+        try:
+            _rng_set(device_type, state_before)
+            ones = torch.ones_like(x)
+            if category == "Functional":
+                probe = getattr(torch.nn.functional, api.rstrip("_"))(ones, p, True, False)
+            else:
+                probe = torch.dropout(ones, p, True) if "feature" not in api else torch.feature_dropout(ones, p, True)
+            ctx.record.mask = probe != 0
+        finally:
+            _rng_set(device_type, state_after)
+
+    # -- our own failures ----------------------------------------------------------------------------------
+    def internal_error(self, what: str, exc: BaseException) -> None:
+        with self._lock:
+            self.errors += 1
+            key = f"{what.split('.')[0]}:{type(exc).__name__}"
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        log.warning("online check: error while %s (%s: %s); the call ran normally and was not recorded; further "
+                    "errors of this kind are counted silently", what, type(exc).__name__, exc)

@@ -1,0 +1,165 @@
+"""PrecisionDebugger: the facade a training script uses (SPEC §3.1).
+
+    debugger = PrecisionDebugger(config_path="./config.json")
+    debugger.start(); ...; debugger.stop(); debugger.step()
+    debugger.close()
+
+Construction validates the config (ConfigError names every bad key) and connects in the background. Nothing
+after that raises into the training: the checker's own failures are logged once and counted.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import uuid
+
+import torch
+
+from npu_agent.capture import CaptureMode, Capturer
+from npu_agent.config import AgentConfig, load_config
+from npu_agent.sender import Sender
+
+log = logging.getLogger("npu_agent")
+if not log.handlers:
+    _h = logging.StreamHandler()
+    _h.setFormatter(logging.Formatter("[npu_agent] %(levelname)s %(message)s"))
+    log.addHandler(_h)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
+def current_rank() -> tuple[int, int]:
+    """(rank, world size): torch.distributed when initialised, else RANK / WORLD_SIZE, else (0, 1). Never None."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:  # noqa: BLE001
+        pass
+
+    def env_int(name: str, default: int) -> int:
+        try:
+            return int(os.environ.get(name, default))
+        except ValueError:
+            return default
+
+    return env_int("RANK", 0), env_int("WORLD_SIZE", 1)
+
+
+class PrecisionDebugger:
+    def __init__(self, config_path: str = "./config.json", config: AgentConfig | None = None):
+        self.config = config if config is not None else load_config(config_path)
+        self.run_id = uuid.uuid4().hex[:16]
+        self.current_step = 0
+        self._mode: CaptureMode | None = None
+        self._sender: Sender | None = None
+        self._capturer: Capturer | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._npu_checked = False
+        if not self.config.online_run_ut:
+            log.warning("online check: tensor.online_run_ut is false in the config; nothing will be captured")
+        atexit.register(self.close)
+
+    # -- lazy start: the rank is known only once torch.distributed is initialised ---------------------------
+    def _ensure_started(self) -> bool:
+        if self._capturer is not None:
+            return True
+        if not self.config.online_run_ut or self._closed:
+            return False
+        rank, world = current_rank()
+        self.rank, self.world_size = rank, world
+        if self.config.ranks and rank not in self.config.ranks:  # this rank does not capture
+            self._closed = True
+            return False
+        transport = self._make_transport(rank, world)
+        self._sender = Sender(transport, self.config.memory_bytes, self.config.policy)
+        backward = None
+        self._capturer = Capturer(self._sender.submit, self.config.api_list, self.config.scope, backward)
+        self._capturer.next_step(self.current_step)
+        self._mode = CaptureMode(self._capturer)
+        self._register_npu()
+        log.info("online check: rank %d of %d capturing for run %s to %s", rank, world, self.run_id,
+                 self.config.nfs_path or self.config.endpoint_for(rank).target)
+        return True
+
+    def _make_transport(self, rank: int, world: int):
+        cfg = self.config
+        if cfg.nfs_path:
+            from npu_agent.transport_folder import FolderTransport
+
+            return FolderTransport(cfg.nfs_path, self.run_id, rank, world)
+        from npu_agent.transport_grpc import GrpcTransport
+
+        return GrpcTransport(cfg.endpoint_for(rank), cfg.tls_path, self.run_id, rank, world,
+                             cfg.connect_timeout_s, cfg.max_retry_s)
+
+    def _register_npu(self) -> None:
+        if self._npu_checked:
+            return
+        self._npu_checked = True
+        try:
+            import torch_npu  # noqa: F401 - present only on Ascend hosts
+        except ImportError:
+            return
+        from npu_agent.naming import register_npu_namespace
+
+        log.info("online check: torch_npu present; %d npu_* functions captured as NPU APIs",
+                 register_npu_namespace(torch_npu))
+
+    # -- the training loop API -----------------------------------------------------------------------------
+    def start(self) -> None:
+        with self._lock:
+            if not self._ensure_started() or self._mode is None:
+                return
+            if self.config.steps and self.current_step not in self.config.steps:
+                return
+            if self._mode in torch.overrides._get_current_function_mode_stack():
+                return
+            self._mode.__enter__()
+
+    def stop(self) -> None:
+        with self._lock:
+            mode = self._mode
+            if mode is None:
+                return
+            stack = torch.overrides._get_current_function_mode_stack()
+            if stack and stack[-1] is mode:
+                mode.__exit__(None, None, None)
+            elif mode in stack:
+                log.warning("online check: stop() called while another TorchFunctionMode is active above ours; "
+                            "capture stops when that mode exits")
+
+    def step(self) -> None:
+        self.current_step += 1
+        if self._capturer is not None:
+            if self._capturer.backward is not None:
+                self._capturer.backward.end_step()
+            self._capturer.next_step(self.current_step)
+
+    def close(self) -> dict | None:
+        """Flush: wait for the server to acknowledge everything (bounded by online_close_timeout_s), send the
+        end-of-stream message with the counts, and log them. Idempotent; also runs at interpreter exit."""
+        with self._lock:
+            if self._closed and self._sender is None:
+                return None
+            self._closed = True
+            sender, self._sender = self._sender, None
+        if sender is None:
+            return None
+        self.stop()
+        if self._capturer is not None and self._capturer.backward is not None:
+            self._capturer.backward.end_step()
+        counts = sender.close(self.config.close_timeout_s)
+        counts["internal_errors"] = self._capturer.errors if self._capturer else 0
+        lost = counts["unacknowledged"]
+        log.info("online check: run %s rank %d: captured %d, sent %d, acknowledged %d, rejected %d, dropped %d, "
+                 "unacknowledged %d", self.run_id, self.rank, counts["captured"], counts["sent"],
+                 counts["acknowledged"], counts["rejected"], counts["dropped"], lost)
+        if lost:
+            log.warning("online check: %d records were never acknowledged within %.0f s and are lost; raise "
+                        "tensor.online_close_timeout_s or check the server", lost, self.config.close_timeout_s)
+        return counts

@@ -1,0 +1,178 @@
+"""Which calls are APIs, and what they are called: `{Category}.{api}.{n}` (SPEC §3.3).
+
+`classify(func)` maps the function object the mode receives to (category, api) or None (not an API: metadata,
+properties, autograd entry points, profiler ops). The decision is cached per function object. `Counters` gives
+the per-step call index.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+
+# Tensor methods and torch functions that read metadata, move no numbers, or drive autograd: never records.
+_NOT_APIS = frozenset("""
+dim size numel nelement stride is_contiguous data_ptr element_size storage_offset untyped_storage storage _typed_storage
+is_floating_point is_complex is_signed get_device __len__ __bool__ __int__ __float__ __index__ __hash__ __repr__
+__format__ __reduce_ex__ __reduce__ __deepcopy__ __setstate__ __getstate__ __array__ __array_wrap__ __dlpack__
+__dlpack_device__ __iter__ __contains__ __dir__ __sizeof__ numpy tolist item register_hook retain_grad requires_grad_
+backward detach detach_ type is_pinned is_shared share_memory_ pin_memory is_set_to has_names is_inference
+is_tensor is_grad_enabled is_inference_mode_enabled is_autocast_enabled is_storage numel is_nonzero is_same_size
+is_conj is_neg is_leaf _is_view is_meta is_cuda is_cpu grad_fn register_post_accumulate_grad_hook
+_backward_hooks __torch_function__ __torch_dispatch__ as_subclass _make_subclass __instancecheck__ __class__
+autograd_backward grad new_tensor __get__ __set__ __delete__ data_ptr _version __cuda_array_interface__
+""".split())
+
+_SKIP_NAMESPACES = frozenset({"profiler", "prim", "prims", "debugprims", "_c10d_functional", "c10d",
+                              "_dtensor", "_c10d_functional_autograd", "_quantized", "higher_order"})
+
+_RANDOM = frozenset("""
+dropout dropout_ dropout1d dropout2d dropout3d alpha_dropout alpha_dropout_ feature_alpha_dropout
+feature_alpha_dropout_ feature_dropout feature_dropout_ rrelu rrelu_ gumbel_softmax rand rand_like randn randn_like
+randint randint_like randperm bernoulli bernoulli_ multinomial normal normal_ uniform_ exponential_ geometric_
+log_normal_ cauchy_ random_ native_dropout fused_dropout poisson
+""".split())
+
+# Dropout-family APIs whose keep-mask the agent rebuilds so that the replay is exact in any precision.
+DROPOUT_MASKED = frozenset({"dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "feature_dropout",
+                            "feature_dropout_"})
+
+
+def _public_callables(namespace, prefix: str = ""):
+    for name, obj in vars(namespace).items():
+        if name.startswith("_") or isinstance(obj, (type, types.ModuleType)) or not callable(obj):
+            continue
+        yield prefix + name, obj
+
+
+def _build_tables() -> dict[int, tuple[str, str]]:
+    table: dict[int, tuple[str, str]] = {}
+    sub = [(torch.linalg, "linalg_"), (torch.fft, "fft_"), (torch.special, "special_")]
+    for ns, prefix in [(torch, "")] + sub:
+        for name, obj in _public_callables(ns, prefix):
+            table[id(obj)] = ("Torch", name)
+    for name in dir(torch):  # torch's private fused and foreach kernels are APIs the optimizer calls
+        if name.startswith(("_foreach_", "_fused_")):
+            table[id(getattr(torch, name))] = ("Torch", name)
+    for name, obj in _public_callables(F):  # Functional wins where F and torch share an object (conv2d, ...)
+        table[id(obj)] = ("Functional", name)
+    return table
+
+
+_TABLE: dict[int, tuple[str, str]] | None = None
+_KEEP: list = []  # keep classified function objects alive so their ids stay valid
+
+
+def _classify_uncached(func) -> tuple[str, str] | None:
+    global _TABLE
+    if _TABLE is None:
+        _TABLE = _build_tables()
+    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        ns = func.namespace
+        if ns in _SKIP_NAMESPACES:
+            return None
+        op = func._schema.name.split("::", 1)[-1] if isinstance(func, torch._ops.OpOverload) else func.__name__
+        if ns == "aten":
+            return ("Aten", op)
+        if ns == "npu":
+            return ("NPU", op)
+        return None  # custom torch.library namespaces cannot be replayed on the bench host
+    name = getattr(func, "__name__", None)
+    if not isinstance(name, str) or name in _NOT_APIS:
+        return None
+    hit = _TABLE.get(id(func))
+    if hit is not None:
+        return hit
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith("torch.distributed"):
+        return ("Distributed", name)
+    if module.startswith("torch_npu"):
+        return ("NPU", name)
+    owner = getattr(func, "__objclass__", None)
+    qual = getattr(func, "__qualname__", "") or ""
+    if owner in (torch._C.TensorBase, torch.Tensor) or qual.startswith(("Tensor.", "TensorBase.")):
+        if name.startswith("_") and not name.startswith("__"):
+            return None
+        return ("Tensor", name)
+    if module.startswith("torch.nn.functional"):
+        return ("Functional", name)
+    if module.startswith("torch.autograd") or module.startswith("torch._C") or name.startswith("_"):
+        return None
+    if module == "torch" or module.startswith(("torch.functional", "torch._refs", "torch.linalg", "torch.fft",
+                                               "torch.special")):
+        return ("Torch", name)
+    return None
+
+
+_CACHE: dict = {}
+
+
+def classify(func) -> tuple[str, str] | None:
+    """(category, api) for an API function object, None for anything that is not a record."""
+    name = getattr(func, "__name__", None)
+    if name in ("__get__", "__set__", "__delete__"):  # property accessors: new objects on every access
+        return None
+    try:
+        return _CACHE[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callable
+        return _classify_uncached(func)
+    info = _classify_uncached(func)
+    _CACHE[func] = info
+    _KEEP.append(func)
+    return info
+
+
+def register_npu_namespace(module) -> int:
+    """Add torch_npu's public functions as NPU APIs (called only when torch_npu is importable)."""
+    global _TABLE
+    if _TABLE is None:
+        _TABLE = _build_tables()
+    count = 0
+    for name, obj in _public_callables(module):
+        if name.startswith("npu_"):
+            _TABLE[id(obj)] = ("NPU", name)
+            _KEEP.append(obj)
+            count += 1
+    _CACHE.clear()
+    return count
+
+
+def is_random(api: str) -> bool:
+    return api in _RANDOM
+
+
+def is_inplace(api: str, kwargs: dict) -> bool:
+    """In-place by name (`add_`, `__iadd__`, `__setitem__`) or by keyword (`inplace=True`, `out=`)."""
+    if api.endswith("_") and not api.endswith("__"):
+        return True
+    if api.startswith("__i") and api.endswith("__") and api not in ("__init__", "__invert__", "__index__"):
+        return True
+    return api == "__setitem__" or kwargs.get("inplace") is True or kwargs.get("out") is not None
+
+
+class Counters:
+    """Per-step call counters: `Functional.linear` -> 0, 1, 2, ... reset by `reset()` at each step boundary."""
+
+    def __init__(self) -> None:
+        self._n: dict[tuple[str, str], int] = {}
+
+    def next_name(self, category: str, api: str) -> str:
+        key = (category, api)
+        n = self._n.get(key, 0)
+        self._n[key] = n + 1
+        return f"{category}.{api}.{n}"
+
+    def reset(self) -> None:
+        self._n.clear()
+
+
+def matches_list(full_name: str, entries: tuple[str, ...]) -> bool:
+    """msprobe's `list` filter: an entry matches the full name, `Category.api`, or the bare api."""
+    if not entries:
+        return True
+    qualified = full_name.rsplit(".", 1)[0]
+    bare = qualified.split(".", 1)[-1]
+    return any(e in (full_name, qualified, bare) for e in entries)

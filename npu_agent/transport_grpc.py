@@ -1,0 +1,221 @@
+"""The agent's gRPC client: one bidirectional stream of Frames out and Acks back, kept alive across server restarts.
+
+A connection thread (re)connects with back-off and reads acknowledgements; the sender thread writes frames.
+When a stream breaks, what was not acknowledged is re-sent on the next one (the server drops duplicates).
+Reaching no server is reported once, with what the agent does about it, not once per record.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import grpc
+
+from npu_agent.config import Endpoint
+from npu_agent.records import PendingRecord, encode_record
+from protos import online_check_pb2 as pb
+from protos.codec import encode_frames
+from protos.limits import CHUNK_BYTES
+
+log = logging.getLogger("npu_agent")
+
+METHOD = "/online_check.v1.OnlineCheck/Stream"
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", -1),
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.keepalive_time_ms", 20000),
+    ("grpc.keepalive_timeout_ms", 10000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+_ACK_STATUS = {v.number: v.name for v in pb.Ack.Status.DESCRIPTOR.values}
+_CLOSE = object()
+
+
+class GrpcTransport:
+    def __init__(self, endpoint: Endpoint, tls_dir: str, run_id: str, rank: int, world_size: int,
+                 connect_timeout_s: float = 30.0, max_retry_s: float = 10.0, chunk_bytes: int = CHUNK_BYTES):
+        self.endpoint = endpoint
+        self.tls_dir = tls_dir
+        self.run_id = run_id
+        self.rank = rank
+        self.world_size = world_size
+        self.connect_timeout_s = connect_timeout_s
+        self.max_retry_s = max_retry_s
+        self.chunk_bytes = chunk_bytes
+        self.on_ack = lambda seq, status, reason: None
+        self.on_reconnect = lambda: None
+        self._lock = threading.Condition()
+        self._outq: queue.Queue | None = None
+        self._generation = 0
+        self._closed = False
+        self._end_acked = threading.Event()
+        self._state = "connecting"
+        self._warned_down = False
+        self._ever_connected = False
+        self._channel = None
+        self._call = None
+        if not tls_dir and not endpoint.is_loopback:
+            log.warning("online check: sending training data in plaintext to %s; set tensor.tls_path for mutual TLS "
+                        "(see certs/README.md)", endpoint.target)
+        self._thread = threading.Thread(target=self._maintain, name="online-check-grpc", daemon=True)
+        self._thread.start()
+
+    def describe_state(self) -> str:
+        return f"Server {self.endpoint.target}: {self._state}."
+
+    # -- connection thread ---------------------------------------------------------------------------------
+    def _make_channel(self) -> grpc.Channel:
+        if self.tls_dir:
+            from protos import tls
+
+            creds = tls.client_credentials(self.tls_dir)
+            tls.check_server_not_revoked(self.endpoint.host, self.endpoint.port, self.tls_dir, self.endpoint.host,
+                                         self.connect_timeout_s)
+            return grpc.secure_channel(self.endpoint.target, creds, options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(self.endpoint.target, options=CHANNEL_OPTIONS)
+
+    def _maintain(self) -> None:
+        backoff = 0.2
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+            try:
+                self._channel = self._make_channel()
+                grpc.channel_ready_future(self._channel).result(timeout=self.connect_timeout_s)
+            except Exception as exc:  # noqa: BLE001 - unreachable server, bad TLS, timeouts: retry
+                self._down(f"cannot connect ({type(exc).__name__}: {exc})".replace("\n", " "))
+                self._close_channel()
+                time.sleep(backoff)
+                backoff = min(backoff * 2, self.max_retry_s)
+                continue
+            backoff = 0.2
+            q: queue.Queue = queue.Queue(maxsize=8)
+            stub = self._channel.stream_stream(METHOD, request_serializer=None,
+                                               response_deserializer=pb.Ack.FromString)
+            reconnect = self._ever_connected
+            with self._lock:
+                self._generation += 1
+                self._outq = q
+                self._state = "connected"
+                self._ever_connected = True
+                self._lock.notify_all()
+            if self._warned_down:
+                log.warning("online check: connected to %s again; re-sending what was not acknowledged",
+                            self.endpoint.target)
+                self._warned_down = False
+            try:
+                self._call = stub(self._requests(q))
+                if reconnect:
+                    self.on_reconnect()
+                for ack in self._call:
+                    self._dispatch(ack)
+                self._down("the server closed the stream")
+            except grpc.RpcError as exc:
+                detail = exc.details() if hasattr(exc, "details") else str(exc)
+                self._down(f"stream broke ({exc.code().name if hasattr(exc, 'code') else ''}: {detail})")
+            finally:
+                with self._lock:
+                    if self._outq is q:
+                        self._outq = None
+                    self._lock.notify_all()
+                try:
+                    q.put_nowait(_CLOSE)
+                except queue.Full:
+                    pass
+                self._close_channel()
+            if self._closed:
+                return
+            time.sleep(backoff)
+
+    def _requests(self, q: queue.Queue):
+        hello = pb.Frame(hello=pb.Hello(run_id=self.run_id, rank=self.rank, world_size=self.world_size,
+                                        agent_version="0.1.0"))
+        yield hello.SerializeToString()
+        while True:
+            item = q.get()
+            if item is _CLOSE:
+                return
+            yield item
+
+    def _dispatch(self, ack: pb.Ack) -> None:
+        status = _ACK_STATUS.get(ack.status, "UNKNOWN")
+        if status == "END_ACCEPTED":
+            self._end_acked.set()
+            return
+        self.on_ack(ack.seq, status, ack.reason)
+
+    def _down(self, why: str) -> None:
+        with self._lock:
+            self._state = f"not connected: {why}"
+            closed = self._closed
+        if not self._warned_down and not closed:
+            self._warned_down = True
+            log.warning("online check: server %s unavailable: %s. Training continues; records are kept within the "
+                        "memory budget and re-sent after reconnecting (retry up to every %.0f s).",
+                        self.endpoint.target, why, self.max_retry_s)
+
+    def _close_channel(self) -> None:
+        ch, self._channel = self._channel, None
+        if ch is not None:
+            ch.close()
+
+    # -- sender thread -------------------------------------------------------------------------------------
+    def _put(self, frame: bytes, generation: int | None) -> int | None:
+        """Queue a frame on the current stream; None when that stream broke meanwhile (the record is re-sent)."""
+        while True:
+            with self._lock:
+                while self._outq is None and not self._closed:
+                    self._lock.wait(1.0)
+                if self._closed:
+                    return None
+                if generation is not None and generation != self._generation:
+                    return None
+                q, gen = self._outq, self._generation
+            try:
+                q.put(frame, timeout=1.0)
+                return gen
+            except queue.Full:
+                continue
+
+    def send_record(self, rec: PendingRecord) -> None:
+        record, enc = encode_record(rec, self.run_id, self.rank)
+        gen = None
+        for frame in encode_frames(record, enc.buffers, enc.size, self.chunk_bytes):
+            gen = self._put(frame, gen)
+            if gen is None:
+                return
+
+    def send_end(self, counts: dict, timeout: float) -> bool:
+        end = pb.Frame(end=pb.End(run_id=self.run_id, rank=self.rank, captured=counts["captured"],
+                                  sent=counts["sent"], acknowledged=counts["acknowledged"],
+                                  dropped=counts["dropped"], last_seq=counts["last_seq"],
+                                  world_size=self.world_size)).SerializeToString()
+        deadline = time.monotonic() + timeout
+        ok = False
+        while time.monotonic() < deadline and self._state == "connected":
+            if self._put(end, None) is None:
+                break
+            if self._end_acked.wait(min(5.0, max(0.1, deadline - time.monotonic()))):
+                ok = True
+                break
+        self.close()
+        return ok
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            q = self._outq
+            self._lock.notify_all()
+        if q is not None:
+            try:
+                q.put_nowait(_CLOSE)
+            except queue.Full:
+                pass
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=5)
