@@ -1,0 +1,139 @@
+"""Shared test machinery: real gpu-server processes on loopback, real training scripts in subprocesses, reading
+the reports back. Every end-to-end test uses these instead of its own copy."""
+from __future__ import annotations
+
+import csv
+import glob
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PY = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_config(path: str, port: int = 0, nfs_path: str = "", tls_path: str = "", rank_list=(), **extra) -> str:
+    run_ut = {"white_list": [], "black_list": [], "error_data_path": "./", "is_online": True, "nfs_path": nfs_path,
+              "host": "127.0.0.1", "port": port, "rank_list": list(rank_list), "tls_path": tls_path}
+    run_ut.update(extra)
+    with open(path, "w") as fh:
+        json.dump({"task": "run_ut", "run_ut": run_ut}, fh)
+    return path
+
+
+def agent_config(path: str, port: int = 0, nfs_path: str = "", tls_path: str = "", host="127.0.0.1", **tensor) -> str:
+    t = {"scope": [], "list": [], "online_run_ut": True, "nfs_path": nfs_path, "host": host, "port": port,
+         "tls_path": tls_path, "online_run_ut_recompute": False}
+    t.update(tensor)
+    with open(path, "w") as fh:
+        json.dump({"task": "tensor", "dump_path": os.path.join(os.path.dirname(path), "dump"), "level": "L1",
+                   "rank": [], "step": [], "tensor": t}, fh)
+    return path
+
+
+class Server:
+    """A real `gpu-server` subprocess. Use as a context manager; `stop()` sends SIGTERM and waits."""
+
+    def __init__(self, workdir: str, port: int | None = None, args=(), out: str | None = None, **config):
+        self.workdir = workdir
+        self.port = free_port() if port is None else port
+        self.out = out or os.path.join(workdir, "out")
+        self.config = server_config(os.path.join(workdir, f"server_{self.port}.json"), self.port, **config)
+        self.log_path = os.path.join(workdir, f"server_{self.port}.log")
+        self.args = list(args)
+        self.proc: subprocess.Popen | None = None
+        self.nfs = bool(config.get("nfs_path"))
+
+    def start(self, wait: float = 60) -> "Server":
+        self._log = open(self.log_path, "a")
+        cmd = [os.path.join(os.path.dirname(PY), "gpu-server"), "--config", self.config, "--out", self.out,
+               "--quiet", *self.args]
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir)
+        deadline = time.time() + wait
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gpu-server exited with {self.proc.returncode}: {self.log()}")
+            if self.nfs:
+                if "watching shared folder" in self.log():
+                    return self
+            else:
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                        return self
+            time.sleep(0.1)
+        raise RuntimeError(f"gpu-server did not start: {self.log()}")
+
+    def stop(self, timeout: float = 120) -> int:
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            code = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            code = self.proc.wait()
+        self._log.close()
+        return code
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path) as fh:
+                return fh.read()
+        except OSError:
+            return ""
+
+    def __enter__(self) -> "Server":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.stop()
+
+
+def run_training(script: str, *args: str, env: dict | None = None, timeout: float = 300,
+                 cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run a training script (source text) in a fresh Python process; fail the test if it fails."""
+    full_env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    full_env.update(env or {})
+    proc = subprocess.run([PY, "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=full_env,
+                          cwd=cwd)
+    if proc.returncode != 0:
+        raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def read_csv(out_dir: str, kind: str, rank: int = 0) -> list[dict]:
+    """Rows of `{kind}_*_rank{rank}.csv` (kind: accuracy_checking_result, accuracy_checking_details,
+    api_precision_compare_result, api_precision_compare_details), as dicts by header."""
+    rows: list[dict] = []
+    for path in sorted(glob.glob(os.path.join(out_dir, f"{kind}_*_rank{rank}.csv"))):
+        with open(path, encoding="utf-8-sig", newline="") as fh:
+            rows.extend(csv.DictReader(fh))
+    return rows
+
+
+def read_header(out_dir: str, kind: str, rank: int = 0) -> list[str]:
+    paths = sorted(glob.glob(os.path.join(out_dir, f"{kind}_*_rank{rank}.csv")))
+    with open(paths[0], encoding="utf-8-sig", newline="") as fh:
+        return next(csv.reader(fh))
+
+
+def by_name(rows: list[dict], key: str = "API name") -> dict[str, dict]:
+    return {r[key]: r for r in rows}
