@@ -74,8 +74,20 @@ class Analysis:
     is_float: bool
 
 
-def is_float_dtype(dtype: torch.dtype) -> bool:
-    return dtype.is_floating_point or dtype.is_complex
+def dtype_kind(dtype: torch.dtype) -> str:
+    if dtype.is_complex:
+        return "complex"
+    return "float" if dtype.is_floating_point else "integer/bool"
+
+
+def mismatch(bench: torch.Tensor, device: torch.Tensor) -> str | None:
+    """Why two tensors cannot be compared element by element (shape, dtype kind), or None when they can."""
+    if tuple(bench.shape) != tuple(device.shape):
+        return f"shape mismatch: bench {tuple(bench.shape)} vs device {tuple(device.shape)}"
+    if dtype_kind(bench.dtype) != dtype_kind(device.dtype):
+        return (f"dtype kind mismatch: bench {bench.dtype} ({dtype_kind(bench.dtype)}) vs device {device.dtype} "
+                f"({dtype_kind(device.dtype)}), cannot compare")
+    return None
 
 
 def scalar_error_rate(bench: object, device: object) -> float:
@@ -89,16 +101,15 @@ def scalar_error_rate(bench: object, device: object) -> float:
 
 
 def output_metrics(bench: torch.Tensor, device: torch.Tensor) -> OutputMetrics:
-    """SPEC §6.1 metrics of one output. Raises ValueError only for a shape mismatch or complex against real."""
+    """SPEC §6.1 metrics of one output. Raises ValueError only for a shape mismatch or complex against real (a float
+    bench against an integer device output is compared by value: binary error rate only)."""
     return analyse(bench, device).metrics
 
 
 def analyse(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int | None = None) -> Analysis:
     """output_metrics plus what the two-way status needs (the cosine gate's blank cases)."""
-    if tuple(bench.shape) != tuple(device.shape):
-        raise ValueError(f"shape mismatch: bench {tuple(bench.shape)} vs device {tuple(device.shape)}")
-    if bench.dtype.is_complex != device.dtype.is_complex:
-        raise ValueError(f"cannot compare bench {bench.dtype} with device {device.dtype}")
+    if tuple(bench.shape) != tuple(device.shape) or bench.dtype.is_complex != device.dtype.is_complex:
+        raise ValueError(mismatch(bench, device))
     if device.dtype.is_complex:
         bench, device = torch.view_as_real(bench.resolve_conj()), torch.view_as_real(device.resolve_conj())
     device = device.detach().to(bench.device)
@@ -145,10 +156,7 @@ def _binary_error_rate(bench: torch.Tensor, device: torch.Tensor, chunk: int) ->
         b, d = bench[start:start + chunk], device[start:start + chunk]
         if not same_dtype:
             b, d = _comparable_int(b), _comparable_int(d)
-        ne = b != d
-        if b.dtype.is_floating_point:
-            ne &= ~(torch.isnan(b) & torch.isnan(d))
-        differ += int(ne.sum())
+        differ += int((b != d).sum())
     return differ / numel
 
 

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from gpu_server.columns import BLANK
-from gpu_server.metrics import Analysis, OutputMetrics, analyse, scalar_error_rate
+from gpu_server.metrics import Analysis, OutputMetrics, analyse, mismatch, scalar_error_rate
 from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING, fmt
 from gpu_server.standards.thresholds import THRESHOLDS
 
@@ -39,14 +39,6 @@ def aggregate(statuses: list[str]) -> str:
     return PASS
 
 
-def dtype_kind(dtype: torch.dtype) -> str:
-    if dtype.is_complex:
-        return "complex"
-    if dtype.is_floating_point:
-        return "float"
-    return "integer/bool"
-
-
 def compare_output(bench: Any, device: Any) -> OutputComparison:
     """SPEC §6.2 status of one output (a tensor or a Python scalar)."""
     if bench is None:
@@ -73,13 +65,9 @@ def _compare_scalars(bench: Any, device: Any) -> OutputComparison:
 
 
 def _compare_tensors(bench: torch.Tensor, device: torch.Tensor) -> OutputComparison:
-    if tuple(bench.shape) != tuple(device.shape):
-        return OutputComparison(None, ERROR, f"shape mismatch: bench {tuple(bench.shape)} vs device "
-                                             f"{tuple(device.shape)}")
-    bench_kind, device_kind = dtype_kind(bench.dtype), dtype_kind(device.dtype)
-    if bench_kind != device_kind:
-        return OutputComparison(None, ERROR, f"dtype kind mismatch: bench {bench.dtype} ({bench_kind}) vs device "
-                                             f"{device.dtype} ({device_kind}), cannot compare")
+    reason = mismatch(bench, device)
+    if reason:
+        return OutputComparison(None, ERROR, reason)
     result = analyse(bench, device)
     m = result.metrics
     if not result.is_float:

@@ -30,6 +30,7 @@ class CallContext:
     args: tuple
     kwargs: dict
     taps: Any = None   # backward taps installed for this call (npu_agent.backward)
+    recompute: bool = False  # a checkpoint recompute of a call recorded in the first pass: taps only
 
 
 class CaptureMode(TorchFunctionMode):
@@ -116,14 +117,23 @@ class Capturer:
         self.captured = 0
         self.errors = 0
         self._scope_state = 0             # 0: before scope[0]; 1: inside; 2: after scope[1]
+        self.region = None                # the reentrant checkpoint region running now (npu_agent.checkpoint)
+        self.open_regions: list = []      # regions whose records wait for their recompute
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
     # -- step boundary -------------------------------------------------------------------------------------
     def next_step(self, step: int) -> None:
+        self.release_regions()
         self.counters.reset()
         self.step = step
         self._scope_state = 0
+
+    def release_regions(self) -> None:
+        """Regions never recomputed (no backward ran): their held forward records go out as they are."""
+        regions, self.open_regions = self.open_regions, []
+        for region in regions:
+            region.release(self)
 
     # -- selection -----------------------------------------------------------------------------------------
     def _selected(self, full_name: str) -> bool:
@@ -141,7 +151,7 @@ class Capturer:
     def before_call(self, func, info: tuple[str, str], args: tuple, kwargs: dict) -> CallContext | None:
         if torch._C._current_graph_task_id() != -1:
             # Inside a backward pass: a checkpoint recompute or a custom backward. Its forward was recorded already.
-            return self.backward.recompute_call(self, func, info, args, kwargs) if self.backward else None
+            return self._recompute_call(info, args, kwargs)
         category, api = info
         name = self.counters.next_name(category, api)
         if not self._selected(name):
@@ -160,8 +170,23 @@ class Capturer:
             self.backward.tap_inputs(ctx)
         return ctx
 
+    def _recompute_call(self, info, args: tuple, kwargs: dict) -> CallContext | None:
+        region = self.region
+        if region is None or not region.recomputing or self.backward is None:
+            return None
+        name = region.next_name()
+        rec = region.held.get(name) if name else None
+        if rec is None or name.rsplit(".", 1)[0] != ".".join(info) or not torch.is_grad_enabled():
+            return None
+        ctx = CallContext(rec, info[0], info[1], args, kwargs, recompute=True)
+        rec.grad_enabled = True
+        self.backward.tap_inputs(ctx)
+        return ctx
+
     def after_call(self, ctx: CallContext, out: Any) -> Any:
         rec = ctx.record
+        if ctx.recompute:
+            return self.backward.tap_outputs(ctx, out) if ctx.taps is not None else out
         if rec.skip_reason:
             self._submit(rec)
             return out
@@ -178,7 +203,10 @@ class Capturer:
 
     def _submit(self, rec: PendingRecord) -> None:
         self.captured += 1
-        self.sink(rec)
+        if self.region is not None and not self.region.recomputing:
+            self.region.hold(rec)   # released after the region's recompute (or at the step boundary)
+        else:
+            self.sink(rec)
 
     # -- random APIs ---------------------------------------------------------------------------------------
     def _random_state(self, rec: PendingRecord, category: str, api: str, args: tuple, kwargs: dict) -> None:
@@ -187,8 +215,7 @@ class Capturer:
         if state is None:
             return
         rec.rng_device = device_type
-        rec.rng_state = bytes(state.cpu().numpy().tobytes()) if device_type == "cpu" else bytes(
-            state.cpu().numpy().tobytes())
+        rec.rng_state = state.cpu().numpy().tobytes()
         params = _dropout_params(category, api, args, kwargs) if api in naming.DROPOUT_MASKED else None
         if params is not None and params[1] and params[0] > 0 and args and isinstance(args[0], torch.Tensor):
             rec.mask = (state, params, category, api)  # the mask itself is rebuilt after the call

@@ -78,6 +78,12 @@ class PrecisionDebugger:
         transport = self._make_transport(rank, world)
         self._sender = Sender(transport, self.config.memory_bytes, self.config.policy)
         backward = None
+        if not self.config.recompute:
+            from npu_agent import checkpoint
+            from npu_agent.backward import BackwardTaps
+
+            backward = BackwardTaps(self._sender.submit)
+            checkpoint.install()
         self._capturer = Capturer(self._sender.submit, self.config.api_list, self.config.scope, backward)
         self._capturer.next_step(self.current_step)
         self._mode = CaptureMode(self._capturer)
@@ -136,6 +142,7 @@ class PrecisionDebugger:
     def step(self) -> None:
         self.current_step += 1
         if self._capturer is not None:
+            self._capturer.release_regions()
             if self._capturer.backward is not None:
                 self._capturer.backward.end_step()
             self._capturer.next_step(self.current_step)
@@ -151,9 +158,12 @@ class PrecisionDebugger:
         if sender is None:
             return None
         self.stop()
-        if self._capturer is not None and self._capturer.backward is not None:
-            self._capturer.backward.end_step()
+        if self._capturer is not None:
+            self._capturer.release_regions()
+            if self._capturer.backward is not None:
+                self._capturer.backward.end_step()
         counts = sender.close(self.config.close_timeout_s)
+        counts["forward_calls"] = self._capturer.captured if self._capturer else 0
         counts["internal_errors"] = self._capturer.errors if self._capturer else 0
         lost = counts["unacknowledged"]
         log.info("online check: run %s rank %d: captured %d, sent %d, acknowledged %d, rejected %d, dropped %d, "

@@ -49,7 +49,7 @@ def bit_identical(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 def judge(api_name: str, bench: Any, device: Any, same: Any = None) -> PrecisionJudgement:
     """SPEC §6.3 verdict of one output. bench: upcast bench output; device: device output; same: the same-dtype
     run's output on the trusted host (None when it could not run)."""
-    from gpu_server.metrics import output_metrics, scalar_error_rate  # metrics imports this package's thresholds
+    from gpu_server.metrics import dtype_kind, mismatch, output_metrics, scalar_error_rate  # (import cycle)
 
     if bench is None:
         return PrecisionJudgement(message="no bench output")
@@ -61,39 +61,26 @@ def judge(api_name: str, bench: Any, device: Any, same: Any = None) -> Precision
         return _finish(BINARY, STANDARD_REGISTRY[BINARY].judge(_scalar_input(rate)), "")
 
     key = select_standard(api_name, device.dtype)
-    if tuple(bench.shape) != tuple(device.shape):
-        return _error(key, f"shape mismatch: bench {tuple(bench.shape)} vs device {tuple(device.shape)}")
-    if _kind(bench.dtype) != _kind(device.dtype):
-        return _error(key, f"dtype kind mismatch: bench {bench.dtype} vs device {device.dtype}, cannot compare")
-    if _kind(device.dtype) != "integer/bool" and device.dtype not in THRESHOLDS.judged_dtypes:
+    reason = mismatch(bench, device)
+    if reason:
+        return _error(key, reason)
+    if dtype_kind(device.dtype) != "integer/bool" and device.dtype not in THRESHOLDS.judged_dtypes:
         return PrecisionJudgement(status=SKIP, algorithm=STANDARD_REGISTRY[key].algorithm,
                                   message=f"{device.dtype} is not supported by the precision standard")
 
     notes = []
     same_metrics = None
     if same is not None:
-        if isinstance(same, torch.Tensor) and tuple(same.shape) == tuple(device.shape) \
-                and _kind(same.dtype) == _kind(device.dtype):
-            same_metrics = output_metrics(bench, same)
+        reason = mismatch(same, device) if isinstance(same, torch.Tensor) else f"a {type(same).__name__}"
+        if reason:
+            notes.append(f"same-dtype run output ignored ({reason.replace('bench', 'same-dtype')})")
         else:
-            notes.append("same-dtype run output not comparable (" + _describe(same) + "), ignored")
+            same_metrics = output_metrics(bench, same)
     result = STANDARD_REGISTRY[key].judge(StandardInput(device.dtype, output_metrics(bench, device), same_metrics))
     if result.status != PASS and bit_identical(same, device):
         result.status = PASS
         notes.append("pass: the device output is bit-identical to the same-dtype run")
     return _finish(key, result, "; ".join(notes))
-
-
-def _kind(dtype: torch.dtype) -> str:
-    if dtype.is_complex:
-        return "complex"
-    return "float" if dtype.is_floating_point else "integer/bool"
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} {tuple(value.shape)}"
-    return type(value).__name__
 
 
 def _scalar_input(rate: float) -> StandardInput:

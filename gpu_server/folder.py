@@ -1,0 +1,331 @@
+"""The shared-folder side of the server (SPEC §4, last bullet): polls `run_ut.nfs_path/rank*/` for record files
+written by `npu_agent/transport_folder.py` and feeds them to the intake.
+
+Rules:
+
+* Only names the agent writes are read: `{run_id}.rank{r}.{seq:012d}.rec` and `{run_id}.rank{r}.end` inside
+  `rank{r}/` (the same r). Nothing from a file's content is ever used as a path. Hidden files (temporary files
+  being written, NFS silly-renames) are ignored. Any other file, and any file whose content is not one valid
+  record matching its name, is reported once and moved aside to `nfs_path/rejected/`.
+* Each run and rank is processed in sequence order. A missing sequence number is waited for; it is skipped (with a
+  warning) only when that run's end marker has been present for `gap_grace_s`, since the agent writes the marker
+  after every record it will ever write. The end marker is handled after every record before it.
+* A file is deleted only after `Intake.accept` returned for it. After a restart of the server, whatever is left in
+  the folder is read again (the intake drops duplicates within a run).
+* Sizes are checked against the limits before anything is allocated: a frame is at most `max_frame_bytes`, a
+  record's payload at most `max_record_bytes` and never more than the file holds.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import struct
+import threading
+import time
+from typing import Callable
+
+from google.protobuf.message import DecodeError
+
+from gpu_server.intake import FrameAssembler, Intake
+from protos import online_check_pb2 as pb
+from protos.codec import WireError
+from protos.limits import DEFAULT_LIMITS, Limits
+
+log = logging.getLogger("gpu_server")
+
+FOLDER_MAGIC = b"OCFRAME1"  # the same bytes as npu_agent.transport_folder.FOLDER_MAGIC (the two never import each other)
+_LEN = struct.Struct("<I")
+RANK_DIR = re.compile(r"^rank(\d{1,9})$")
+RECORD_FILE = re.compile(r"^([A-Za-z0-9_-]{1,64})\.rank(\d{1,9})\.(\d{12})\.rec$")
+END_FILE = re.compile(r"^([A-Za-z0-9_-]{1,64})\.rank(\d{1,9})\.end$")
+REJECTED_DIR = "rejected"
+
+
+class BadFile(Exception):
+    """A file that is not what its name promises; the message says why."""
+
+
+@dataclasses.dataclass
+class _Stream:
+    """Progress of one run and rank in this process."""
+    next_seq: int | None = None
+    end_seen_at: float | None = None
+    ended: bool = False
+    gap_warned: int = -1
+    gap_since: float | None = None
+    gap_reported: bool = False
+
+
+class FolderReader:
+    def __init__(self, nfs_path: str, intake: Intake, limits: Limits = DEFAULT_LIMITS,
+                 on_end: Callable[[pb.End], None] | None = None, min_poll_s: float = 0.02, max_poll_s: float = 1.0,
+                 gap_grace_s: float = 3.0):
+        self.nfs_path = nfs_path
+        self.intake = intake
+        self.limits = limits
+        self.on_end = on_end or (lambda end: None)
+        self.min_poll_s = min_poll_s
+        self.max_poll_s = max_poll_s
+        self.gap_grace_s = gap_grace_s
+        self._streams: dict[tuple[str, int], _Stream] = {}
+        self._reported: set[str] = set()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.processed = 0
+        self.moved_aside = 0
+        self.errors = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        if not os.path.isdir(self.nfs_path):
+            raise OSError(f"run_ut.nfs_path {self.nfs_path!r} is not a directory")
+        self._thread = threading.Thread(target=self._run, name="gpu-server-folder", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop polling; the file being processed is finished first (never half-accepted)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        delay = self.min_poll_s
+        while not self._stop.is_set():
+            try:
+                busy = self.poll_once()
+            except Exception:  # noqa: BLE001 - a bug or a vanished folder must not end the reader
+                self.errors += 1
+                if self.errors <= 3:
+                    log.exception("shared folder %s: error while polling; retrying", self.nfs_path)
+                busy = False
+            delay = self.min_poll_s if busy else min(delay * 2, self.max_poll_s)
+            self._stop.wait(delay)
+
+    # -- one pass ------------------------------------------------------------------------------------------
+    def poll_once(self) -> bool:
+        """Process everything that is ready now. True when anything was processed."""
+        busy = False
+        try:
+            entries = list(os.scandir(self.nfs_path))
+        except OSError as exc:
+            self._report_once(f"dir:{self.nfs_path}", "cannot list the shared folder %s: %s", self.nfs_path, exc)
+            return False
+        for entry in sorted(entries, key=lambda e: e.name):
+            m = RANK_DIR.match(entry.name)
+            if m and entry.is_dir(follow_symlinks=False):
+                busy |= self._poll_rank(entry.path, int(m.group(1)))
+            if self._stop.is_set():
+                break
+        return busy
+
+    def _poll_rank(self, folder: str, rank: int) -> bool:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            return False
+        records: dict[str, dict[int, str]] = {}
+        ends: dict[str, str] = {}
+        for name in names:
+            if name.startswith("."):
+                continue  # being written by the agent (or an NFS silly-rename): never read
+            m = RECORD_FILE.match(name)
+            if m and int(m.group(2)) == rank:
+                records.setdefault(m.group(1), {})[int(m.group(3))] = name
+                continue
+            m = END_FILE.match(name)
+            if m and int(m.group(2)) == rank:
+                ends[m.group(1)] = name
+                continue
+            self._move_aside(folder, name, f"the name is not '{{run}}.rank{rank}.{{seq:012d}}.rec' or "
+                                           f"'{{run}}.rank{rank}.end'")
+        busy = False
+        for run_id in sorted(set(records) | set(ends)):
+            if self._stop.is_set():
+                break
+            busy |= self._poll_stream(folder, run_id, rank, records.get(run_id, {}), ends.get(run_id))
+        return busy
+
+    def _poll_stream(self, folder: str, run_id: str, rank: int, files: dict[int, str], end: str | None) -> bool:
+        st = self._streams.setdefault((run_id, rank), _Stream())
+        if st.ended and not files and end is None:
+            return False
+        now = time.monotonic()
+        if end is not None and st.end_seen_at is None:
+            st.end_seen_at = now
+        busy = False
+        pending = sorted(files)
+        if st.next_seq is None and pending:
+            # First sight of this stream in this process: earlier files were processed and deleted (by us before a
+            # restart) or it starts at 0. The agent publishes in order, so the lowest file present is the next.
+            st.next_seq = pending[0]
+        for seq in pending:
+            if self._stop.is_set():
+                return busy
+            if seq < st.next_seq:
+                # Older than what this process already handled (a re-published file): the intake dedupes it.
+                self._process_record(folder, files[seq], run_id, rank, seq)
+                busy = True
+                continue
+            if seq > st.next_seq:
+                end_settled = st.end_seen_at is not None and now - st.end_seen_at >= self.gap_grace_s
+                if not end_settled:
+                    if st.gap_since is None or st.gap_warned != st.next_seq:
+                        st.gap_since, st.gap_warned = now, st.next_seq
+                    elif now - st.gap_since > 30 and not st.gap_reported:
+                        st.gap_reported = True
+                        log.warning("shared folder: run %s rank %d: waiting for record %d (%s) before %d", run_id,
+                                    rank, st.next_seq, os.path.join(folder, f"{run_id}.rank{rank}."
+                                                                            f"{st.next_seq:012d}.rec"), seq)
+                    return busy  # wait for the gap to fill
+                log.warning("shared folder: run %s rank %d: records %d..%d never arrived (the agent ended without "
+                            "them); going on with %d", run_id, rank, st.next_seq, seq - 1, seq)
+                st.next_seq = seq
+            self._process_record(folder, files[seq], run_id, rank, seq)
+            st.next_seq = seq + 1
+            st.gap_since, st.gap_reported = None, False
+            busy = True
+        if end is not None:
+            # Every record the agent wrote was published before its end marker; a listing taken before the marker
+            # appeared may still miss the last ones, so look once more before ending the stream.
+            try:
+                later = [n for n in os.listdir(folder) if (m := RECORD_FILE.match(n)) and m.group(1) == run_id
+                         and int(m.group(2)) == rank and int(m.group(3)) >= (st.next_seq or 0)]
+            except OSError:
+                later = []
+            if later:
+                return True
+            self._process_end(folder, end, run_id, rank, st)
+            busy = True
+        return busy
+
+    # -- files ---------------------------------------------------------------------------------------------
+    def _read_frames(self, path: str):
+        """Yield (frame, bytes) of a published file, checking every size before reading it."""
+        with open(path, "rb") as fh:
+            size = os.fstat(fh.fileno()).st_size
+            magic = fh.read(len(FOLDER_MAGIC))
+            if magic != FOLDER_MAGIC:
+                raise BadFile("it does not start with the online-check folder magic (not written by npu_agent)")
+            pos = len(FOLDER_MAGIC)
+            while pos < size:
+                head = fh.read(_LEN.size)
+                if len(head) != _LEN.size:
+                    raise BadFile(f"truncated frame length at byte {pos}")
+                (n,) = _LEN.unpack(head)
+                pos += _LEN.size
+                if n > self.limits.max_frame_bytes:
+                    raise BadFile(f"a {n}-byte frame at byte {pos} exceeds the limit of {self.limits.max_frame_bytes}")
+                if pos + n > size:
+                    raise BadFile(f"a {n}-byte frame at byte {pos} runs past the end of the {size}-byte file")
+                raw = fh.read(n)
+                if len(raw) != n:
+                    raise BadFile(f"truncated frame at byte {pos}")
+                pos += n
+                try:
+                    frame = pb.Frame.FromString(raw)
+                except DecodeError:
+                    raise BadFile(f"the {n}-byte frame at byte {pos - n} is not a valid Frame") from None
+                yield frame, size - pos
+
+    def _load_record(self, path: str, run_id: str, rank: int, seq: int) -> tuple[pb.Record, bytearray]:
+        asm = FrameAssembler(self.limits)
+        done = None
+        for frame, remaining in self._read_frames(path):
+            if done is not None:
+                raise BadFile("more frames follow the complete record")
+            body = frame.WhichOneof("body")
+            if body == "record":
+                h = frame.record.header
+                if (h.run_id, h.rank, h.seq) != (run_id, rank, seq):
+                    raise BadFile(f"it holds record run {h.run_id[:64]!r} rank {h.rank} seq {h.seq}, not what its name "
+                                  f"says")
+                announced = frame.record.payload_bytes
+                if announced > self.limits.max_record_bytes:
+                    raise BadFile(f"it announces {announced} payload bytes, above the limit of "
+                                  f"{self.limits.max_record_bytes}")
+                if announced > len(frame.data) + remaining:
+                    raise BadFile(f"it announces {announced} payload bytes but the file holds at most "
+                                  f"{len(frame.data) + remaining}")
+            try:
+                done = asm.feed(frame)
+            except WireError as exc:
+                raise BadFile(str(exc)) from None
+        if done is None:
+            raise BadFile("the file ends before the record is complete")
+        return done
+
+    def _process_record(self, folder: str, name: str, run_id: str, rank: int, seq: int) -> None:
+        path = os.path.join(folder, name)
+        try:
+            record, payload = self._load_record(path, run_id, rank, seq)
+        except FileNotFoundError:
+            return  # removed meanwhile (another reader of the same folder); nothing to do
+        except (BadFile, OSError) as exc:
+            self.intake.rejected += 1
+            self._move_aside(folder, name, str(exc))
+            return
+        status, reason = self.intake.accept(record, payload)
+        del payload
+        if status == pb.Ack.REJECTED:
+            log.warning("shared folder: %s rejected: %s", name, reason)
+        self.processed += 1
+        self._remove(path)
+
+    def _process_end(self, folder: str, name: str, run_id: str, rank: int, st: _Stream) -> None:
+        path = os.path.join(folder, name)
+        try:
+            frames = list(self._read_frames(path))
+            if len(frames) != 1 or frames[0][0].WhichOneof("body") != "end":
+                raise BadFile("an end marker must hold exactly one End frame")
+            end = frames[0][0].end
+            if (end.run_id, end.rank) != (run_id, rank):
+                raise BadFile(f"it holds the end of run {end.run_id[:64]!r} rank {end.rank}, not what its name says")
+        except FileNotFoundError:
+            return
+        except (BadFile, OSError) as exc:
+            self._move_aside(folder, name, str(exc))
+            return
+        if not st.ended:
+            st.ended = True
+            self.on_end(end)
+        self._remove(path)
+        st.end_seen_at = None
+
+    def _remove(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._report_once(path, "shared folder: cannot delete %s after processing it (%s); it will be read again "
+                                    "and dropped as a duplicate", path, exc)
+
+    def _move_aside(self, folder: str, name: str, why: str) -> None:
+        src = os.path.join(folder, name)
+        if src in self._reported:
+            return
+        self.moved_aside += 1
+        dest_dir = os.path.join(self.nfs_path, REJECTED_DIR)
+        dest = os.path.join(dest_dir, f"{os.path.basename(folder)}_{name}")
+        try:
+            os.makedirs(dest_dir, exist_ok=True)
+            n = 1
+            while os.path.exists(dest):
+                dest = os.path.join(dest_dir, f"{os.path.basename(folder)}_{name}.{n}")
+                n += 1
+            os.replace(src, dest)
+            where = f"moved to {dest}"
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._reported.add(src)
+            where = f"left in place (cannot move it: {exc})"
+        log.warning("shared folder: %s is not a valid record file: %s; %s", src, why, where)
+
+    def _report_once(self, key: str, msg: str, *args) -> None:
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        log.warning(msg, *args)

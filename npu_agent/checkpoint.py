@@ -1,0 +1,101 @@
+"""Reentrant activation checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`), SPEC §3.3.
+
+The region's first pass runs under no_grad, so its calls get no taps; the graph that backward really uses is
+built by the recompute inside backward, where the capture mode is not active. `install()` wraps the region
+function given to `CheckpointFunction` (only while a capture mode is active on this thread):
+- first pass: the region's forward records are held, with their names in call order;
+- recompute: the mode is pushed again, each call gets the name of its first-pass twin, taps and hooks are installed
+  but nothing is recorded a second time; then the held forward records are released, marked with whether a
+  backward record follows.
+Held records whose region is never recomputed are released at the step boundary.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.utils.checkpoint as _ckpt
+
+_installed = False
+_lock = threading.Lock()
+
+
+def _active_mode():
+    from npu_agent.capture import CaptureMode
+
+    for mode in reversed(torch.overrides._get_current_function_mode_stack()):
+        if isinstance(mode, CaptureMode):
+            return mode
+    return None
+
+
+class Region:
+    def __init__(self, fn, mode):
+        self.fn = fn
+        self.mode = mode
+        self.names: list[str] = []
+        self.held: dict = {}
+        self.recomputing = False
+        self.pos = 0
+        self.released = False
+
+    def __call__(self, *args, **kwargs):
+        cap = self.mode.capturer
+        if torch._C._current_graph_task_id() == -1:   # the first pass, in forward
+            if _active_mode() is not self.mode:
+                return self.fn(*args, **kwargs)
+            outer, cap.region = cap.region, self
+            try:
+                return self.fn(*args, **kwargs)
+            finally:
+                cap.region = outer
+                if self.held:
+                    cap.open_regions.append(self)
+        if not self.held or self.released:           # nothing of this region was captured
+            return self.fn(*args, **kwargs)
+        outer, cap.region = cap.region, self
+        self.recomputing, self.pos = True, 0
+        try:
+            with self.mode:
+                return self.fn(*args, **kwargs)
+        finally:
+            self.recomputing = False
+            cap.region = outer
+            self.release(cap)
+
+    def hold(self, rec) -> None:
+        self.names.append(rec.name)
+        self.held[rec.name] = rec
+
+    def next_name(self) -> str | None:
+        if self.pos >= len(self.names):
+            return None
+        self.pos += 1
+        return self.names[self.pos - 1]
+
+    def release(self, cap) -> None:
+        if self.released:
+            return
+        self.released = True
+        for name in self.names:
+            cap.sink(self.held[name])
+        self.held.clear()
+
+
+def install() -> None:
+    """Wrap CheckpointFunction.forward once per process; a no-op for calls made while no capture is active."""
+    global _installed
+    with _lock:
+        if _installed:
+            return
+        fn_cls = _ckpt.CheckpointFunction
+        original = fn_cls.forward
+
+        def forward(ctx, run_function, preserve_rng_state, *args):
+            mode = _active_mode()
+            if mode is not None and not isinstance(run_function, Region):
+                run_function = Region(run_function, mode)
+            return original(ctx, run_function, preserve_rng_state, *args)
+
+        fn_cls.forward = staticmethod(forward)
+        _installed = True
