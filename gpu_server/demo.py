@@ -78,8 +78,9 @@ def batches(steps: int, batch: int = 4, seq: int = 16, vocab: int = 96, seed: in
 
 
 def train(config_path: str | None, steps: int = 3, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-          dropout: float = 0.1, debugger=None) -> tuple[TinyLM, list[float]]:
-    """Train TinyLM for `steps` steps, with the agent when a config (or a debugger) is given."""
+          dropout: float = 0.1, debugger=None) -> tuple[TinyLM, list[float], dict | None]:
+    """Train TinyLM for `steps` steps, with the agent when a config (or a debugger) is given.
+    Returns the model, the losses and the agent's counts (None without the agent)."""
     torch.manual_seed(seed)
     model = TinyLM(dropout=dropout).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
@@ -100,9 +101,8 @@ def train(config_path: str | None, steps: int = 3, dtype: torch.dtype = torch.bf
         if debugger:
             debugger.step()
         losses.append(float(loss.detach()))
-    if debugger:
-        debugger.close()
-    return model, losses
+    counts = debugger.close() if debugger else None
+    return model, losses, counts
 
 
 def _free_port() -> int:
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
         dtype = getattr(torch, ns.dtype)
         print(f"[demo] training TinyLM for {ns.steps} steps in {ns.dtype} with the agent", flush=True)
         t0 = time.time()
-        _, losses = train(agent_cfg, steps=ns.steps, dtype=dtype)
+        _, losses, _ = train(agent_cfg, steps=ns.steps, dtype=dtype)
         print(f"[demo] training done in {time.time() - t0:.1f} s; losses "
               + ", ".join(f"{x:.4f}" for x in losses if math.isfinite(x)), flush=True)
     finally:

@@ -110,7 +110,7 @@ class Server:
 def run_training(script: str, *args: str, env: dict | None = None, timeout: float = 300,
                  cwd: str | None = None) -> subprocess.CompletedProcess:
     """Run a training script (source text) in a fresh Python process; fail the test if it fails."""
-    full_env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+    full_env = dict(os.environ, PYTHONPATH=ROOT)
     full_env.update(env or {})
     proc = subprocess.run([PY, "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=full_env,
                           cwd=cwd)
@@ -137,3 +137,58 @@ def read_header(out_dir: str, kind: str, rank: int = 0) -> list[str]:
 
 def by_name(rows: list[dict], key: str = "API name") -> dict[str, dict]:
     return {r[key]: r for r in rows}
+
+
+def to_job(rec, run_id: str = "test", rank: int = 0):
+    """A captured PendingRecord through the real wire encoding and the server's decoder, as the server sees it."""
+    from gpu_server.intake import FrameAssembler, decode_job
+    from npu_agent.records import encode_record
+    from protos import online_check_pb2 as pb
+    from protos.codec import encode_frames
+
+    if rec.seq < 0:
+        rec.seq = 0
+    record, enc = encode_record(rec, run_id, rank)
+    asm = FrameAssembler()
+    done = None
+    for frame in encode_frames(record, enc.buffers, enc.size, 1 << 20):
+        done = asm.feed(pb.Frame.FromString(frame))
+    assert done is not None, "frames did not complete a record"
+    return decode_job(*done)
+
+
+class ListSink(list):
+    """Collects PendingRecords in place of the sender (in-process capture tests)."""
+
+    def forward(self, name: str):
+        return next(r for r in self if r.name == name and r.direction == 1)
+
+    def backward(self, name: str):
+        return next(r for r in self if r.name == name and r.direction == 2)
+
+    def names(self, direction: int = 1) -> list[str]:
+        return [r.name for r in self if r.direction == direction]
+
+
+def capture(sink: ListSink | None = None, backward: bool = True):
+    """An in-process capture mode writing to a ListSink: `with capture() as (mode, sink): ...`."""
+    import contextlib
+
+    from npu_agent import checkpoint
+    from npu_agent.backward import BackwardTaps
+    from npu_agent.capture import CaptureMode, Capturer
+
+    sink = ListSink() if sink is None else sink
+    taps = BackwardTaps(sink.append) if backward else None
+    cap = Capturer(sink.append, backward=taps)
+    checkpoint.install()
+    mode = CaptureMode(cap)
+
+    @contextlib.contextmanager
+    def ctx():
+        yield mode, sink
+        cap.release_regions()
+        if taps is not None:
+            taps.end_step()
+
+    return ctx()
