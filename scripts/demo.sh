@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# The main job: set up, start gpu-server, train a small transformer LM in bfloat16 with the agent, print the reports.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+exec .venv/bin/python -m gpu_server.demo "$@"
