@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gpu_server import standards
+from gpu_server import error_data, standards
 from gpu_server.columns import BLANK
 from gpu_server.intake import Job
 from gpu_server.replay import ReplayError, flatten_outputs, run_backward, run_forward
@@ -84,8 +84,10 @@ def _shape(x: Any) -> str:
 class Checker:
     """Owns the report files of the ranks routed to it; called from one worker thread."""
 
-    def __init__(self, out_dir: str, ts: str, device: torch.device, summary: Summary, backward_budget: int):
+    def __init__(self, out_dir: str, ts: str, device: torch.device, summary: Summary, backward_budget: int,
+                 error_data_base: str | None = None):
         self.out_dir = out_dir
+        self.error_data_base = error_data_base
         self.ts = ts
         self.device = device
         self.summary = summary
@@ -139,7 +141,7 @@ class Checker:
             with self._lock:
                 self._pending[key] = PendingCall(job.step, outcome)
         else:
-            self._finish(job, outcome, None)
+            self._finish(job, outcome, None, fwd_job=job)
 
     # -- backward ----------------------------------------------------------------------------------------------
     def _check_backward(self, job: Job) -> None:
@@ -162,7 +164,7 @@ class Checker:
             bwd = Outcome()   # no gradient reached this call's inputs: no backward rows (" ")
         else:
             bwd = self._replay_backward(rep, fwd_job, job)
-        self._finish(job, forward, bwd)
+        self._finish(job, forward, bwd, fwd_job=fwd_job, bwd_job=job)
 
     def _replay_backward(self, rep: RankReports, fwd: Job, bwd: Job) -> Outcome:
         try:
@@ -217,7 +219,8 @@ class Checker:
         return Outcome([SKIP], [SKIP], reason, reason)
 
     # -- result rows -------------------------------------------------------------------------------------------
-    def _finish(self, job: Job, forward: Outcome, backward: Outcome | None) -> None:
+    def _finish(self, job: Job, forward: Outcome, backward: Outcome | None, fwd_job: Job | None = None,
+                bwd_job: Job | None = None) -> None:
         rep = self.reports(job.rank)
         fwd, bwd = aggregate(forward.statuses), aggregate(backward.statuses) if backward else BLANK
         pfwd, pbwd = aggregate(forward.precision), aggregate(backward.precision) if backward else BLANK
@@ -228,6 +231,11 @@ class Checker:
         rep.write_precision_result(job.name, pfwd, pbwd, pmsg if pfwd != PASS or pbwd not in (PASS, BLANK) else "",
                                    job.step)
         self.summary.call_done(job.rank, job.name, fwd, bwd, pfwd, pbwd, pmsg or msg)
+        if self.error_data_base and fwd_job is not None and ERROR in (fwd, bwd, pfwd, pbwd):
+            try:
+                error_data.save(self.error_data_base, self.ts, fwd_job, bwd_job, pmsg or msg)
+            except Exception as exc:  # noqa: BLE001 - saving evidence must not stop the checking
+                log.warning("could not save the error data of %s: %s", job.name, exc)
 
     def flush_run(self, run_id: str, rank: int, why: str) -> None:
         """The rank ended (or the server stops): calls still waiting for a backward record get their result row."""

@@ -1,0 +1,151 @@
+"""`error_data_path` online (SPEC §5.1): the inputs, outputs and gradients of each failing API call are saved as
+safetensors with a JSON description of the call and a small script that replays that one call.
+
+    error_data/{ts}/rank{r}/{Functional.linear.0}.step{s}/
+        tensors.safetensors   every tensor, by key (input.3, output.0, grad_output.0, grad_input.1, mask)
+        call.json             the API, the argument structure with tensor keys, autocast, what failed
+        replay.py             python replay.py  -> replays the call (bench and same-dtype) and prints the metrics
+
+Loading never unpickles: safetensors holds raw buffers behind a validated header, call.json is plain JSON.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gpu_server.intake import Job
+from protos.codec import dtype_from_name, dtype_name
+
+_SCRIPT = '''"""Replays {name} (step {step}, rank {rank}) from the saved data: python replay.py"""
+import os
+import sys
+
+from gpu_server.error_data import replay_folder
+
+sys.exit(replay_folder(os.path.dirname(os.path.abspath(__file__))))
+'''
+
+
+def _encode(obj: Any, tensors: dict[str, torch.Tensor], prefix: str) -> Any:
+    if isinstance(obj, torch.Tensor):
+        key = f"{prefix}.{len(tensors)}"
+        tensors[key] = obj
+        return {"tensor": key}
+    if isinstance(obj, (bool, int, float, str)) or obj is None:
+        return obj
+    if isinstance(obj, torch.dtype):
+        return {"dtype": dtype_name(obj)}
+    if isinstance(obj, torch.device):
+        return {"device": str(obj)}
+    if isinstance(obj, slice):
+        return {"slice": [_encode(v, tensors, prefix) for v in (obj.start, obj.stop, obj.step)]}
+    if obj is Ellipsis:
+        return {"ellipsis": True}
+    if isinstance(obj, torch.Size):
+        return {"size": list(obj)}
+    if isinstance(obj, (tuple, list)):
+        return {"tuple" if isinstance(obj, tuple) else "list": [_encode(v, tensors, prefix) for v in obj]}
+    if isinstance(obj, dict):
+        return {"dict": {str(k): _encode(v, tensors, prefix) for k, v in obj.items()}}
+    return {"opaque": type(obj).__name__}
+
+
+def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if not isinstance(obj, dict):
+        return obj
+    (kind, value), = obj.items()
+    if kind == "tensor":
+        return tensors[value]
+    if kind == "dtype":
+        return dtype_from_name(value)
+    if kind == "device":
+        return torch.device("cpu")
+    if kind == "slice":
+        return slice(*(_decode(v, tensors) for v in value))
+    if kind == "ellipsis":
+        return Ellipsis
+    if kind == "size":
+        return torch.Size(value)
+    if kind in ("tuple", "list"):
+        items = [_decode(v, tensors) for v in value]
+        return tuple(items) if kind == "tuple" else items
+    if kind == "dict":
+        return {k: _decode(v, tensors) for k, v in value.items()}
+    raise ValueError(f"call.json: an argument of kind {kind!r} cannot be replayed")
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:200]
+
+
+def save(base: str, ts: str, fwd: Job, bwd: Job | None, reason: str) -> str:
+    """Write one failing call's data; returns the folder."""
+    folder = os.path.join(base, "error_data", ts, f"rank{int(fwd.rank)}", f"{_safe(fwd.name)}.step{int(fwd.step)}")
+    os.makedirs(folder, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    call = {
+        "name": fwd.name, "category": fwd.category, "api": fwd.api, "step": fwd.step, "rank": fwd.rank,
+        "reason": reason, "autocast": list(fwd.autocast), "inplace": fwd.inplace,
+        "args": _encode(fwd.args, tensors, "input"), "kwargs": _encode(fwd.kwargs, tensors, "input"),
+        "output": _encode(fwd.output, tensors, "output"),
+        "requires_grad": [k for k, t in tensors.items() if id(t) in fwd.requires_grad],
+    }
+    if fwd.mask is not None:
+        tensors["mask"] = fwd.mask
+    if bwd is not None:
+        call["grad_output"] = _encode(bwd.grad_output, tensors, "grad_output")
+        call["grad_input"] = _encode(bwd.grad_input, tensors, "grad_input")
+        call["grad_input_positions"] = list(bwd.grad_input_positions)
+    # private, contiguous copies: decoded tensors are views into one record payload
+    save_file({k: t.detach().clone().contiguous() for k, t in tensors.items()},
+              os.path.join(folder, "tensors.safetensors"))
+    with open(os.path.join(folder, "call.json"), "w", encoding="utf-8") as fh:
+        json.dump(call, fh, indent=1, ensure_ascii=False)
+    with open(os.path.join(folder, "replay.py"), "w", encoding="utf-8") as fh:
+        fh.write(_SCRIPT.format(name=fwd.name, step=fwd.step, rank=fwd.rank))
+    return folder
+
+
+def load(folder: str) -> tuple[Job, Job | None]:
+    """The saved call as jobs the replay understands."""
+    tensors = load_file(os.path.join(folder, "tensors.safetensors"))
+    with open(os.path.join(folder, "call.json"), encoding="utf-8") as fh:
+        call = json.load(fh)
+    grads = frozenset(id(tensors[k]) for k in call.get("requires_grad", []))
+    fwd = Job(run_id="error-data", rank=call["rank"], step=call["step"], seq=0, name=call["name"],
+              category=call["category"], api=call["api"], direction=1, args=_decode(call["args"], tensors),
+              kwargs=_decode(call["kwargs"], tensors), output=_decode(call["output"], tensors),
+              requires_grad=grads, autocast=tuple(call["autocast"]), inplace=call["inplace"],
+              mask=tensors.get("mask"))
+    bwd = None
+    if "grad_output" in call:
+        bwd = Job(run_id="error-data", rank=call["rank"], step=call["step"], seq=0, name=call["name"],
+                  category=call["category"], api=call["api"], direction=2,
+                  grad_output=_decode(call["grad_output"], tensors), grad_input=_decode(call["grad_input"], tensors),
+                  grad_input_positions=tuple(call["grad_input_positions"]))
+    return fwd, bwd
+
+
+def replay_folder(folder: str) -> int:
+    """Replay a saved call and print each output's two-way status and metrics against the device's values."""
+    from gpu_server.replay import flatten_outputs, run_backward, run_forward
+    from gpu_server.verdict import compare_output
+
+    fwd, bwd = load(folder)
+    device = torch.device("cpu")
+    print(f"{fwd.name} (step {fwd.step}, rank {fwd.rank})")
+    bench = flatten_outputs(run_forward(fwd, device, bench=True))
+    for i, (b, d) in enumerate(zip(bench, flatten_outputs(fwd.output))):
+        cmp = compare_output(b, d)
+        print(f"  forward.output.{i}: {cmp.status} {cmp.message}")
+    if bwd is not None and bwd.grad_input:
+        grads = run_backward(fwd, bwd, device, bench=True)
+        for i, (b, d) in enumerate(zip(grads, bwd.grad_input)):
+            if b is not None and d is not None:
+                cmp = compare_output(b, d)
+                print(f"  backward.output.{i}: {cmp.status} {cmp.message}")
+    return 0
