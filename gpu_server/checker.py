@@ -17,7 +17,7 @@ from gpu_server import error_data, standards
 from gpu_server.columns import BLANK
 from gpu_server.intake import Job
 from gpu_server.replay import ReplayError, flatten_outputs, run_backward, run_forward
-from gpu_server.reports import RankReports
+from gpu_server.reports import NULL_REPORTS, RankReports
 from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING
 from gpu_server.summary import Summary
 from gpu_server.verdict import aggregate, compare_output
@@ -95,8 +95,11 @@ class Checker:
         self._reports: dict[int, RankReports] = {}
         self._pending: dict[tuple, PendingCall] = {}
         self._lock = threading.Lock()
+        self._write_rows = True
 
     def reports(self, rank: int) -> RankReports:
+        if not self._write_rows:
+            return NULL_REPORTS
         rep = self._reports.get(rank)
         if rep is None:
             rep = self._reports[rank] = RankReports(self.out_dir, self.ts, rank)
@@ -104,7 +107,21 @@ class Checker:
         return rep
 
     # -- entry point -----------------------------------------------------------------------------------------
-    def check(self, job: Job) -> None:
+    def check(self, job: Job, write_rows: bool = True) -> None:
+        """Check one job. `write_rows=False` (a forward restored from the spool after a restart, whose rows exist
+        already) only rebuilds the state its backward check needs."""
+        self._write_rows = write_rows
+        try:
+            self._check(job)
+        finally:
+            self._write_rows = True
+
+    def awaiting_backward(self, job: Job) -> bool:
+        """True while this forward call's result row waits for its backward record."""
+        with self._lock:
+            return (job.run_id, job.rank, job.step, job.name) in self._pending
+
+    def _check(self, job: Job) -> None:
         try:
             if job.direction == pb.BACKWARD:
                 self._check_backward(job)
@@ -230,6 +247,8 @@ class Checker:
                          or WARNING in (fwd, bwd) else "", job.step)
         rep.write_precision_result(job.name, pfwd, pbwd, pmsg if pfwd != PASS or pbwd not in (PASS, BLANK) else "",
                                    job.step)
+        if not self._write_rows:
+            return
         self.summary.call_done(job.rank, job.name, fwd, bwd, pfwd, pbwd, pmsg or msg)
         if self.error_data_base and fwd_job is not None and ERROR in (fwd, bwd, pfwd, pbwd):
             try:
@@ -250,6 +269,12 @@ class Checker:
             self.store.drop_run(run_id, rank)
 
     def close(self) -> None:
-        self.flush_run("", -1, "the server stopped")
+        """Close the reports. Calls of ranks that have not ended and still wait for their backward record get no
+        result row now: their forward stays in the spool, and a restart with the same --out finishes them."""
+        with self._lock:
+            waiting = len(self._pending)
+        if waiting:
+            log.warning("%d calls of ranks that have not ended wait for their backward records; they are kept in the "
+                        "spool and finished after a restart with the same --out", waiting)
         for rep in self._reports.values():
             rep.close()

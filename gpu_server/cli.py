@@ -2,6 +2,10 @@
 
 msprobe's spellings `-config` and `-o` work too. SIGINT/SIGTERM: stop accepting, check everything already accepted,
 flush the reports, print the summary, exit 0 (non-zero with `--fail-on error` when an API failed).
+
+Every acknowledged record is in `--out/spool/` until its rows are written; a restart with the same `--out` (after a
+crash, a kill or a stop) resumes: same report files, spooled records checked first, nothing written twice
+(gpu_server/spool.py). Use a new `--out` for a new session.
 """
 from __future__ import annotations
 
@@ -35,6 +39,9 @@ def _args(argv):
                    help="memory for forward inputs kept until their backward check (default 4096)")
     p.add_argument("--max-record-mb", type=float, default=DEFAULT_LIMITS.max_record_bytes / MiB,
                    help="largest record accepted")
+    p.add_argument("--memory-mb", type=float, default=None,
+                   help="payload bytes held at once: being received, spooled, waiting for a worker (default: a "
+                        "quarter of the host's memory, at least 1024); a full budget slows the agents down")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     return p.parse_args(argv)
 
@@ -48,6 +55,7 @@ def main(argv=None) -> int:
         print(f"gpu-server: {exc}", file=sys.stderr)
         return 2
     from gpu_server.app import ServerApp  # imports torch: after the cheap checks
+    from gpu_server.spool import SpoolError
 
     os.makedirs(ns.out, exist_ok=True)
     limits = DEFAULT_LIMITS.replace(max_record_bytes=int(ns.max_record_mb * MiB))
@@ -58,9 +66,10 @@ def main(argv=None) -> int:
     try:
         app = ServerApp(config, ns.out, device=ns.device, workers=ns.workers, limits=limits,
                         backward_budget=int(ns.backward_memory_mb * MiB),
-                        expected_ranks=expected if ns.exit_when_done else None)
+                        expected_ranks=expected if ns.exit_when_done else None,
+                        memory_budget=int(ns.memory_mb * MiB) if ns.memory_mb else None)
         app.start()
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError, SpoolError) as exc:
         print(f"gpu-server: {exc}", file=sys.stderr)
         return 2
     if config.nfs_path:

@@ -18,9 +18,11 @@ Rules:
 from __future__ import annotations
 
 import dataclasses
+import errno
 import logging
 import os
 import re
+import stat
 import struct
 import threading
 import time
@@ -30,12 +32,11 @@ from google.protobuf.message import DecodeError
 
 from gpu_server.intake import FrameAssembler, Intake
 from protos import online_check_pb2 as pb
-from protos.codec import WireError
+from protos.codec import FOLDER_MAGIC, WireError
 from protos.limits import DEFAULT_LIMITS, Limits
 
 log = logging.getLogger("gpu_server")
 
-FOLDER_MAGIC = b"OCFRAME1"  # the same bytes as npu_agent.transport_folder.FOLDER_MAGIC (the two never import each other)
 _LEN = struct.Struct("<I")
 RANK_DIR = re.compile(r"^rank(\d{1,9})$")
 RECORD_FILE = re.compile(r"^([A-Za-z0-9_-]{1,64})\.rank(\d{1,9})\.(\d{12})\.rec$")
@@ -165,8 +166,7 @@ class FolderReader:
                 return busy
             if seq < st.next_seq:
                 # Older than what this process already handled (a re-published file): the intake dedupes it.
-                self._process_record(folder, files[seq], run_id, rank, seq)
-                busy = True
+                busy |= self._process_record(folder, files[seq], run_id, rank, seq)
                 continue
             if seq > st.next_seq:
                 end_settled = st.end_seen_at is not None and now - st.end_seen_at >= self.gap_grace_s
@@ -182,16 +182,19 @@ class FolderReader:
                 log.warning("shared folder: run %s rank %d: records %d..%d never arrived (the agent ended without "
                             "them); going on with %d", run_id, rank, st.next_seq, seq - 1, seq)
                 st.next_seq = seq
-            self._process_record(folder, files[seq], run_id, rank, seq)
+            if not self._process_record(folder, files[seq], run_id, rank, seq):
+                return busy
             st.next_seq = seq + 1
             st.gap_since, st.gap_reported = None, False
             busy = True
+        handled = set(files.values())
         if end is not None:
             # Every record the agent wrote was published before its end marker; a listing taken before the marker
             # appeared may still miss the last ones, so look once more before ending the stream.
             try:
                 later = [n for n in os.listdir(folder) if (m := RECORD_FILE.match(n)) and m.group(1) == run_id
-                         and int(m.group(2)) == rank and int(m.group(3)) >= (st.next_seq or 0)]
+                         and int(m.group(2)) == rank and int(m.group(3)) >= (st.next_seq or 0)
+                         and n not in handled]
             except OSError:
                 later = []
             if later:
@@ -203,8 +206,14 @@ class FolderReader:
     # -- files ---------------------------------------------------------------------------------------------
     def _read_frames(self, path: str):
         """Yield (frame, bytes) of a published file, checking every size before reading it."""
-        with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
+        # O_NOFOLLOW | O_NONBLOCK: a symlink or a FIFO planted under a record's name is refused, never followed
+        # or waited on.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as fh:
+            st = os.fstat(fh.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise BadFile("it is not a regular file")
+            size = st.st_size
             magic = fh.read(len(FOLDER_MAGIC))
             if magic != FOLDER_MAGIC:
                 raise BadFile("it does not start with the online-check folder magic (not written by npu_agent)")
@@ -256,22 +265,32 @@ class FolderReader:
             raise BadFile("the file ends before the record is complete")
         return done
 
-    def _process_record(self, folder: str, name: str, run_id: str, rank: int, seq: int) -> None:
+    def _process_record(self, folder: str, name: str, run_id: str, rank: int, seq: int) -> bool:
+        """Handle one record file. False when it could not be read now (retry later, keep the order)."""
         path = os.path.join(folder, name)
         try:
             record, payload = self._load_record(path, run_id, rank, seq)
         except FileNotFoundError:
-            return  # removed meanwhile (another reader of the same folder); nothing to do
-        except (BadFile, OSError) as exc:
+            return True  # removed meanwhile (another reader of the same folder); nothing to do
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:  # a read error (NFS hiccup, permissions): try again on a later poll
+                self._report_once(path, "shared folder: cannot read %s (%s); retrying", path, exc)
+                return False
+            exc = BadFile("it is a symbolic link")
             self.intake.rejected += 1
             self._move_aside(folder, name, str(exc))
-            return
+            return True
+        except BadFile as exc:
+            self.intake.rejected += 1
+            self._move_aside(folder, name, str(exc))
+            return True
         status, reason = self.intake.accept(record, payload)
         del payload
         if status == pb.Ack.REJECTED:
             log.warning("shared folder: %s rejected: %s", name, reason)
         self.processed += 1
         self._remove(path)
+        return True
 
     def _process_end(self, folder: str, name: str, run_id: str, rank: int, st: _Stream) -> None:
         path = os.path.join(folder, name)
@@ -284,7 +303,13 @@ class FolderReader:
                 raise BadFile(f"it holds the end of run {end.run_id[:64]!r} rank {end.rank}, not what its name says")
         except FileNotFoundError:
             return
-        except (BadFile, OSError) as exc:
+        except OSError as exc:
+            if exc.errno != errno.ELOOP:
+                self._report_once(path, "shared folder: cannot read %s (%s); retrying", path, exc)
+                return
+            self._move_aside(folder, name, "it is a symbolic link")
+            return
+        except BadFile as exc:
             self._move_aside(folder, name, str(exc))
             return
         if not st.ended:

@@ -1,14 +1,17 @@
 """Accepting records, whatever transport brought them (SPEC §4, §5.1).
 
-`FrameAssembler` joins one stream's frames into (Record, payload). `Intake.accept` validates a whole record
-(header, names, tensor table, values), drops duplicates (same run, rank, seq), applies the rank and API filters and
-hands a decoded `Job` to the workers. Every outcome is an acknowledgement status and, for bad records, a SKIP row.
+`FrameAssembler` joins one stream's frames into (Record, payload), reserving the payload's bytes from the server's
+memory budget first (`ByteBudget`). `Intake.submit` drops duplicates (same run, rank, seq), applies the rank and API
+filters, writes the record to the durable spool (gpu_server/spool.py), validates the whole record (header, names,
+tensor table, values) and hands a decoded `Job` to the workers; it returns a `Ticket` that holds the acknowledgement
+once the record is durable. `Intake.accept` is the same, waiting for the ticket. Every outcome is an
+acknowledgement status and, for bad records, a SKIP row.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -17,6 +20,9 @@ from gpu_server.registry import known
 from protos import online_check_pb2 as pb
 from protos.codec import RecordDecoder, WireError
 from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, valid_call_name
+
+if TYPE_CHECKING:
+    from gpu_server.spool import Spool, Ticket
 
 ACCEPTED, DUPLICATE, REJECTED = pb.Ack.ACCEPTED, pb.Ack.DUPLICATE, pb.Ack.REJECTED
 
@@ -46,17 +52,52 @@ class Job:
     rng_device: str = ""
     mask: torch.Tensor | None = None
     skip_reason: str = ""      # set: the call is reported SKIP with this reason
+    intra_op_threads: int = 0  # CPU training's thread count (0: unknown / not a CPU device)
     nbytes: int = 0
+    reserved: int = 0          # bytes of the server's memory budget this job holds until it is checked
+
+
+class ByteBudget:
+    """Bytes of record payloads the server holds at once (assembling, spooling, queued for the workers).
+
+    `acquire` waits until the bytes fit; one record larger than the whole budget is let through alone.
+    """
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+        self.peak = 0
+        self._cv = threading.Condition()
+
+    def acquire(self, n: int, cancelled: Callable[[], bool] = lambda: False) -> bool:
+        with self._cv:
+            while self.held and self.held + n > self.limit:
+                if cancelled():
+                    return False
+                self._cv.wait(0.5)
+            self.held += n
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def release(self, n: int) -> None:
+        if n:
+            with self._cv:
+                self.held -= n
+                self._cv.notify_all()
 
 
 class FrameAssembler:
     """One stream's frames -> complete records. Frames of one record are contiguous and in offset order."""
 
-    def __init__(self, limits: Limits = DEFAULT_LIMITS):
+    def __init__(self, limits: Limits = DEFAULT_LIMITS, budget: ByteBudget | None = None,
+                 cancelled: Callable[[], bool] = lambda: False):
         self.limits = limits
+        self.budget = budget
+        self.cancelled = cancelled
         self.record: pb.Record | None = None
         self.payload: bytearray | None = None
         self.filled = 0
+        self.reserved = 0          # budget bytes held by the record being assembled (handed over when complete)
 
     def feed(self, frame: pb.Frame) -> tuple[pb.Record, bytearray] | None:
         body = frame.WhichOneof("body")
@@ -70,8 +111,16 @@ class FrameAssembler:
             if rec.payload_bytes > self.limits.max_record_bytes:
                 raise WireError(f"record {rec.header.seq} announces {rec.payload_bytes} payload bytes, above the "
                                 f"limit of {self.limits.max_record_bytes}")
+            if self.budget is not None:
+                if not self.budget.acquire(rec.payload_bytes, self.cancelled):
+                    raise WireError(f"record {rec.header.seq}: the stream closed while waiting for server memory")
+                self.reserved = rec.payload_bytes
             self.record, self.filled = rec, 0
-            self.payload = bytearray(rec.payload_bytes)
+            try:
+                self.payload = bytearray(rec.payload_bytes)
+            except MemoryError:
+                self.reset()
+                raise WireError(f"record {rec.header.seq}: no memory for {rec.payload_bytes} payload bytes") from None
             offset = 0
         elif body == "chunk":
             if self.record is None or frame.chunk.seq != self.record.header.seq:
@@ -84,25 +133,36 @@ class FrameAssembler:
             self.reset()
             raise WireError(f"record {rec.header.seq}: chunk at offset {offset} (+{len(data)} bytes) does not continue "
                             f"the payload at {self.filled} of {rec.payload_bytes}")
-        self.payload[offset:offset + len(data)] = data
+        memoryview(self.payload)[offset:offset + len(data)] = data   # the fast path (reference/limits.md)
         self.filled += len(data)
         if self.filled == len(self.payload):
             out = (self.record, self.payload)
-            self.reset()
+            self.record, self.payload, self.filled = None, None, 0
             return out
         return None
 
+    def take_reserved(self) -> int:
+        """The budget bytes of the record `feed` just returned: the caller releases them (via the intake)."""
+        n, self.reserved = self.reserved, 0
+        return n
+
     def reset(self) -> None:
         self.record, self.payload, self.filled = None, None, 0
+        if self.budget is not None and self.reserved:
+            self.budget.release(self.reserved)
+        self.reserved = 0
 
 
 class Intake:
-    def __init__(self, config: ServerConfig, dispatch: Callable[[Job], None], limits: Limits = DEFAULT_LIMITS,
-                 on_end: Callable[[pb.End], None] | None = None):
+    def __init__(self, config: ServerConfig, dispatch: Callable[..., None], limits: Limits = DEFAULT_LIMITS,
+                 on_end: Callable[[pb.End], None] | None = None, *, spool: Spool | None = None,
+                 budget: ByteBudget | None = None):
         self.config = config
         self.dispatch = dispatch
         self.limits = limits
         self.on_end = on_end or (lambda end: None)
+        self.spool = spool
+        self.budget = budget
         self._seen: dict[tuple[str, int], set[int]] = {}
         self._lock = threading.Lock()
         self.received = 0
@@ -119,48 +179,100 @@ class Intake:
             seen.add(seq)
             return True
 
-    def accept(self, record: pb.Record, payload: bytearray) -> tuple[int, str]:
+    def accept(self, record: pb.Record, payload: bytearray, reserved: int = 0) -> tuple[int, str]:
+        """Take one complete record; returns its acknowledgement once the record is durable."""
+        return self.submit(record, payload, reserved).wait()
+
+    def submit(self, record: pb.Record, payload: bytearray, reserved: int = 0) -> Ticket:
+        """Take one complete record; the returned ticket holds the acknowledgement once the record is durable.
+
+        `reserved`: bytes of `self.budget` the payload holds (released here or once the workers checked it).
+        """
+        from gpu_server.spool import Ticket
+
         h = record.header
         self.received += 1
         if not RUN_ID.match(h.run_id):
             self.rejected += 1
-            return REJECTED, f"record {h.seq}: run id {h.run_id[:80]!r} is not 1-64 letters, digits, '-' or '_'"
+            self._release(reserved)
+            return Ticket(h.seq, REJECTED, f"record {h.seq}: run id {h.run_id[:80]!r} is not 1-64 letters, digits, "
+                                           "'-' or '_'")
         if not self.mark_seen(h.run_id, h.rank, h.seq):
             self.duplicates += 1
-            return DUPLICATE, ""
+            self._release(reserved)
+            earlier = self.spool.pending((h.run_id, h.rank, h.seq)) if self.spool is not None else None
+            # The first copy may not be durable yet: answer once it is.
+            return Ticket(h.seq, DUPLICATE, after=earlier if earlier is not None and not earlier.ready() else None)
+        match = valid_call_name(h.name)
+        if match is not None and (not self.config.wants_rank(h.rank) or not self.config.wants(match.group(2))):
+            self.filtered += 1
+            self._release(reserved)
+            return Ticket(h.seq, ACCEPTED)
+        ticket = self.spool.append(record, payload) if self.spool is not None else None
+        status, reason = self.process(record, payload, reserved)
+        if ticket is None:
+            return Ticket(h.seq, status, reason)
+        if status != ACCEPTED:  # its SKIP row is on the way; answer the rejection once the record is durable
+            return Ticket(h.seq, status, reason, after=ticket)
+        return ticket
+
+    def process(self, record: pb.Record, payload: bytearray, reserved: int = 0, restore: bool = False
+                ) -> tuple[int, str]:
+        """Validate a record that is new (or replayed from the spool) and hand its job (or SKIP row) to the workers.
+
+        `restore`: replayed from the spool after its detail rows were written; the workers rebuild its state only.
+        """
+        h = record.header
         match = valid_call_name(h.name)
         if match is None:
             self.rejected += 1
             reason = f"record {h.seq}: API name {h.name[:80]!r} is not Category.api.n with a known category"
-            self._reject_row(h, f"invalid.record.{h.seq}", reason)
+            self._reject_row(h, f"invalid.record.{h.seq}", reason, reserved=reserved)
             return REJECTED, reason
         category, api = match.group(1), match.group(2)
         if not self.config.wants_rank(h.rank) or not self.config.wants(api):
             self.filtered += 1
+            self._reject_row(h, h.name, "", reserved=reserved, filtered=True)
             return ACCEPTED, ""
         if h.direction not in (pb.FORWARD, pb.BACKWARD):
             self.rejected += 1
             reason = f"{h.name}: direction {h.direction} is neither forward nor backward"
-            self._reject_row(h, h.name, reason)
+            self._reject_row(h, h.name, reason, reserved=reserved)
             return REJECTED, reason
         try:
             job = decode_job(record, payload, self.limits)
         except WireError as exc:
             self.rejected += 1
             reason = f"{h.name}: malformed record: {exc}"
-            self._reject_row(h, h.name, reason)
+            self._reject_row(h, h.name, reason, reserved=reserved)
             return REJECTED, reason
         if not job.skip_reason:
             why = known(category, api)
             if why is not None:
                 self.rejected += 1
-                self._reject_row(h, h.name, why, job)
+                self._reject_row(h, h.name, why, job, reserved=reserved)
                 return REJECTED, f"{h.name}: {why}"
-        self.dispatch(job)
+        job.reserved = reserved
+        self._dispatch(job, restore)
         return ACCEPTED, ""
 
-    def _reject_row(self, h: pb.RecordHeader, name: str, reason: str, job: Job | None = None) -> None:
-        if not self.config.wants_rank(h.rank):
+    def _dispatch(self, job: Job, restore: bool = False) -> None:
+        if restore:
+            self.dispatch(job, restore=True)
+        else:
+            self.dispatch(job)
+
+    def _release(self, n: int) -> None:
+        if self.budget is not None and n:
+            self.budget.release(n)
+
+    def _reject_row(self, h: pb.RecordHeader, name: str, reason: str, job: Job | None = None, reserved: int = 0,
+                    filtered: bool = False) -> None:
+        self._release(reserved)
+        if filtered or not self.config.wants_rank(h.rank):
+            # Nothing to report (spooled under an earlier config that wanted it): the spool entry is done.
+            if self.spool is not None:
+                self.spool.complete([(h.run_id, h.rank, h.seq)], [], {})
             return
         match = valid_call_name(name)
         category, api = (match.group(1), match.group(2)) if match else ("", "")
@@ -168,6 +280,7 @@ class Intake:
                          seq=h.seq, name=name, category=category, api=api, direction=h.direction or pb.FORWARD)
         job.skip_reason = reason
         job.backward_expected = False
+        job.reserved = 0
         self.dispatch(job)
 
 
@@ -195,6 +308,7 @@ def decode_job(record: pb.Record, payload: bytearray, limits: Limits = DEFAULT_L
         grad_enabled=record.grad_enabled,
         autocast=(record.autocast.enabled, record.autocast.dtype, record.autocast.device_type),
         inplace=record.inplace, backward_expected=record.backward_expected, skip_reason=record.skip_reason[:1000],
+        intra_op_threads=min(record.intra_op_threads, 1024),
         nbytes=len(payload),
     )
     if record.HasField("random"):

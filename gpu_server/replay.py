@@ -180,12 +180,29 @@ def call_api(job: Job, args: tuple, kwargs: dict, device: torch.device) -> Any:
     return out
 
 
+@contextlib.contextmanager
+def _threads(job: Job, device: torch.device, bench: bool):
+    """A CPU same-dtype run uses the training's intra-op thread count: low-precision CPU kernels reduce in
+    thread-sized blocks, and the noise floor should be what the same configuration computes."""
+    n = job.intra_op_threads
+    if bench or device.type != "cpu" or n <= 0 or n == torch.get_num_threads():
+        yield
+        return
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
 def run_forward(job: Job, device: torch.device, bench: bool) -> Any:
     """One forward replay: the bench run (bench=True) or the same-dtype run. Exceptions -> ReplayError."""
     args, kwargs, _ = prepare_inputs(job, device, bench)
     ac = None if bench else _autocast_dtype(job)
     try:
-        with torch.no_grad(), torch.autocast(device.type, dtype=ac, enabled=ac is not None) if ac else \
+        with torch.no_grad(), _threads(job, device, bench), \
+                torch.autocast(device.type, dtype=ac, enabled=ac is not None) if ac else \
                 contextlib.nullcontext(), _no_autocast(device) if ac is None else contextlib.nullcontext():
             return call_api(job, args, kwargs, device)
     except ReplayError:
@@ -215,24 +232,29 @@ def run_backward(fwd: Job, bwd: Job, device: torch.device, bench: bool) -> list:
         args = map_leaves(args, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in index else v)
     ac = None if bench else _autocast_dtype(fwd)
     try:
-        with torch.enable_grad(), torch.autocast(device.type, dtype=ac, enabled=True) if ac else _no_autocast(device):
-            out = call_api(fwd, args, kwargs, device)
-        outs = [t for t in iter_leaves(out) if isinstance(t, torch.Tensor)]
-        grads = list(bwd.grad_output) if isinstance(bwd.grad_output, (list, tuple)) else [bwd.grad_output]
-        if len(grads) != len(outs):
-            raise ReplayError(f"backward record has {len(grads)} grad_outputs for {len(outs)} outputs")
-        pairs = [(o, g.to(device=device, dtype=o.dtype)) for o, g in zip(outs, grads)
-                 if isinstance(g, torch.Tensor) and o.requires_grad]
-        if not pairs:
-            raise ReplayError("no output of the replayed call is differentiable")
-        for o, g in pairs:
-            if tuple(o.shape) != tuple(g.shape):
-                raise ReplayError(f"grad_output shape {tuple(g.shape)} does not match the output {tuple(o.shape)}")
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        with _threads(fwd, device, bench):
+            return _backward(fwd, bwd, args, kwargs, leaves, device, ac)
     except ReplayError:
         raise
     except Exception as exc:  # noqa: BLE001
         raise ReplayError(f"backward replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def _backward(fwd: Job, bwd: Job, args, kwargs, leaves: dict, device: torch.device, ac) -> list:
+    with torch.enable_grad(), torch.autocast(device.type, dtype=ac, enabled=True) if ac else _no_autocast(device):
+        out = call_api(fwd, args, kwargs, device)
+    outs = [t for t in iter_leaves(out) if isinstance(t, torch.Tensor)]
+    grads = list(bwd.grad_output) if isinstance(bwd.grad_output, (list, tuple)) else [bwd.grad_output]
+    if len(grads) != len(outs):
+        raise ReplayError(f"backward record has {len(grads)} grad_outputs for {len(outs)} outputs")
+    pairs = [(o, g.to(device=device, dtype=o.dtype)) for o, g in zip(outs, grads)
+             if isinstance(g, torch.Tensor) and o.requires_grad]
+    if not pairs:
+        raise ReplayError("no output of the replayed call is differentiable")
+    for o, g in pairs:
+        if tuple(o.shape) != tuple(g.shape):
+            raise ReplayError(f"grad_output shape {tuple(g.shape)} does not match the output {tuple(o.shape)}")
+    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
     result = []
     for pos in bwd.grad_input_positions:
         leaf = leaves.get(pos)

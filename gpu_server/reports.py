@@ -104,3 +104,15 @@ class RankReports:
     def close(self) -> None:
         for f in (self.result, self.details, self.precision_result, self.precision_details):
             f.close()
+
+
+class _NullReports:
+    """Stands in for a rank's report files when rows must not be written (a restored job whose rows exist)."""
+
+    paths: list[str] = []
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+NULL_REPORTS = _NullReports()

@@ -6,6 +6,8 @@ the intake; every record gets an acknowledgement, bad ones a REJECTED with the r
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from concurrent import futures
 from typing import Callable
 
@@ -13,7 +15,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gpu_server.intake import FrameAssembler, Intake
+from gpu_server.intake import ByteBudget, FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.limits import RUN_ID, Limits
@@ -23,47 +25,76 @@ SERVICE = "online_check.v1.OnlineCheck"
 
 
 class StreamHandler:
-    def __init__(self, intake: Intake, limits: Limits, on_end: Callable[[pb.End], None]):
+    """One stream: a reader thread assembles and submits records while this thread answers with acknowledgements,
+    each once its record is durable, in arrival order. Records arriving together share one spool commit."""
+
+    def __init__(self, intake: Intake, limits: Limits, on_end: Callable[[pb.End], None],
+                 budget: ByteBudget | None = None):
         self.intake = intake
         self.limits = limits
         self.on_end = on_end
+        self.budget = budget
 
     def stream(self, request_iterator, context):
-        asm = FrameAssembler(self.limits)
+        acks: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=self._read, args=(request_iterator, context, acks),
+                                  name="gpu-server-stream", daemon=True)
+        reader.start()
+        while True:
+            item = acks.get()
+            if item is None:
+                return
+            if isinstance(item, pb.Ack):
+                yield item
+                continue
+            status, reason = item.wait()
+            yield pb.Ack(seq=item.seq, status=status, reason=reason)
+
+    def _read(self, request_iterator, context, acks: queue.Queue) -> None:
+        asm = FrameAssembler(self.limits, self.budget, cancelled=lambda: not context.is_active())
         peer = context.peer()
-        for raw in request_iterator:
-            try:
-                frame = pb.Frame.FromString(raw)
-            except DecodeError:
-                asm.reset()
-                self.intake.rejected += 1
-                yield pb.Ack(status=pb.Ack.REJECTED, reason=f"a {len(raw)}-byte message is not a valid Frame; "
-                                                            "this server speaks online_check.v1 protobuf only")
-                continue
-            body = frame.WhichOneof("body")
-            if body == "hello":
-                log.info("agent connected from %s: run %s rank %d", peer, frame.hello.run_id[:64], frame.hello.rank)
-                continue
-            if body == "end":
-                end = frame.end
-                if not RUN_ID.match(end.run_id):
-                    yield pb.Ack(status=pb.Ack.REJECTED, reason="end message with an invalid run id")
-                    continue
-                self.on_end(end)
-                yield pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED)
-                continue
-            try:
-                done = asm.feed(frame)
-            except WireError as exc:
-                self.intake.rejected += 1
-                seq = frame.record.header.seq if body == "record" else frame.chunk.seq if body == "chunk" else 0
-                yield pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc))
-                continue
-            if done is None:
-                continue
-            record, payload = done
-            status, reason = self.intake.accept(record, payload)
-            yield pb.Ack(seq=record.header.seq, status=status, reason=reason)
+        try:
+            for raw in request_iterator:
+                ack = self._frame(raw, asm, peer)
+                if ack is not None:
+                    acks.put(ack)
+        except grpc.RpcError:
+            pass  # the agent went away; what it did not get acknowledged it re-sends
+        except Exception:  # noqa: BLE001
+            log.exception("stream from %s: internal error", peer)
+        finally:
+            asm.reset()
+            acks.put(None)
+
+    def _frame(self, raw: bytes, asm: FrameAssembler, peer: str):
+        try:
+            frame = pb.Frame.FromString(raw)
+        except DecodeError:
+            asm.reset()
+            self.intake.rejected += 1
+            return pb.Ack(status=pb.Ack.REJECTED, reason=f"a {len(raw)}-byte message is not a valid Frame; "
+                                                         "this server speaks online_check.v1 protobuf only")
+        body = frame.WhichOneof("body")
+        if body == "hello":
+            log.info("agent connected from %s: run %s rank %d", peer, frame.hello.run_id[:64], frame.hello.rank)
+            return None
+        if body == "end":
+            end = frame.end
+            if not RUN_ID.match(end.run_id):
+                return pb.Ack(status=pb.Ack.REJECTED, reason="end message with an invalid run id")
+            self.on_end(end)
+            return pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED)
+        try:
+            done = asm.feed(frame)
+        except WireError as exc:
+            self.intake.rejected += 1
+            seq = frame.record.header.seq if body == "record" else frame.chunk.seq if body == "chunk" else 0
+            return pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc))
+        del frame
+        if done is None:
+            return None
+        record, payload = done
+        return self.intake.submit(record, payload, asm.take_reserved())
 
 
 def make_server(handler: StreamHandler, bind: str, limits: Limits, tls_path: str = "") -> tuple[grpc.Server, int]:

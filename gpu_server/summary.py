@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import collections
+import csv
+import glob
 import json
 import os
 import threading
@@ -23,6 +25,8 @@ class Summary:
         self.ends: dict[tuple[str, int], dict] = {}
         self.files: dict[int, list[str]] = {}
         self.transport: dict[str, int] = collections.Counter()
+        self.session: dict = {"resumed": False, "server_starts": 1}
+        self.memory: dict = {}
 
     def add_files(self, rank: int, paths: list[str]) -> None:
         with self._lock:
@@ -50,6 +54,40 @@ class Summary:
                 api = ".".join(name.split(".")[:2])
                 self.failing[api].append((rank, name, message))
 
+    def resumed(self, resumed: bool, starts: int, replay: int, done: int, truncated: dict) -> None:
+        with self._lock:
+            self.session = {"resumed": resumed, "server_starts": starts, "records_reported_before": done,
+                            "spool_records_at_start": replay, "unjournaled_bytes_cut": sum(truncated.values())}
+
+    def set_memory(self, budget: int, peak: int) -> None:
+        with self._lock:
+            self.memory = {"payload_budget_bytes": budget, "payload_peak_bytes": peak}
+
+    def seed_from_reports(self, out_dir: str, ts: str) -> None:
+        """A resumed session: count the result rows the earlier server processes wrote (after the cut-back)."""
+        for path in glob.glob(os.path.join(out_dir, f"accuracy_checking_result_{ts}_rank*.csv")):
+            rank = int(path.rsplit("_rank", 1)[1][:-4])
+            precision = path.replace("accuracy_checking_result_", "api_precision_compare_result_")
+            try:
+                with open(path, encoding="utf-8-sig", newline="") as fh:
+                    rows = list(csv.reader(fh))[1:]
+                prows = []
+                if os.path.exists(precision):
+                    with open(precision, encoding="utf-8-sig", newline="") as fh:
+                        prows = list(csv.reader(fh))[1:]
+            except (OSError, csv.Error):
+                continue
+            pmap = {r[0]: r for r in prows if len(r) >= 4}
+            for r in rows:
+                if len(r) < 4:
+                    continue
+                p = pmap.get(r[0], [r[0], " ", " ", ""])
+                self.call_done(rank, r[0], r[1], r[2], p[1], p[2], p[3] or r[3])
+            with self._lock:
+                self.files.setdefault(rank, [path.replace("accuracy_checking_result_", k + "_") for k in
+                                             ("accuracy_checking_result", "accuracy_checking_details",
+                                              "api_precision_compare_result", "api_precision_compare_details")])
+
     def rank_ended(self, run_id: str, rank: int, counts: dict) -> None:
         with self._lock:
             self.ends[(run_id, rank)] = counts
@@ -74,6 +112,9 @@ class Summary:
                                                                       for r, n, m in v[:3]]}
                                  for api, v in sorted(self.failing.items(), key=lambda kv: -len(kv[1]))},
                 "ranks_ended": [{"run_id": rid, "rank": rk, **c} for (rid, rk), c in self.ends.items()],
+                "records_dropped_by_agents": sum(int(c.get("dropped", 0)) for c in self.ends.values()),
+                "session": dict(self.session),
+                "memory": dict(self.memory),
                 "transport": dict(self.transport),
                 "report_files": {str(k): v for k, v in self.files.items()},
             }
@@ -93,9 +134,14 @@ class Summary:
                  f"({d['elapsed_s']:.1f} s)"]
         lines.append("  accuracy_checking (two-way):    " + _counts(d["accuracy_checking_status"]))
         lines.append("  api_precision_compare (standards): " + _counts(d["api_precision_compare_status"]))
-        for k in ("duplicates", "rejected", "filtered"):
+        for k in ("duplicates", "rejected", "filtered", "spool_replayed"):
             if d["transport"].get(k):
-                lines.append(f"  {k} records: {d['transport'][k]}")
+                lines.append(f"  {k.replace('_', ' ')} records: {d['transport'][k]}")
+        if d["session"].get("resumed"):
+            lines.append(f"  resumed session (server start {d['session']['server_starts']}): "
+                         f"{d['session']['records_reported_before']} records reported by earlier starts")
+        if d["records_dropped_by_agents"]:
+            lines.append(f"  dropped by the agents (policy 'drop'): {d['records_dropped_by_agents']} records")
         for end in d["ranks_ended"]:
             lines.append(f"  rank {end['rank']} (run {end['run_id']}): captured {end.get('captured', 0)}, sent "
                          f"{end.get('sent', 0)}, dropped {end.get('dropped', 0)} by the agent")

@@ -2,18 +2,27 @@
 
 Jobs of one rank always go to the same worker, in arrival order, so the rows of a rank are written in a
 deterministic order by one thread. Queues are bounded: a slow bench pushes back on the transport.
+
+After each job the worker tells `on_complete` which records are now completely reported (`done`), which forward
+records have their detail rows written while their result row waits for the backward record (`half`), and the sizes
+of the rank's report files at that moment: the durable spool journals exactly that (gpu_server/spool.py). A job
+submitted with `restore=True` (a `half` record replayed after a restart) rebuilds the checker's state without
+writing rows: its rows are in the report files already.
 """
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+from typing import Callable
 
 import torch
 
 from gpu_server.checker import Checker
 from gpu_server.intake import Job
 from gpu_server.summary import Summary
+from protos import online_check_pb2 as pb
 
 log = logging.getLogger("gpu_server")
 _STOP = object()
@@ -39,11 +48,18 @@ def bench_devices(spec: str | None, workers: int | None) -> list[torch.device]:
     return [dev] * max(1, workers or 1)
 
 
+Key = tuple  # (run_id, rank, seq)
+
+
 class WorkerPool:
     def __init__(self, devices: list[torch.device], out_dir: str, ts: str, summary: Summary,
-                 backward_budget: int, queue_size: int = 256):
+                 backward_budget: int, queue_size: int = 256,
+                 on_complete: Callable[[list[Key], list[Key], dict[str, int]], None] | None = None,
+                 release: Callable[[int], None] | None = None, error_data_base: str | None = None):
         self.summary = summary
-        self.checkers = [Checker(out_dir, ts, d, summary, backward_budget) for d in devices]
+        self.on_complete = on_complete or (lambda done, half, files: None)
+        self.release = release or (lambda n: None)
+        self.checkers = [Checker(out_dir, ts, d, summary, backward_budget, error_data_base) for d in devices]
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=queue_size) for _ in devices]
         self.threads = [threading.Thread(target=self._run, args=(i,), name=f"gpu-server-worker-{i}", daemon=True)
                         for i in range(len(devices))]
@@ -54,9 +70,10 @@ class WorkerPool:
     def _index(self, rank: int) -> int:
         return rank % len(self.queues)
 
-    def submit(self, job: Job) -> None:
-        self.summary.record_received(job.rank)
-        self.queues[self._index(job.rank)].put(("job", job))
+    def submit(self, job: Job, restore: bool = False) -> None:
+        if not restore:
+            self.summary.record_received(job.rank)
+        self.queues[self._index(job.rank)].put(("restore" if restore else "job", job))
 
     def end_rank(self, run_id: str, rank: int, why: str) -> None:
         self.queues[self._index(rank)].put(("end", (run_id, rank, why)))
@@ -68,23 +85,65 @@ class WorkerPool:
     def _run(self, i: int) -> None:
         checker, q = self.checkers[i], self.queues[i]
         torch.set_grad_enabled(False)
+        awaiting: dict[tuple, Key] = {}   # (run, rank, step, name) -> forward record waiting for its backward
+        ranks: set[int] = set()
         while True:
             item = q.get()
             if item is _STOP:
-                checker.close()
+                try:
+                    checker.close()
+                except Exception:  # noqa: BLE001
+                    log.exception("worker %d: internal error while closing the reports", i)
+                self._completed(checker, list(awaiting.values()), [], ranks)
                 return
             kind, payload = item
             try:
-                if kind == "job":
-                    checker.check(payload)
-                    for cb in self.done_callbacks:
-                        cb(payload)
+                if kind in ("job", "restore"):
+                    self._check(checker, payload, kind == "restore", awaiting)
+                    ranks.add(payload.rank)
+                    if kind == "job":
+                        for cb in self.done_callbacks:
+                            cb(payload)
                 elif kind == "end":
+                    run_id, rank, _why = payload
                     checker.flush_run(*payload)
+                    done = [awaiting.pop(k) for k in [k for k in awaiting if k[0] == run_id and k[1] == rank]]
+                    self._completed(checker, done, [], {rank} & ranks)
                 else:
                     payload(checker)
             except Exception:  # noqa: BLE001
                 log.exception("worker %d: internal error", i)
+
+    def _check(self, checker: Checker, job: Job, restore: bool, awaiting: dict) -> None:
+        try:
+            checker.check(job, write_rows=not restore)
+        finally:
+            self.release(job.reserved)
+            job.reserved = 0
+        call = (job.run_id, job.rank, job.step, job.name)
+        key = (job.run_id, job.rank, job.seq)
+        done, half = [], []
+        if job.direction != pb.BACKWARD and checker.awaiting_backward(job):
+            awaiting[call] = key
+            half.append(key)
+        else:
+            done.append(key)
+            if job.direction == pb.BACKWARD and call in awaiting:
+                done.append(awaiting.pop(call))
+        self._completed(checker, done, [] if restore else half, {job.rank})
+
+    def _completed(self, checker: Checker, done: list, half: list, ranks) -> None:
+        files = {}
+        for rank in ranks:
+            for path in checker.reports(rank).paths:
+                try:
+                    files[path] = os.path.getsize(path)
+                except OSError:
+                    pass
+        try:
+            self.on_complete(done, half, files)
+        except Exception:  # noqa: BLE001
+            log.exception("could not journal completed records")
 
     def drain_and_stop(self) -> None:
         """Check everything already queued, flush and close the reports."""

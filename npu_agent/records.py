@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+
 from npu_agent.snapshot import Snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import RecordEncoder
@@ -48,6 +50,7 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int) -> tuple[pb.Record
         grad_enabled=rec.grad_enabled, inplace=rec.inplace, backward_expected=rec.backward_expected,
         skip_reason=rec.skip_reason,
         autocast=pb.Autocast(enabled=rec.autocast[0], dtype=rec.autocast[1], device_type=rec.autocast[2]),
+        intra_op_threads=torch.get_num_threads() if rec.autocast[2] in ("cpu", "") else 0,
     )
 
     def hook_for(snap: Snapshot):

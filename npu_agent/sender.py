@@ -44,6 +44,9 @@ class Sender:
         self._held = 0                     # bytes of records submitted and not yet acknowledged
         self._next_seq = 0
         self._resend = False
+        self._resend_gen = 0
+        self._gen = 0                      # the transport stream the queue's order is valid for
+        self._generations = hasattr(transport, "generation")
         self._closing = False
         self._warned_block = 0.0
         self._thread = threading.Thread(target=self._run, name="online-check-sender", daemon=True)
@@ -82,21 +85,32 @@ class Sender:
                 while not self._queue and not self._resend and not self._closing:
                     self._cv.wait()
                 if self._resend:
+                    # A new stream: everything not acknowledged goes again, in sequence order, before anything new
+                    # (the server checks a rank's records in arrival order: a backward must follow its forward).
                     self._resend = False
+                    self._gen = self._resend_gen
                     self._queue = collections.deque(sorted(self._unacked.values(), key=lambda r: r.seq))
                 if not self._queue:
                     if self._closing:
                         return
                     continue
                 rec = self._queue.popleft()
+                gen = self._gen
             try:
-                self.transport.send_record(rec)
-                with self._cv:
-                    self.counts.sent += 1
+                sent = self.transport.send_record(rec, gen) if self._generations else self.transport.send_record(rec)
             except Exception as exc:  # noqa: BLE001 - an encoding bug must not stop the sender
                 log.warning("online check: could not encode %s (%s: %s); it is reported as lost", rec.name,
                             type(exc).__name__, exc)
                 self._release(rec.seq, rejected=True)
+                continue
+            with self._cv:
+                if sent is False:
+                    # The stream changed under us: wait for the re-send that the new stream triggers (the record
+                    # stays in _unacked and goes out again in order).
+                    while not self._resend and not self._closing:
+                        self._cv.wait(1.0)
+                    continue
+                self.counts.sent += 1
 
     # -- transport callbacks -------------------------------------------------------------------------------
     def _on_ack(self, seq: int, status: str, reason: str) -> None:
@@ -117,11 +131,11 @@ class Sender:
                 self.counts.duplicates += duplicate
             self._cv.notify_all()
 
-    def _on_reconnect(self) -> None:
+    def _on_reconnect(self, generation: int = 0) -> None:
         with self._cv:
-            if self._unacked:
-                self._resend = True
-                self._cv.notify_all()
+            self._resend = True
+            self._resend_gen = generation
+            self._cv.notify_all()
 
     # -- end of stream -------------------------------------------------------------------------------------
     def close(self, timeout: float) -> dict:

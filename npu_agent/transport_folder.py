@@ -6,8 +6,8 @@ Layout under `tensor.nfs_path` (the server reads the same folder as `run_ut.nfs_
     rank{r}/{run_id}.rank{r}.end                end of stream: one End Frame with the counts
     rank{r}/.{final name}.{pid}.tmp             being written (hidden: the server never reads it)
 
-File format (shared with `gpu_server/folder.py`): the 8 magic bytes `FOLDER_MAGIC`, then frames, each as a 4-byte
-little-endian length followed by one serialized `Frame` (the same bytes `protos.codec.encode_frames` yields).
+File format (`protos.codec`, shared with `gpu_server/folder.py`): the 8 bytes `FOLDER_MAGIC`, then frames, each as
+a 4-byte little-endian length followed by one serialized `Frame` (the same bytes `protos.codec.encode_frames` yields).
 
 Publishing a file: write it under the temporary name, fsync it, rename it to the final name (atomic within a
 folder), fsync the folder. Only then is the record acknowledged to the Sender: an acknowledged record is on disk
@@ -24,25 +24,16 @@ import threading
 
 from npu_agent.records import PendingRecord, encode_record
 from protos import online_check_pb2 as pb
-from protos.codec import encode_frames
+from protos.codec import FOLDER_MAGIC, encode_frames, folder_end_name, folder_record_name
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
 
-FOLDER_MAGIC = b"OCFRAME1"
 _LEN = struct.Struct("<I")
 
 
 def rank_dir(nfs_path: str, rank: int) -> str:
     return os.path.join(nfs_path, f"rank{rank}")
-
-
-def record_name(run_id: str, rank: int, seq: int) -> str:
-    return f"{run_id}.rank{rank}.{seq:012d}.rec"
-
-
-def end_name(run_id: str, rank: int) -> str:
-    return f"{run_id}.rank{rank}.end"
 
 
 def _fsync_dir(path: str) -> None:
@@ -133,7 +124,7 @@ class FolderTransport:
     def send_record(self, rec: PendingRecord) -> None:
         record, enc = encode_record(rec, self.run_id, self.rank)
         frames = lambda: encode_frames(record, enc.buffers, enc.size, self.chunk_bytes)  # noqa: E731
-        if self._write(record_name(self.run_id, self.rank, rec.seq), frames, f"record {rec.seq} ({rec.name})"):
+        if self._write(folder_record_name(self.run_id, self.rank, rec.seq), frames, f"record {rec.seq} ({rec.name})"):
             self.on_ack(rec.seq, "ACCEPTED", "")
 
     def send_end(self, counts: dict, timeout: float) -> bool:
@@ -145,7 +136,7 @@ class FolderTransport:
         timer.daemon = True
         timer.start()
         try:
-            ok = self._write(end_name(self.run_id, self.rank), lambda: [end], "the end-of-stream marker")
+            ok = self._write(folder_end_name(self.run_id, self.rank), lambda: [end], "the end-of-stream marker")
         finally:
             timer.cancel()
         self.close()

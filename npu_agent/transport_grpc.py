@@ -46,7 +46,7 @@ class GrpcTransport:
         self.max_retry_s = max_retry_s
         self.chunk_bytes = chunk_bytes
         self.on_ack = lambda seq, status, reason: None
-        self.on_reconnect = lambda: None
+        self.on_reconnect = lambda generation: None
         self._lock = threading.Condition()
         self._outq: queue.Queue | None = None
         self._generation = 0
@@ -63,19 +63,30 @@ class GrpcTransport:
         self._thread = threading.Thread(target=self._maintain, name="online-check-grpc", daemon=True)
         self._thread.start()
 
+    @property
+    def generation(self) -> int:
+        """The number of the current stream (0: never connected). `send_record` sends only on the stream the
+        sender names, so that after a reconnect nothing overtakes the in-order re-send of what was not acknowledged."""
+        return self._generation
+
     def describe_state(self) -> str:
         return f"Server {self.endpoint.target}: {self._state}."
 
     # -- connection thread ---------------------------------------------------------------------------------
     def _make_channel(self) -> grpc.Channel:
+        # gRPC's own reconnect back-off starts at 1 s and grows to 120 s; ours is the one that matters.
+        retry_ms = int(max(0.1, self.max_retry_s) * 1000)
+        options = CHANNEL_OPTIONS + [("grpc.initial_reconnect_backoff_ms", min(200, retry_ms)),
+                                     ("grpc.min_reconnect_backoff_ms", min(200, retry_ms)),
+                                     ("grpc.max_reconnect_backoff_ms", retry_ms)]
         if self.tls_dir:
             from protos import tls
 
             creds = tls.client_credentials(self.tls_dir)
             tls.check_server_not_revoked(self.endpoint.host, self.endpoint.port, self.tls_dir, self.endpoint.host,
                                          self.connect_timeout_s)
-            return grpc.secure_channel(self.endpoint.target, creds, options=CHANNEL_OPTIONS)
-        return grpc.insecure_channel(self.endpoint.target, options=CHANNEL_OPTIONS)
+            return grpc.secure_channel(self.endpoint.target, creds, options=options)
+        return grpc.insecure_channel(self.endpoint.target, options=options)
 
     def _maintain(self) -> None:
         backoff = 0.2
@@ -96,9 +107,9 @@ class GrpcTransport:
             q: queue.Queue = queue.Queue(maxsize=8)
             stub = self._channel.stream_stream(METHOD, request_serializer=None,
                                                response_deserializer=pb.Ack.FromString)
-            reconnect = self._ever_connected
             with self._lock:
                 self._generation += 1
+                generation = self._generation
                 self._outq = q
                 self._state = "connected"
                 self._ever_connected = True
@@ -109,8 +120,7 @@ class GrpcTransport:
                 self._warned_down = False
             try:
                 self._call = stub(self._requests(q))
-                if reconnect:
-                    self.on_reconnect()
+                self.on_reconnect(generation)
                 for ack in self._call:
                     self._dispatch(ack)
                 self._down("the server closed the stream")
@@ -181,13 +191,16 @@ class GrpcTransport:
             except queue.Full:
                 continue
 
-    def send_record(self, rec: PendingRecord) -> None:
+    def send_record(self, rec: PendingRecord, generation: int | None = None) -> bool:
+        """Queue all frames of `rec` on stream `generation` (None: any). False when that stream is gone (or the
+        transport closed) before the last frame was queued: the record was not sent and goes again later."""
         record, enc = encode_record(rec, self.run_id, self.rank)
-        gen = None
+        gen = generation
         for frame in encode_frames(record, enc.buffers, enc.size, self.chunk_bytes):
             gen = self._put(frame, gen)
             if gen is None:
-                return
+                return False
+        return True
 
     def send_end(self, counts: dict, timeout: float) -> bool:
         end = pb.Frame(end=pb.End(run_id=self.run_id, rank=self.rank, captured=counts["captured"],

@@ -361,3 +361,17 @@ def _varint(n: int) -> bytes:
         else:
             out.append(b)
             return bytes(out)
+
+
+# -- the shared-folder transport's files (npu_agent/transport_folder.py writes them, gpu_server/folder.py reads) --
+# A file is FOLDER_MAGIC, then frames, each a 4-byte little-endian length and one serialized Frame (the same bytes
+# as on the gRPC stream). Names carry the run id, rank and sequence number; nothing in a file names a path.
+FOLDER_MAGIC = b"OCFRAME1"
+
+
+def folder_record_name(run_id: str, rank: int, seq: int) -> str:
+    return f"{run_id}.rank{rank}.{seq:012d}.rec"
+
+
+def folder_end_name(run_id: str, rank: int) -> str:
+    return f"{run_id}.rank{rank}.end"

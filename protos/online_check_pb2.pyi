@@ -147,7 +147,7 @@ class RecordHeader(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., seq: _Optional[int] = ..., name: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("header", "tensors", "payload_bytes", "args", "kwargs", "output", "grad_enabled", "autocast", "inplace", "random", "grad_output", "grad_input", "backward_expected", "skip_reason", "grad_input_positions")
+    __slots__ = ("header", "tensors", "payload_bytes", "args", "kwargs", "output", "grad_enabled", "autocast", "inplace", "random", "grad_output", "grad_input", "backward_expected", "skip_reason", "grad_input_positions", "intra_op_threads")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,7 @@ class Record(_message.Message):
     BACKWARD_EXPECTED_FIELD_NUMBER: _ClassVar[int]
     SKIP_REASON_FIELD_NUMBER: _ClassVar[int]
     GRAD_INPUT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    INTRA_OP_THREADS_FIELD_NUMBER: _ClassVar[int]
     header: RecordHeader
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     payload_bytes: int
@@ -178,7 +179,8 @@ class Record(_message.Message):
     backward_expected: bool
     skip_reason: str
     grad_input_positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, header: _Optional[_Union[RecordHeader, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., args: _Optional[_Union[Sequence, _Mapping]] = ..., kwargs: _Optional[_Union[Mapping, _Mapping]] = ..., output: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., autocast: _Optional[_Union[Autocast, _Mapping]] = ..., inplace: _Optional[bool] = ..., random: _Optional[_Union[Random, _Mapping]] = ..., grad_output: _Optional[_Union[Value, _Mapping]] = ..., grad_input: _Optional[_Union[Value, _Mapping]] = ..., backward_expected: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., grad_input_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    intra_op_threads: int
+    def __init__(self, header: _Optional[_Union[RecordHeader, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., args: _Optional[_Union[Sequence, _Mapping]] = ..., kwargs: _Optional[_Union[Mapping, _Mapping]] = ..., output: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., autocast: _Optional[_Union[Autocast, _Mapping]] = ..., inplace: _Optional[bool] = ..., random: _Optional[_Union[Random, _Mapping]] = ..., grad_output: _Optional[_Union[Value, _Mapping]] = ..., grad_input: _Optional[_Union[Value, _Mapping]] = ..., backward_expected: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., grad_input_positions: _Optional[_Iterable[int]] = ..., intra_op_threads: _Optional[int] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("seq", "offset")

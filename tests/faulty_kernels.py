@@ -1,0 +1,258 @@
+"""A simulated faulty device (SPEC §8): single aten kernels replaced, in the TRAINING process only, by subtly wrong
+ones, plus the small training entry point that the faulty-device and no-false-alarm suites run in subprocesses.
+
+`install(case)` registers a Python kernel for the CPU dispatch key of one aten operator through
+`torch.library.Library("aten", "IMPL")`. The API the training calls is unchanged (F.gelu, `x + y`, F.linear, ...);
+only what the kernel computes differs. Autograd sits above the CPU key, so a forward fault leaves the backward
+formula alone and a backward-kernel fault leaves the forward alone. A replacement never calls the operator it
+replaces: it computes from other operators (below the autograd key, as the autograd kernel redispatches, and
+with torch functions disabled so that no capture mode sees it). The gpu-server, a different process, keeps the
+true kernels.
+
+Cases (what each changes, and the API it surfaces under):
+- `gelu_forward`:   aten::gelu output scaled by (1 + 2^-6) everywhere           -> Functional.gelu, forward
+- `add_ulp`:        aten::add.Tensor output 3 ULP too large in magnitude on 3% of the elements of every floating
+                    output (chosen by a fixed hash of the element index)         -> Tensor.add, forward
+- `addmm_bf16_acc`: aten::addmm accumulates its K products in bfloat16 (every partial sum rounded to bfloat16)
+                    instead of float32                                           -> Functional.linear with a bias
+                    (linear folds to addmm), forward; a bias-free linear (mm) is untouched
+- `gelu_backward`:  aten::gelu_backward drops the x * pdf(x) term of d gelu / dx -> Functional.gelu, backward
+- `layer_norm_backward`: aten::native_layer_norm_backward's grad_input drops the mean(g * x_hat) * x_hat term
+                    (grad_weight and grad_bias stay right)                        -> Functional.layer_norm, backward
+
+Entry point (a training subprocess): `python -c "from tests.faulty_kernels import main; main()" --config agent.json
+--model tinylm|convnet --dtype bfloat16 [--case CASE] [--steps 1] [--dropout 0.1]`.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+CASES = ("gelu_forward", "add_ulp", "addmm_bf16_acc", "gelu_backward", "layer_norm_backward")
+GELU_SCALE = 1 + 2.0 ** -6
+ADD_SHARE_PER_MILLE = 30   # 3% of the elements
+ADD_ULPS = 3
+
+_LIBS: list = []           # keep the registrations alive for the life of the process
+
+
+@contextlib.contextmanager
+def _below():
+    """What the replacement computes must reach the real kernels of other ops: no autograd, no torch functions."""
+    with torch._C._AutoDispatchBelowAutograd(), torch._C.DisableTorchFunction():
+        yield
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    """The precision a correct kernel computes in: float32 for 16-bit floats, float64 for float32."""
+    return t.double() if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+# -- (a) gelu forward slightly off everywhere ------------------------------------------------------------------
+def _gelu_exact(x: torch.Tensor, approximate: str) -> torch.Tensor:
+    if approximate == "tanh":
+        inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)
+        return 0.5 * x * (1 + torch.tanh(inner))
+    return 0.5 * x * (1 + torch.erf(x * (1 / math.sqrt(2))))
+
+
+def _gelu_scaled(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    with _below():
+        return (_gelu_exact(_wide(x), approximate) * GELU_SCALE).to(x.dtype)
+
+
+# -- (b) add: a few ULP off on a small share of elements -------------------------------------------------------
+_INT_VIEW = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32,
+             torch.float64: torch.int64}
+
+
+def _add_ulp(self: torch.Tensor, other, *, alpha=1) -> torch.Tensor:
+    with _below():
+        if self.dtype == torch.bool and isinstance(other, torch.Tensor) and other.dtype == torch.bool:
+            return torch.logical_or(self, other)
+        out = torch.sub(self, other, alpha=-alpha)   # a + alpha * b, exactly as add rounds it (negation is exact)
+        if out.dtype not in _INT_VIEW or out.numel() == 0:
+            return out
+        out = out.contiguous()
+        index = torch.arange(out.numel(), dtype=torch.int64).reshape(out.shape)
+        chosen = torch.remainder(index * 2654435761, 1000) < ADD_SHARE_PER_MILLE
+        chosen &= torch.isfinite(out) & (out != 0)
+        bits = out.view(_INT_VIEW[out.dtype])
+        # sign-magnitude: raising the bit pattern by k raises |value| by k ULP for either sign
+        return torch.where(chosen, bits.sub(-ADD_ULPS), bits).view(out.dtype)
+
+
+# -- (c) matmul accumulating in bfloat16 -----------------------------------------------------------------------
+def _addmm_bf16_acc(bias: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta=1, alpha=1) -> torch.Tensor:
+    with _below():
+        a, b = mat1.float(), mat2.float()
+        products = a.unsqueeze(2) * b.unsqueeze(0)                # (M, K, N), each product exact in float32
+        acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.bfloat16)
+        for k in range(a.shape[1]):
+            acc = (acc.float() + products[:, k, :]).to(torch.bfloat16)
+        out = acc.float() * alpha
+        if beta != 0:
+            out = out + bias.float() * beta
+        return out.to(torch.promote_types(mat1.dtype, bias.dtype))
+
+
+# -- (d) backward kernels with a wrong term --------------------------------------------------------------------
+def _gelu_backward_no_pdf_term(grad: torch.Tensor, x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    with _below():
+        xw = _wide(x)
+        if approximate == "tanh":
+            cdf = 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (xw + 0.044715 * xw * xw * xw)))
+        else:
+            cdf = 0.5 * (1 + torch.erf(xw * (1 / math.sqrt(2))))
+        return (_wide(grad) * cdf).to(grad.dtype)        # right: grad * (cdf + x * pdf(x))
+
+
+def _layer_norm_backward_no_projection(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
+    with _below():
+        dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+        outer = tuple(range(x.dim() - len(normalized_shape)))
+        g, xw, mu, rs = _wide(grad_out), _wide(x), _wide(mean), _wide(rstd)
+        x_hat = (xw - mu) * rs
+        gw = g * _wide(weight) if weight is not None else g
+        # right: rstd * (gw - mean(gw) - x_hat * mean(gw * x_hat)); the last term is missing here
+        grad_input = (rs * (gw - gw.mean(dim=dims, keepdim=True))).to(x.dtype) if output_mask[0] else None
+        grad_weight = (g * x_hat).sum(dim=outer).to(weight.dtype) if output_mask[1] and weight is not None else None
+        grad_bias = g.sum(dim=outer).to(bias.dtype) if output_mask[2] and bias is not None else None
+        return grad_input, grad_weight, grad_bias
+
+
+_KERNELS = {
+    "gelu_forward": ("gelu", _gelu_scaled),
+    "add_ulp": ("add.Tensor", _add_ulp),
+    "addmm_bf16_acc": ("addmm", _addmm_bf16_acc),
+    "gelu_backward": ("gelu_backward", _gelu_backward_no_pdf_term),
+    "layer_norm_backward": ("native_layer_norm_backward", _layer_norm_backward_no_projection),
+}
+
+
+def install(case: str) -> None:
+    """Replace the CPU kernel of the case's aten operator in this process (for the rest of its life)."""
+    import warnings
+
+    op, fn = _KERNELS[case]
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # "Overriding a previously registered kernel": that is the point
+        lib.impl(op, fn, "CPU")
+    _LIBS.append(lib)
+
+
+# -- a second model for the suites: convolutions, layer_norm, softmax, residuals -------------------------------
+class ConvNet(nn.Module):
+    """Conv stem, two residual conv blocks with layer_norm over channels, attention-style softmax pooling, an MLP
+    head with a residual and silu."""
+
+    def __init__(self, channels: int = 8, classes: int = 10, dropout: float = 0.0):
+        super().__init__()
+        self.stem = nn.Conv2d(3, channels, 3, padding=1)
+        self.convs = nn.ModuleList(nn.Conv2d(channels, channels, 3, padding=1) for _ in range(2))
+        self.norms = nn.ModuleList(nn.LayerNorm(channels) for _ in range(2))
+        self.score = nn.Linear(channels, 1)
+        self.fc1 = nn.Linear(channels, 4 * channels)
+        self.fc2 = nn.Linear(4 * channels, channels)
+        self.head = nn.Linear(channels, classes)
+        self.dropout = dropout
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        h = F.relu(self.stem(x))
+        for conv, norm in zip(self.convs, self.norms):
+            y = norm(conv(h).permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+            h = h + F.dropout(F.gelu(y), self.dropout, self.training)
+        tokens = h.flatten(2).transpose(1, 2)                        # (B, HW, C)
+        weights = torch.softmax(self.score(tokens).squeeze(-1), dim=-1)
+        pooled = (weights.unsqueeze(-1) * tokens).sum(dim=1)        # (B, C)
+        pooled = pooled + self.fc2(F.silu(self.fc1(pooled)))
+        return F.cross_entropy(self.head(pooled).float(), targets)
+
+
+def _conv_batches(steps: int, batch: int = 4, size: int = 8, classes: int = 10, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        yield torch.randn(batch, 3, size, size, generator=g), torch.randint(0, classes, (batch,), generator=g)
+
+
+def train_convnet(config_path: str, steps: int, dtype: torch.dtype, dropout: float, seed: int = 0) -> None:
+    from npu_agent import PrecisionDebugger
+
+    torch.manual_seed(seed)
+    model = ConvNet(dropout=dropout).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    debugger = PrecisionDebugger(config_path=config_path)
+    for x, targets in _conv_batches(steps, seed=seed):
+        debugger.start()
+        loss = model(x.to(dtype), targets)
+        loss.backward()
+        debugger.stop()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        debugger.step()
+    debugger.close()
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", required=True)
+    p.add_argument("--model", choices=("tinylm", "convnet"), default="tinylm")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--case", choices=CASES, default=None)
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--dropout", type=float, default=0.0)
+    ns = p.parse_args(argv)
+    torch.set_num_threads(1)
+    if ns.case:
+        install(ns.case)
+    dtype = getattr(torch, ns.dtype)
+    if ns.model == "tinylm":
+        from gpu_server.demo import train
+
+        train(ns.config, steps=ns.steps, dtype=dtype, dropout=ns.dropout)
+    else:
+        train_convnet(ns.config, ns.steps, dtype, ns.dropout)
+
+
+if __name__ == "__main__":
+    main()
+
+
+# -- the test side: run trainings against one server, read what the reports flagged ----------------------------
+TRAIN_SCRIPT = "from tests.faulty_kernels import main; main()"
+
+
+def run_trainings(config_path: str, runs: list[list[str]]) -> None:
+    """Run one training subprocess per entry of `runs` (extra arguments of `main`) concurrently, the i-th with
+    RANK=i, so that each gets its own per-rank report files on the shared server."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests import support
+
+    env = {"WORLD_SIZE": str(len(runs))}
+    with ThreadPoolExecutor(len(runs)) as pool:
+        futures = [pool.submit(support.run_training, TRAIN_SCRIPT, "--config", config_path, *args,
+                               env=dict(env, RANK=str(rank))) for rank, args in enumerate(runs)]
+        for future in futures:
+            future.result()
+
+
+def flagged(out_dir: str, rank: int, kind: str, status: str = "error") -> set[tuple[str, str]]:
+    """(API call, "forward" | "backward") pairs whose Forward/Backward Test Success is `status` in the result file
+    `kind` (api_precision_compare_result or accuracy_checking_result) of `rank`."""
+    from tests import support
+
+    rows = support.read_csv(out_dir, kind, rank)
+    key = "API Name" if kind.startswith("api_precision") else "API name"
+    found = set()
+    for row in rows:
+        for direction in ("forward", "backward"):
+            if row[f"{direction.capitalize()} Test Success"] == status:
+                found.add((row[key], direction))
+    return found

@@ -1,0 +1,156 @@
+"""Mutual TLS end to end (SPEC §4 TLS bullet): certificates made by certs/make_certs.py in the test, a real
+gpu-server process with run_ut.tls_path, real training processes with tensor.tls_path.
+
+A valid client's records become report rows. A client without a certificate, with a certificate of another CA, with
+a revoked certificate, or expecting another server name, and a plaintext client, are all refused; the agent says why
+in one warning and the training completes; the server's log says why."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from npu_agent.config import ConfigError, parse_config
+from protos import online_check_pb2 as pb
+from tests import support
+
+MAKE = os.path.join(support.ROOT, "certs", "make_certs.py")
+REVOKE = os.path.join(support.ROOT, "certs", "revoke_cert.py")
+METHOD = "/online_check.v1.OnlineCheck/Stream"
+# failing agents give up quickly: a short connect timeout and a short wait for acknowledgements at close()
+FAST_FAIL = {"online_connect_timeout_s": 2, "online_close_timeout_s": 1, "online_max_retry_s": 1}
+
+TRAIN = r'''
+import sys, torch, torch.nn as nn, torch.nn.functional as F
+from npu_agent import PrecisionDebugger
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+dbg = PrecisionDebugger(config_path=sys.argv[1])
+x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+dbg.start()
+loss = F.cross_entropy(model(x), y)
+loss.backward()
+dbg.stop()
+dbg.step()
+dbg.close()
+print("TRAINING DONE", float(loss))
+'''
+
+
+def make_pki(out, *args) -> str:
+    subprocess.run([sys.executable, MAKE, "--out", str(out), *args], check=True, capture_output=True, text=True)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    base = tmp_path_factory.mktemp("pki")
+    ours = make_pki(base / "ours", "--server-name", "127.0.0.1", "--client", "good", "--client", "revoked")
+    other = make_pki(base / "other", "--server-name", "127.0.0.1", "--client", "intruder")
+    subprocess.run([sys.executable, REVOKE, "--ca-dir", ours, "--cert", f"{ours}/clients/revoked/client.crt"],
+                   check=True, capture_output=True, text=True)
+    return {"ours": ours, "other": other}
+
+
+@pytest.fixture(scope="module")
+def server(pki, tmp_path_factory):
+    work = tmp_path_factory.mktemp("tls_server")
+    srv = support.Server(str(work), tls_path=f"{pki['ours']}/server").start()
+    yield srv
+    srv.stop()
+
+
+def train(work, name: str, port: int, **tensor) -> subprocess.CompletedProcess:
+    cfg = support.agent_config(os.path.join(work, f"agent_{name}.json"), port=port, **tensor)
+    proc = support.run_training(TRAIN, cfg)  # fails the test if the training does not complete
+    assert "TRAINING DONE" in proc.stdout
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return proc
+
+
+def agent_warnings(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("[npu_agent] WARNING")]
+
+
+def test_a_valid_client_is_checked_end_to_end(server, pki, tmp_path):
+    proc = train(str(tmp_path), "good", server.port, tls_path=f"{pki['ours']}/clients/good")
+    assert agent_warnings(proc.stderr) == [], proc.stderr
+    assert "unacknowledged 0" in proc.stderr
+    assert "(mutual TLS)" in server.log()
+    deadline = time.time() + 60
+    rows = []
+    while time.time() < deadline:
+        rows = support.read_csv(server.out, "accuracy_checking_result")
+        if len(rows) >= 4:
+            break
+        time.sleep(0.2)
+    names = sorted(r["API name"] for r in rows)
+    assert names == ["Functional.cross_entropy.0", "Functional.linear.0", "Functional.linear.1",
+                     "Functional.relu.0"], names
+    assert all(r["Forward Test Success"] == "pass" for r in rows), rows
+
+
+def test_refused_agents_say_why_and_the_training_completes(server, pki, tmp_path):
+    ours, other = pki["ours"], pki["other"]
+    cases = {
+        "other_ca": dict(tls_path=f"{other}/clients/intruder"),
+        "revoked": dict(tls_path=f"{ours}/clients/revoked"),
+        "wrong_name": dict(tls_path=f"{ours}/clients/good", host="localhost"),
+        "plaintext": dict(tls_path=""),
+    }
+    with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:
+        futures = {name: pool.submit(train, str(tmp_path), name, server.port, **FAST_FAIL, **kw)
+                   for name, kw in cases.items()}
+        procs = {name: f.result() for name, f in futures.items()}
+    expect_agent = {
+        "other_ca": "CERTIFICATE_VERIFY_FAILED",             # gRPC's handshake log: the server is not of our CA
+        "revoked": "is revoked by the server's crl.pem",   # the agent's warning, from the server's UNAUTHENTICATED
+        "wrong_name": "Hostname mismatch, certificate is not valid for 'localhost'",
+        "plaintext": "server 127.0.0.1:",
+    }
+    for name, proc in procs.items():
+        warnings = agent_warnings(proc.stderr)
+        assert warnings, f"{name}: the agent gave no warning:\n{proc.stderr}"
+        assert "unavailable" in warnings[0] and "Training continues" in warnings[0], (name, warnings)
+        assert expect_agent[name] in proc.stderr, f"{name}:\n{proc.stderr[-3000:]}"
+        assert "are lost" in proc.stderr, name  # the records could not be delivered, and the agent says so
+    log = server.log()
+    for why in ("is revoked by the server's crl.pem",   # gpu_server's own warning ("refused <peer>: ...")
+                "No match found for server name: localhost",
+                "WRONG_VERSION_NUMBER"):                # gRPC's handshake log: a plaintext client
+        assert why in log, why
+    assert "refused ipv4:127.0.0.1" in log
+    assert log.count(") ended:") <= 1, "no refused agent's run reached the server"
+
+
+def _raw_call(port: int, creds: grpc.ChannelCredentials | None) -> grpc.RpcError:
+    target = f"127.0.0.1:{port}"
+    channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
+    try:
+        stub = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
+        hello = pb.Frame(hello=pb.Hello(run_id="probe", rank=0)).SerializeToString()
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub(iter([hello]), timeout=10))
+        return info.value
+    finally:
+        channel.close()
+
+
+def test_a_client_without_certificate_is_refused(server, pki):
+    with open(f"{pki['ours']}/ca.crt", "rb") as fh:
+        ca = fh.read()
+    err = _raw_call(server.port, grpc.ssl_channel_credentials(root_certificates=ca))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    err = _raw_call(server.port, None)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE
+    log = server.log()
+    assert "PEER_DID_NOT_RETURN_A_CERTIFICATE" in log
+    # the agent cannot even be configured without one: the config names the key and the missing file
+    folder = os.path.dirname(f"{pki['ours']}/ca.crt")
+    with pytest.raises(ConfigError, match=r"tensor.tls_path: .* has no client.key"):
+        parse_config({"tensor": {"online_run_ut": True, "tls_path": folder}})
