@@ -224,6 +224,8 @@ class Checker:
             verdict = standards.judge(job.api, b_cpu, d, s_cpu)
             message = "; ".join(m for m in (verdict.message, same_error) if m)
             rep.write_precision_detail(row, verdict.cells, verdict.status, verdict.algorithm, message, job.step)
+            if self._write_rows:
+                self.summary.standard_row(verdict.algorithm, verdict.status)
             outcome.precision.append(verdict.status)
             if verdict.status == ERROR and not outcome.precision_message:
                 outcome.precision_message = f"{row}: {verdict.algorithm} {message}".strip()

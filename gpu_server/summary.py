@@ -10,6 +10,9 @@ import threading
 import time
 
 STATUSES = ("pass", "Warning", "error", "SKIP")
+# msprobe's algorithm names (the 比对算法 column) and how the summary calls them
+STANDARD_NAMES = {"标杆比对法": "benchmark", "ULP误差比对法": "ULP", "二进制一致法": "binary consistency",
+                  "绝对阈值法": "absolute threshold", "双千指标法": "double-thousandth"}
 
 
 class Summary:
@@ -21,6 +24,7 @@ class Summary:
         self.failed: collections.Counter = collections.Counter()       # calls with an error, per rank
         self.result_status: collections.Counter = collections.Counter()
         self.precision_status: collections.Counter = collections.Counter()
+        self.by_standard: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.failing: dict[str, list] = collections.defaultdict(list)  # bare API -> [(rank, call, message)]
         self.ends: dict[tuple[str, int], dict] = {}
         self.files: dict[int, list[str]] = {}
@@ -54,6 +58,12 @@ class Summary:
                 api = ".".join(name.split(".")[:2])
                 self.failing[api].append((rank, name, message))
 
+    def standard_row(self, algorithm: str, status: str) -> None:
+        """One api_precision_compare details row: counted per standard and status."""
+        name = STANDARD_NAMES.get(algorithm.strip(), "none (SKIP or mismatch)")
+        with self._lock:
+            self.by_standard[name][status] += 1
+
     def resumed(self, resumed: bool, starts: int, replay: int, done: int, truncated: dict) -> None:
         with self._lock:
             self.session = {"resumed": resumed, "server_starts": starts, "records_reported_before": done,
@@ -78,6 +88,14 @@ class Summary:
             except (OSError, csv.Error):
                 continue
             pmap = {r[0]: r for r in prows if len(r) >= 4}
+            pdetails = path.replace("accuracy_checking_result_", "api_precision_compare_details_")
+            if os.path.exists(pdetails):
+                try:
+                    with open(pdetails, encoding="utf-8-sig", newline="") as fh:
+                        for row in csv.DictReader(fh):
+                            self.standard_row(row.get("比对算法") or " ", row.get("比对结果") or "SKIP")
+                except (OSError, csv.Error):
+                    pass
             for r in rows:
                 if len(r) < 4:
                     continue
@@ -108,6 +126,7 @@ class Summary:
                 "calls_failed": dict(self.failed),
                 "accuracy_checking_status": dict(self.result_status),
                 "api_precision_compare_status": dict(self.precision_status),
+                "api_precision_compare_rows_by_standard": {k: dict(v) for k, v in sorted(self.by_standard.items())},
                 "failing_apis": {api: {"calls": len(v), "examples": [{"rank": r, "call": n, "message": m}
                                                                       for r, n, m in v[:3]]}
                                  for api, v in sorted(self.failing.items(), key=lambda kv: -len(kv[1]))},
@@ -134,6 +153,8 @@ class Summary:
                  f"({d['elapsed_s']:.1f} s)"]
         lines.append("  accuracy_checking (two-way):    " + _counts(d["accuracy_checking_status"]))
         lines.append("  api_precision_compare (standards): " + _counts(d["api_precision_compare_status"]))
+        for name, counts in d["api_precision_compare_rows_by_standard"].items():
+            lines.append(f"    {name:24s} rows: " + _counts(counts))
         for k in ("duplicates", "rejected", "filtered", "spool_replayed"):
             if d["transport"].get(k):
                 lines.append(f"  {k.replace('_', ' ')} records: {d['transport'][k]}")

@@ -42,3 +42,21 @@ def test_failing_call_is_saved_and_replayable(tmp_path):
                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "forward.output.0: error" in proc.stdout and "backward.output.0: pass" in proc.stdout
+
+
+def test_evicted_forward_inputs_give_a_backward_skip_naming_the_limit(tmp_path):
+    lin1, lin2 = torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)
+    x = torch.randn(32, 64, requires_grad=True)
+    with capture() as (mode, sink):
+        with mode:
+            loss = lin2(F.relu(lin1(x))).sum()
+        loss.backward()
+    checker = Checker(str(tmp_path), "20260101000000", torch.device("cpu"), Summary(), backward_budget=1)
+    for rec in sink:
+        checker.check(to_job(rec))
+    checker.close()
+    results = {r["API name"]: r for r in read_csv(str(tmp_path), "accuracy_checking_result")}
+    assert len(results) == 4
+    skipped = [r for r in results.values() if r["Backward Test Success"] == "SKIP"]
+    assert skipped and all("--backward-memory-mb" in r["Message"] for r in skipped)
+    assert all(r["Forward Test Success"] == "pass" for r in results.values())
