@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_server.demo import TinyLM, batches  # noqa: E402
+from gpu_server.demo import TinyLM, batches, train_step  # noqa: E402
 from npu_agent import PrecisionDebugger  # noqa: E402
 from npu_agent.backward import BackwardTaps  # noqa: E402
 from npu_agent.capture import CaptureMode, Capturer  # noqa: E402
@@ -64,16 +64,7 @@ def _steps(model, opt, data, dbg) -> list[float]:
     times = []
     for idx, tgt in data:
         t0 = time.perf_counter()
-        if dbg:
-            dbg.start()
-        loss = model(idx, tgt)
-        loss.backward()
-        if dbg:
-            dbg.stop()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if dbg:
-            dbg.step()
+        train_step(model, opt, idx, tgt, dbg)
         times.append(time.perf_counter() - t0)
     return times
 

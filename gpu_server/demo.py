@@ -88,21 +88,25 @@ def train(config_path: str | None, steps: int = 3, dtype: torch.dtype = torch.bf
         from npu_agent import PrecisionDebugger
 
         debugger = PrecisionDebugger(config_path=config_path)
-    losses = []
-    for idx, targets in batches(steps, seed=seed):
-        if debugger:
-            debugger.start()
-        loss = model(idx, targets)
-        loss.backward()
-        if debugger:
-            debugger.stop()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if debugger:
-            debugger.step()
-        losses.append(float(loss.detach()))
+    losses = [train_step(model, opt, idx, targets, debugger) for idx, targets in batches(steps, seed=seed)]
     counts = debugger.close() if debugger else None
     return model, losses, counts
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, idx: torch.Tensor, targets: torch.Tensor,
+               debugger=None) -> float:
+    """One step of the usual loop, with the checker's start/stop/step around it when a debugger is given."""
+    if debugger:
+        debugger.start()
+    loss = model(idx, targets)
+    loss.backward()
+    if debugger:
+        debugger.stop()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if debugger:
+        debugger.step()
+    return float(loss.detach())
 
 
 def _free_port() -> int:

@@ -12,44 +12,20 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from gpu_server.intake import Job
 from gpu_server.registry import UnknownApi, resolve
 from protos.codec import Opaque, dtype_from_name
+from protos.trees import iter_leaves, map_leaves
 
 LOW = (torch.float16, torch.bfloat16)
 
 
 class ReplayError(Exception):
     """The call cannot be replayed here; str() is the reason for the SKIP row."""
-
-
-def iter_leaves(obj: Any):
-    if isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from iter_leaves(v)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from iter_leaves(v)
-    elif isinstance(obj, slice):
-        yield from iter_leaves((obj.start, obj.stop, obj.step))
-    else:
-        yield obj
-
-
-def map_leaves(obj: Any, fn: Callable[[Any], Any]) -> Any:
-    if isinstance(obj, tuple):
-        return tuple(map_leaves(v, fn) for v in obj)
-    if isinstance(obj, list):
-        return [map_leaves(v, fn) for v in obj]
-    if isinstance(obj, dict):
-        return {k: map_leaves(v, fn) for k, v in obj.items()}
-    if isinstance(obj, slice):
-        return slice(map_leaves(obj.start, fn), map_leaves(obj.stop, fn), map_leaves(obj.step, fn))
-    return fn(obj)
 
 
 def flatten_outputs(out: Any) -> list:

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from protos.trees import iter_leaves, map_leaves
+
 
 @dataclasses.dataclass
 class Snapshot:
@@ -20,37 +22,13 @@ class Snapshot:
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply `fn` to every tensor in a tuple/list/dict tree; other leaves are kept. Hand-written (pytree is ~10x
-    slower on the hot path, reference/hooking.md §4)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, (tuple, list)):
-        if not obj:
-            return obj
-        items = [map_tensors(v, fn) for v in obj]
-        if isinstance(obj, list):
-            return items
-        return tuple(items)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, slice):
-        return slice(map_tensors(obj.start, fn), map_tensors(obj.stop, fn), map_tensors(obj.step, fn))
-    return obj
+    """Apply `fn` to every tensor in a tuple/list/dict/slice tree; other leaves are kept."""
+    return map_leaves(obj, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)
 
 
 def iter_tensors(obj: Any):
-    """Every tensor in a tree, in the same order as `map_tensors` visits them."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (tuple, list)):
-        for v in obj:
-            yield from iter_tensors(v)
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from iter_tensors(v)
-    elif isinstance(obj, slice):
-        for v in (obj.start, obj.stop, obj.step):
-            yield from iter_tensors(v)
+    """Every tensor in a tree, in the order the server flattens a call's inputs (protos.trees)."""
+    return (v for v in iter_leaves(obj) if isinstance(v, torch.Tensor))
 
 
 def snapshot(obj: Any) -> Snapshot:
