@@ -115,12 +115,8 @@ class FrameAssembler:
                 if not self.budget.acquire(rec.payload_bytes, self.cancelled):
                     raise WireError(f"record {rec.header.seq}: the stream closed while waiting for server memory")
                 self.reserved = rec.payload_bytes
-            self.record, self.filled = rec, 0
-            try:
-                self.payload = bytearray(rec.payload_bytes)
-            except MemoryError:
-                self.reset()
-                raise WireError(f"record {rec.header.seq}: no memory for {rec.payload_bytes} payload bytes") from None
+            # The buffer grows as bytes arrive: a header alone, whatever it announces, costs nothing.
+            self.record, self.filled, self.payload = rec, 0, bytearray()
             offset = 0
         elif body == "chunk":
             if self.record is None or frame.chunk.seq != self.record.header.seq:
@@ -128,14 +124,20 @@ class FrameAssembler:
             offset = frame.chunk.offset
         else:
             raise WireError(f"unexpected {body or 'empty'} frame inside a record")
-        if offset != self.filled or offset + len(data) > len(self.payload):
+        expected = self.record.payload_bytes
+        if offset != self.filled or offset + len(data) > expected:
             rec = self.record
             self.reset()
             raise WireError(f"record {rec.header.seq}: chunk at offset {offset} (+{len(data)} bytes) does not continue "
                             f"the payload at {self.filled} of {rec.payload_bytes}")
-        memoryview(self.payload)[offset:offset + len(data)] = data   # the fast path (reference/limits.md)
+        try:
+            self.payload += data
+        except MemoryError:
+            seq = self.record.header.seq
+            self.reset()
+            raise WireError(f"record {seq}: no memory for {expected} payload bytes") from None
         self.filled += len(data)
-        if self.filled == len(self.payload):
+        if self.filled == expected:
             out = (self.record, self.payload)
             self.record, self.payload, self.filled = None, None, 0
             return out

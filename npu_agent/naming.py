@@ -69,10 +69,14 @@ def _classify_uncached(func) -> tuple[str, str] | None:
     if _TABLE is None:
         _TABLE = _build_tables()
     if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        ns = func.namespace
+        # `torch.ops.npu.op(...)` reaches the mode as the packet, `torch.ops.npu.op.default(...)` as the overload. A
+        # packet has no `namespace` attribute (its __getattr__ looks the name up as an overload and raises).
+        if isinstance(func, torch._ops.OpOverload):
+            ns, op = func.namespace, func._schema.name.split("::", 1)[-1]
+        else:
+            ns, _, op = func._qualified_op_name.partition("::")
         if ns in _SKIP_NAMESPACES:
             return None
-        op = func._schema.name.split("::", 1)[-1] if isinstance(func, torch._ops.OpOverload) else func.__name__
         if ns == "aten":
             return ("Aten", op)
         if ns == "npu":

@@ -53,6 +53,9 @@ class Sender:
         transport.on_ack = self._on_ack
         transport.on_reconnect = self._on_reconnect
         self._thread.start()
+        start = getattr(transport, "start", None)
+        if start is not None:   # the transport connects only now: no stream notification can be missed
+            start()
 
     # -- training thread -----------------------------------------------------------------------------------
     def submit(self, rec: PendingRecord) -> bool:

@@ -12,6 +12,7 @@ import threading
 import time
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from npu_agent.config import Endpoint
 from npu_agent.records import PendingRecord, encode_record
@@ -22,6 +23,7 @@ from protos.limits import CHUNK_BYTES
 log = logging.getLogger("npu_agent")
 
 METHOD = "/online_check.v1.OnlineCheck/Stream"
+HEALTH = "/grpc.health.v1.Health/Check"
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
@@ -61,6 +63,10 @@ class GrpcTransport:
             log.warning("online check: sending training data in plaintext to %s; set tensor.tls_path for mutual TLS "
                         "(see certs/README.md)", endpoint.target)
         self._thread = threading.Thread(target=self._maintain, name="online-check-grpc", daemon=True)
+
+    def start(self) -> None:
+        """Connect in the background. Called by the Sender once its callbacks are installed, so that the first
+        stream's `on_reconnect` is never missed."""
         self._thread.start()
 
     @property
@@ -96,9 +102,11 @@ class GrpcTransport:
                     return
             try:
                 self._channel = self._make_channel()
-                grpc.channel_ready_future(self._channel).result(timeout=self.connect_timeout_s)
-            except Exception as exc:  # noqa: BLE001 - unreachable server, bad TLS, timeouts: retry
-                self._down(f"cannot connect ({type(exc).__name__}: {exc})".replace("\n", " "))
+                problem = self._probe(self._channel)
+            except Exception as exc:  # noqa: BLE001 - unreachable server, bad TLS files, timeouts: retry
+                problem = f"cannot connect ({type(exc).__name__}: {exc})".replace("\n", " ")
+            if problem:
+                self._down(problem)
                 self._close_channel()
                 time.sleep(backoff)
                 backoff = min(backoff * 2, self.max_retry_s)
@@ -158,6 +166,35 @@ class GrpcTransport:
             return
         self.on_ack(ack.seq, status, ack.reason)
 
+    def _probe(self, channel: grpc.Channel) -> str | None:
+        """One health check, failing fast: None when the server answers, else why not, in words a user can act on
+        (gRPC reports TLS refusals only as transport errors, so the known ones get a hint)."""
+        check = channel.unary_unary(HEALTH, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
+                                    response_deserializer=health_pb2.HealthCheckResponse.FromString)
+        try:
+            check(health_pb2.HealthCheckRequest(service=""), timeout=self.connect_timeout_s, wait_for_ready=False)
+            return None
+        except grpc.RpcError as exc:
+            code = exc.code() if hasattr(exc, "code") else None
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                return None   # a server without the health service still serves the stream
+            detail = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
+            return f"{code.name if code else 'error'}: {detail}{self._hint(detail)}".replace("\n", " ")
+
+    def _hint(self, detail: str) -> str:
+        host = self.endpoint.host
+        if "CERTIFICATE_VERIFY_FAILED" in detail:
+            return f" (the server's certificate is not signed by {self.tls_dir}/ca.crt)"
+        if "Hostname Verification" in detail or "hostname" in detail.lower() and "match" in detail.lower():
+            return f" (the server's certificate does not name {host}; connect with one of its --server-name values)"
+        if "Socket closed" in detail or "handshake" in detail.lower():
+            if not self.tls_dir:
+                return " (the server may require mutual TLS: set tensor.tls_path)"
+            return " (the server refused this client certificate: is it signed by the server's ca.crt and not revoked?)"
+        if "Connection refused" in detail:
+            return " (nothing listens there: is gpu-server running, with this host and port?)"
+        return ""
+
     def _down(self, why: str) -> None:
         with self._lock:
             self._state = f"not connected: {why}"
@@ -165,7 +202,7 @@ class GrpcTransport:
         if not self._warned_down and not closed:
             self._warned_down = True
             log.warning("online check: server %s unavailable: %s. Training continues; records are kept within the "
-                        "memory budget and re-sent after reconnecting (retry up to every %.0f s).",
+                        "memory budget and re-sent after reconnecting (retry up to every %g s).",
                         self.endpoint.target, why, self.max_retry_s)
 
     def _close_channel(self) -> None:
@@ -231,4 +268,5 @@ class GrpcTransport:
         call = self._call
         if call is not None:
             call.cancel()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=5)

@@ -42,7 +42,12 @@ def test_server_started_after_the_training_began_loses_nothing(tmp_path):
     per_step = check_exactly_once(server.out, 0, steps)
     assert sum(map(len, per_step.values())) == counts["captured"]
     warnings = [x for x in result["proc"].stderr.splitlines() if "WARNING" in x]
-    assert len(warnings) == 1 and "the training waits" in warnings[0], warnings   # said once, not per record
+    # each state change is said once, not per record: unavailable (with why), the training waits, connected again
+    kinds = ["unavailable" in w and "nothing listens there" in w for w in warnings]
+    assert sum(kinds) == 1, warnings
+    assert sum("the training waits" in w for w in warnings) == 1, warnings
+    assert sum("connected to" in w and "again" in w for w in warnings) == 1, warnings
+    assert len(warnings) == 3, warnings
 
 
 def test_paused_server_under_block_loses_nothing(tmp_path):

@@ -1,0 +1,302 @@
+"""Transport throughput, side by side in one run on loopback (SPEC §4, §8: ratios, not promises).
+
+    python bench/transport.py            # 64 KiB, 1 MiB and 16 MiB float32 tensors, ~256 MiB each (< ~2 min)
+    python bench/transport.py --quick    # a smoke run (~32 MiB each)
+
+For each tensor size it measures, with the receiving side in a separate process:
+
+* ours (gRPC):   the real agent path: Sender + GrpcTransport -> gpu_server StreamHandler + Intake (decode included;
+                 the intake's dispatch only counts, so no replay), until every record is acknowledged;
+* ours (mTLS):   the same over mutual TLS (certificates made with certs/make_certs.py in a temporary folder);
+* ours (folder): Sender + FolderTransport -> a temporary folder -> FolderReader + Intake, until the reader has
+                 taken the end-of-stream marker (every record read, decoded and deleted);
+* raw gRPC:      a bare bytes stream: generic handler, identity (de)serializers, one message per record, split into
+                 raw chunks of at most 4 MiB (the best case of reference/limits.md);
+* raw TCP:       the same bytes over a plain socket (sendall / recv_into).
+
+It prints MB/s and records/s for each, and the ratios ours / raw gRPC and ours / raw TCP.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+MiB = 1 << 20
+RAW_METHOD = "/bench.Raw/Push"
+RAW_CHUNK = 4 * MiB
+SIZES = (64 * 1024, MiB, 16 * MiB)
+
+
+# ----------------------------------------------------------------------------------------------- receiving side
+
+
+def _counting_intake():
+    from gpu_server.config import ServerConfig
+    from gpu_server.intake import Intake
+
+    counts = {"jobs": 0}
+
+    def dispatch(job):
+        counts["jobs"] += 1
+
+    return Intake(ServerConfig(), dispatch), counts
+
+
+def serve(mode: str, tls_dir: str, nfs: str) -> None:
+    """Runs in the child process: print 'PORT n' (or 'READY'), serve until stdin closes."""
+    import grpc
+
+    if mode in ("ours", "tls"):
+        from gpu_server.service import StreamHandler, make_server
+        from protos.limits import DEFAULT_LIMITS
+
+        intake, _ = _counting_intake()
+        handler = StreamHandler(intake, DEFAULT_LIMITS, lambda end: None)
+        server, port = make_server(handler, "127.0.0.1:0", DEFAULT_LIMITS, tls_dir if mode == "tls" else "")
+        server.start()
+    elif mode == "rawgrpc":
+        from concurrent import futures
+
+        def push(request_iterator, context):
+            n = 0
+            for msg in request_iterator:
+                n += len(msg)
+            return n.to_bytes(8, "little")
+
+        server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", -1),
+                                                                     ("grpc.max_send_message_length", -1)])
+        handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=None, response_serializer=None)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Raw", {"Push": handler}),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+    elif mode == "tcp":
+        lsock = socket.socket()
+        lsock.bind(("127.0.0.1", 0))
+        lsock.listen(4)
+        port = lsock.getsockname()[1]
+
+        def accept_loop():
+            buf = bytearray(RAW_CHUNK)
+            view = memoryview(buf)
+            while True:
+                conn, _ = lsock.accept()
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                want = int.from_bytes(conn.recv(8, socket.MSG_WAITALL), "little")
+                got = 0
+                while got < want:
+                    n = conn.recv_into(view, min(len(buf), want - got))
+                    if not n:
+                        break
+                    got += n
+                conn.sendall(b"k")
+                conn.close()
+
+        threading.Thread(target=accept_loop, daemon=True).start()
+    elif mode == "folder":
+        from gpu_server.folder import FolderReader
+
+        intake, _ = _counting_intake()
+        reader = FolderReader(nfs, intake, intake.limits, lambda end: print(f"END {end.run_id}", flush=True),
+                              min_poll_s=0.002, max_poll_s=0.02)
+        reader.start()
+        port = 0
+    print(f"PORT {port}", flush=True)
+    sys.stdin.read()
+
+
+class Child:
+    def __init__(self, mode: str, tls_dir: str = "", nfs: str = ""):
+        env = dict(os.environ, PYTHONPATH=ROOT)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", mode, "--tls", tls_dir, "--nfs", nfs],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        line = self.proc.stdout.readline()
+        if not line.startswith("PORT"):
+            raise RuntimeError(f"{mode} server did not start: {line!r}")
+        self.port = int(line.split()[1])
+
+    def wait_line(self, prefix: str) -> str:
+        while True:
+            line = self.proc.stdout.readline()
+            if not line or line.startswith(prefix):
+                return line
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.kill()
+        self.proc.wait()
+
+
+# ----------------------------------------------------------------------------------------------- sending side
+
+
+def _records(size: int, n: int):
+    import torch
+
+    from npu_agent.records import PendingRecord
+    from npu_agent.snapshot import snapshot
+
+    t = torch.randn(size // 4, dtype=torch.float32)
+    snap = snapshot(((t,), {}))  # the same snapshot object for every record: we measure the wire, not clone()
+    return [PendingRecord(name=f"Functional.relu.{i}", step=0, inputs=snap) for i in range(n)]
+
+
+def run_ours(make_transport, size: int, n: int, on_done=None) -> float:
+    from npu_agent.sender import Sender
+
+    recs = _records(size, n)
+    # the Sender right after the transport, as the debugger does (it must hear the transport's first connect)
+    sender = Sender(make_transport(), budget_bytes=256 * MiB)
+    t0 = time.perf_counter()
+    for r in recs:
+        sender.submit(r)
+    counts = sender.close(timeout=600)
+    if on_done is not None:
+        on_done()
+    dt = time.perf_counter() - t0
+    if counts["acknowledged"] != n:
+        raise RuntimeError(f"only {counts['acknowledged']} of {n} records acknowledged: {counts}")
+    return dt
+
+
+def bench_ours_grpc(size: int, n: int, tls_dir: str = "") -> float:
+    from npu_agent.config import Endpoint
+    from npu_agent.transport_grpc import GrpcTransport
+
+    child = Child("tls" if tls_dir else "ours", tls_dir=tls_dir)
+    try:
+        return run_ours(lambda: GrpcTransport(Endpoint("127.0.0.1", child.port), tls_dir, f"bench{size}", 0, 1),
+                        size, n)
+    finally:
+        child.close()
+
+
+def bench_ours_folder(size: int, n: int) -> float:
+    from npu_agent.transport_folder import FolderTransport
+
+    with tempfile.TemporaryDirectory(prefix="bench-nfs-") as nfs:
+        child = Child("folder", nfs=nfs)
+        try:
+            return run_ours(lambda: FolderTransport(nfs, f"bench{size}", 0, 1), size, n,
+                            on_done=lambda: child.wait_line("END"))
+        finally:
+            child.close()
+
+
+def _payload(size: int):
+    import torch
+
+    return memoryview(torch.randn(size // 4, dtype=torch.float32).view(torch.uint8).numpy()).cast("B")
+
+
+def bench_raw_grpc(size: int, n: int) -> float:
+    import grpc
+
+    child = Child("rawgrpc")
+    data = _payload(size)
+    pieces = [bytes(data[i:i + RAW_CHUNK]) for i in range(0, size, RAW_CHUNK)]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{child.port}", options=[("grpc.max_send_message_length", -1),
+                                                                       ("grpc.max_receive_message_length", -1)]) as ch:
+            grpc.channel_ready_future(ch).result(timeout=30)
+            push = ch.stream_unary(RAW_METHOD, request_serializer=None, response_deserializer=None)
+            t0 = time.perf_counter()
+            got = push(p for _ in range(n) for p in pieces)
+            dt = time.perf_counter() - t0
+        if int.from_bytes(got, "little") != size * n:
+            raise RuntimeError("raw gRPC: bytes lost")
+        return dt
+    finally:
+        child.close()
+
+
+def bench_raw_tcp(size: int, n: int) -> float:
+    child = Child("tcp")
+    data = _payload(size)
+    try:
+        with socket.create_connection(("127.0.0.1", child.port)) as s:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t0 = time.perf_counter()
+            s.sendall((size * n).to_bytes(8, "little"))
+            for _ in range(n):
+                for i in range(0, size, RAW_CHUNK):
+                    s.sendall(data[i:i + RAW_CHUNK])
+            if s.recv(1) != b"k":
+                raise RuntimeError("raw TCP: no final ack")
+            return time.perf_counter() - t0
+    finally:
+        child.close()
+
+
+def make_pki(folder: str) -> str:
+    subprocess.run([sys.executable, os.path.join(ROOT, "certs", "make_certs.py"), "--out", folder, "--server-name",
+                    "127.0.0.1", "--client", "bench"], check=True, capture_output=True)
+    return folder
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="a smoke run: ~32 MiB per size")
+    p.add_argument("--mib", type=float, default=None, help="MiB sent per size and transport (default 256)")
+    p.add_argument("--serve", help=argparse.SUPPRESS)
+    p.add_argument("--tls", default="", help=argparse.SUPPRESS)
+    p.add_argument("--nfs", default="", help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    if ns.serve:
+        serve(ns.serve, ns.tls, ns.nfs)
+        return 0
+    import logging
+
+    logging.basicConfig(level=logging.ERROR)
+    total = (ns.mib or (32 if ns.quick else 256)) * MiB
+    print(f"transport throughput on loopback, {total / MiB:.0f} MiB per size and transport; receiver in another "
+          f"process; CPUs: {os.cpu_count()}")
+    with tempfile.TemporaryDirectory(prefix="bench-pki-") as tmp:
+        pki = make_pki(os.path.join(tmp, "pki"))
+        client_tls, server_tls = os.path.join(pki, "clients", "bench"), os.path.join(pki, "server")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        header = f"{'tensor':>8} {'transport':<14} {'MB/s':>9} {'records/s':>10} {'s':>7}"
+        print(header)
+        print("-" * len(header))
+        for size in SIZES:
+            n = max(4, int(total // size))
+            rows = {}
+            runs = [("ours (gRPC)", bench_ours_grpc, ()),
+                    ("ours (mTLS)", bench_ours_grpc_tls, (client_tls, server_tls)),
+                    ("ours (folder)", bench_ours_folder, ()),
+                    ("raw gRPC", bench_raw_grpc, ()),
+                    ("raw TCP", bench_raw_tcp, ())]
+            for name, fn, extra in runs:
+                dt = fn(size, n, *extra)
+                rows[name] = dt
+                label = f"{size // 1024} KiB" if size < MiB else f"{size // MiB} MiB"
+                print(f"{label:>8} {name:<14} {size * n / dt / 1e6:9.0f} {n / dt:10.0f} {dt:7.2f}", flush=True)
+            ours = rows["ours (gRPC)"]
+            print(f"{'':>8} ratios: ours/raw gRPC {rows['raw gRPC'] / ours:.2f}, ours/raw TCP "
+                  f"{rows['raw TCP'] / ours:.2f}, mTLS/ours {ours / rows['ours (mTLS)']:.2f}, "
+                  f"folder/ours {ours / rows['ours (folder)']:.2f}", flush=True)
+    return 0
+
+
+def bench_ours_grpc_tls(size: int, n: int, client_tls: str, server_tls: str) -> float:
+    from npu_agent.config import Endpoint
+    from npu_agent.transport_grpc import GrpcTransport
+
+    child = Child("tls", tls_dir=server_tls)
+    try:
+        return run_ours(lambda: GrpcTransport(Endpoint("127.0.0.1", child.port), client_tls, f"bench{size}", 0, 1),
+                        size, n)
+    finally:
+        child.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
