@@ -150,7 +150,9 @@ class Sender:
             self._closing = True
             self._cv.notify_all()
             lost = len(self._unacked)
-        self._thread.join(timeout=5)
+        # With records still unacknowledged the sender thread may be waiting on a server that is gone: do not wait
+        # long for it (it is a daemon thread; the transport's close ends its wait).
+        self._thread.join(timeout=0.5 if lost else 5)
         counts = self.counts.as_dict()
         counts["unacknowledged"] = lost
         counts["last_seq"] = self._next_seq
