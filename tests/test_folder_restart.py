@@ -1,0 +1,54 @@
+"""The shared folder with two ranks and a server restart in the middle (issue 5): a real gpu-server process watching
+a real folder is killed with -9 while two training ranks write into it, then restarted with the same --out;
+no record is lost and none is reported twice."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+from tests.support import Server, agent_config, read_csv, run_training
+from tests.test_durability import TRAIN, check_exactly_once, counts_of
+
+
+def test_two_ranks_and_a_server_restart_lose_nothing_and_report_nothing_twice(tmp_path):
+    work = str(tmp_path)
+    nfs, out = os.path.join(work, "nfs"), os.path.join(work, "out")
+    os.makedirs(nfs)
+    steps = 20
+    first = Server(work, out=out, nfs_path=nfs).start()
+    results: dict[int, dict] = {0: {}, 1: {}}
+
+    def train(rank: int) -> None:
+        cfg = agent_config(os.path.join(work, f"agent{rank}.json"), nfs_path=nfs, online_close_timeout_s=120)
+        try:
+            results[rank]["proc"] = run_training(TRAIN, cfg, str(steps), "0.05", "1", "64",
+                                                 env={"RANK": str(rank), "WORLD_SIZE": "2"}, timeout=180)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            results[rank]["error"] = exc
+
+    threads = [threading.Thread(target=train, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 90
+    while min(len(read_csv(out, "accuracy_checking_result", r)) for r in (0, 1)) < 5 and time.time() < deadline:
+        time.sleep(0.02)
+    first.kill()                                   # mid-run, no drain
+    assert any(t.is_alive() for t in threads), "the trainings finished before the kill: the test would prove nothing"
+    time.sleep(0.5)
+    second = Server(work, out=out, nfs_path=nfs, args=["--exit-when-done", "--world-size", "2"]).start()
+    for t in threads:
+        t.join(180)
+    for rank in (0, 1):
+        assert "error" not in results[rank], results[rank].get("error")
+    second.proc.wait(timeout=180)                  # exits by itself once both ranks' end markers are read
+    assert second.stop() == 0
+    for rank in (0, 1):
+        counts = counts_of(results[rank]["proc"])
+        assert counts["dropped"] == 0 and counts["unacknowledged"] == 0, counts
+        per_step = check_exactly_once(out, rank, steps)
+        calls = sum(len(v) for v in per_step.values())
+        backward = {(r["API Name"].split(".backward.")[0], r["Step"])
+                    for r in read_csv(out, "accuracy_checking_details", rank) if ".backward." in r["API Name"]}
+        assert calls + len(backward) == counts["captured"], (rank, calls, len(backward), counts)
+    assert not [f for r in (0, 1) for f in os.listdir(os.path.join(nfs, f"rank{r}"))], "files left in the folder"
