@@ -42,10 +42,14 @@ class CaptureMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # must stay the first statement: compiled regions are opaque
             return func(*args, **kwargs)
-        info = naming.classify(func)
+        cap = self.capturer
+        try:
+            info = naming.classify(func)
+        except Exception as exc:  # noqa: BLE001 - an unknown kind of callable: run it, uncaptured
+            cap.internal_error(f"naming {getattr(func, '__name__', type(func).__name__)}", exc)
+            info = None
         if info is None:
             return func(*args, **kwargs)
-        cap = self.capturer
         try:
             ctx = cap.before_call(func, info, args, kwargs)
         except Exception as exc:  # noqa: BLE001 - our failure must never reach the training
