@@ -5,7 +5,7 @@
 "capture only" runs the real capture mode (names, snapshots, backward taps and hooks) with a sink that discards
 the records; "online" is the real agent streaming to a real gpu-server subprocess on loopback (the step time is
 the training thread's; shipping and checking run in the background, and the time to drain at close() is printed
-separately). The variants run round-robin in one process so that they share the machine's state; medians.
+separately; the server runs niced on this machine's cores, where a deployment has it on another host). The variants run round-robin in one process so that they share the machine's state; medians.
 """
 from __future__ import annotations
 
@@ -84,8 +84,11 @@ def main() -> None:
     json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "host": "127.0.0.1",
                                                              "port": port}}, open(agent_cfg, "w"))
     log = open(os.path.join(work, "server.log"), "w")
+    # The server shares this machine's cores here (in a deployment it is another host): it runs at the lowest
+    # priority with one thread, so that its replay of the records takes what the training leaves.
     server = subprocess.Popen([sys.executable, "-m", "gpu_server.cli", "--config", server_cfg, "--out",
-                               os.path.join(work, "out"), "--quiet"], stdout=log, stderr=subprocess.STDOUT)
+                               os.path.join(work, "out"), "--quiet"], stdout=log, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=lambda: os.nice(19))
     try:
         for _ in range(600):
             with socket.socket() as s:

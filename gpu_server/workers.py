@@ -1,7 +1,9 @@
 """Worker threads: one per bench device (several for CPU when asked), never a fixed count (SPEC §5.1).
 
 Jobs of one rank always go to the same worker, in arrival order, so the rows of a rank are written in a
-deterministic order by one thread. Queues are bounded: a slow bench pushes back on the transport.
+deterministic order by one thread. What waits in the queues is bounded by the server's payload memory budget
+(`--memory-mb`, reserved at intake and released when a job is checked), so records are acknowledged as soon as they
+are durable and a slow bench pushes back on the transport only once that budget is full.
 
 After each job the worker tells `on_complete` which records are now completely reported (`done`), which forward
 records have their detail rows written while their result row waits for the backward record (`half`), and the sizes
@@ -53,7 +55,7 @@ Key = tuple  # (run_id, rank, seq)
 
 class WorkerPool:
     def __init__(self, devices: list[torch.device], out_dir: str, ts: str, summary: Summary,
-                 backward_budget: int, queue_size: int = 256,
+                 backward_budget: int, queue_size: int = 65536,
                  on_complete: Callable[[list[Key], list[Key], dict[str, int]], None] | None = None,
                  release: Callable[[int], None] | None = None, error_data_base: str | None = None):
         self.summary = summary
