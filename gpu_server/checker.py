@@ -96,6 +96,7 @@ class Checker:
         self._pending: dict[tuple, PendingCall] = {}
         self._lock = threading.Lock()
         self._write_rows = True
+        self.match_threads = True     # CPU same-dtype runs take the training's thread count (one CPU worker only)
 
     def reports(self, rank: int) -> RankReports:
         if not self._write_rows:
@@ -147,7 +148,7 @@ class Checker:
             self._finish(job, out, None)
             return
         try:
-            same = run_forward(job, self.device, bench=False)
+            same = run_forward(job, self.device, bench=False, match_threads=self.match_threads)
             same_error = ""
         except ReplayError as exc:
             same, same_error = None, f"same-dtype run failed: {exc}"
@@ -189,7 +190,7 @@ class Checker:
         except ReplayError as exc:
             return self._skip_rows(rep, bwd, "backward", str(exc))
         try:
-            same, same_error = run_backward(fwd, bwd, self.device, bench=False), ""
+            same, same_error = run_backward(fwd, bwd, self.device, bench=False, match_threads=self.match_threads), ""
         except ReplayError as exc:
             same, same_error = None, f"same-dtype run failed: {exc}"
         device = list(bwd.grad_input) if isinstance(bwd.grad_input, (list, tuple)) else [bwd.grad_input]

@@ -157,11 +157,11 @@ def call_api(job: Job, args: tuple, kwargs: dict, device: torch.device) -> Any:
 
 
 @contextlib.contextmanager
-def _threads(job: Job, device: torch.device, bench: bool):
+def _threads(job: Job, device: torch.device, bench: bool, match: bool = True):
     """A CPU same-dtype run uses the training's intra-op thread count: low-precision CPU kernels reduce in
     thread-sized blocks, and the noise floor should be what the same configuration computes."""
     n = job.intra_op_threads
-    if bench or device.type != "cpu" or n <= 0 or n == torch.get_num_threads():
+    if bench or not match or device.type != "cpu" or n <= 0 or n == torch.get_num_threads():
         yield
         return
     saved = torch.get_num_threads()
@@ -172,12 +172,13 @@ def _threads(job: Job, device: torch.device, bench: bool):
         torch.set_num_threads(saved)
 
 
-def run_forward(job: Job, device: torch.device, bench: bool) -> Any:
-    """One forward replay: the bench run (bench=True) or the same-dtype run. Exceptions -> ReplayError."""
+def run_forward(job: Job, device: torch.device, bench: bool, match_threads: bool = True) -> Any:
+    """One forward replay: the bench run (bench=True) or the same-dtype run. Exceptions -> ReplayError.
+    `match_threads=False`: never change torch's thread count (several CPU workers share it)."""
     args, kwargs, _ = prepare_inputs(job, device, bench)
     ac = None if bench else _autocast_dtype(job)
     try:
-        with torch.no_grad(), _threads(job, device, bench), \
+        with torch.no_grad(), _threads(job, device, bench, match_threads), \
                 torch.autocast(device.type, dtype=ac, enabled=ac is not None) if ac else \
                 contextlib.nullcontext(), _no_autocast(device) if ac is None else contextlib.nullcontext():
             return call_api(job, args, kwargs, device)
@@ -197,7 +198,7 @@ def _no_autocast(device: torch.device):
         yield
 
 
-def run_backward(fwd: Job, bwd: Job, device: torch.device, bench: bool) -> list:
+def run_backward(fwd: Job, bwd: Job, device: torch.device, bench: bool, match_threads: bool = True) -> list:
     """Replay the call with autograd and feed the recorded grad_output (upcast for the bench run) into
     `torch.autograd.backward`. Returns one gradient (or None) per entry of the backward record's grad_input."""
     args, kwargs, leaves = prepare_inputs(fwd, device, bench, requires_grad=True)
@@ -208,7 +209,7 @@ def run_backward(fwd: Job, bwd: Job, device: torch.device, bench: bool) -> list:
         args = map_leaves(args, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in index else v)
     ac = None if bench else _autocast_dtype(fwd)
     try:
-        with _threads(fwd, device, bench):
+        with _threads(fwd, device, bench, match_threads):
             return _backward(fwd, bwd, args, kwargs, leaves, device, ac)
     except ReplayError:
         raise

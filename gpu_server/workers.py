@@ -62,6 +62,15 @@ class WorkerPool:
         self.on_complete = on_complete or (lambda done, half, files: None)
         self.release = release or (lambda n: None)
         self.checkers = [Checker(out_dir, ts, d, summary, backward_budget, error_data_base) for d in devices]
+        cpu_workers = sum(d.type == "cpu" for d in devices)
+        if cpu_workers > 1:
+            # torch's intra-op pool is shared by the process: split the cores instead of oversubscribing them, and
+            # leave the thread count alone per call (see replay._threads).
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // cpu_workers))
+            for checker in self.checkers:
+                checker.match_threads = False
+            log.info("%d CPU workers, %d torch threads each; CPU same-dtype runs do not match the training's thread "
+                     "count", cpu_workers, torch.get_num_threads())
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=queue_size) for _ in devices]
         self.threads = [threading.Thread(target=self._run, args=(i,), name=f"gpu-server-worker-{i}", daemon=True)
                         for i in range(len(devices))]
