@@ -115,6 +115,11 @@ class FrameAssembler:
                 if not self.budget.acquire(rec.payload_bytes, self.cancelled):
                     raise WireError(f"record {rec.header.seq}: the stream closed while waiting for server memory")
                 self.reserved = rec.payload_bytes
+            if len(data) == rec.payload_bytes:
+                # The whole payload rode on this frame (records up to one chunk: the common case): use its bytes
+                # as they are, without a second copy. Decoded tensors are read-only views; replay copies them.
+                self.record, self.payload, self.filled = None, None, 0
+                return rec, data
             # The buffer grows as bytes arrive: a header alone, whatever it announces, costs nothing.
             self.record, self.filled, self.payload = rec, 0, bytearray()
             offset = 0

@@ -9,6 +9,7 @@ then rebuilds values. Nothing is executed, unpickled or looked up by name outsid
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -33,6 +34,12 @@ _MEMORY_FORMAT_NAMES = {v: k for k, v in _MEMORY_FORMATS.items()}
 _LAYOUTS = {"strided": torch.strided, "sparse_coo": torch.sparse_coo}
 _LAYOUT_NAMES = {v: k for k, v in _LAYOUTS.items()}
 _ALIGN = 64  # tensor offsets inside the payload are aligned so that views of any dtype are aligned too
+
+
+# An immutable payload (bytes) gives read-only tensor views: the server never writes into decoded tensors (every
+# replay works on its own copies), so torch's "not writable" warning does not apply here (and only here).
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
+                        module=r"protos\.codec")
 
 
 class WireError(ValueError):
