@@ -95,11 +95,11 @@ class FrameAssembler:
         self.budget = budget
         self.cancelled = cancelled
         self.record: pb.Record | None = None
-        self.payload: bytearray | None = None
+        self.payload: list[bytes] | None = None   # the chunks of a multi-frame record
         self.filled = 0
         self.reserved = 0          # budget bytes held by the record being assembled (handed over when complete)
 
-    def feed(self, frame: pb.Frame) -> tuple[pb.Record, bytearray] | None:
+    def feed(self, frame: pb.Frame) -> tuple[pb.Record, bytes] | None:
         body = frame.WhichOneof("body")
         data = frame.data
         if body == "record":
@@ -120,8 +120,9 @@ class FrameAssembler:
                 # as they are, without a second copy. Decoded tensors are read-only views; replay copies them.
                 self.record, self.payload, self.filled = None, None, 0
                 return rec, data
-            # The buffer grows as bytes arrive: a header alone, whatever it announces, costs nothing.
-            self.record, self.filled, self.payload = rec, 0, bytearray()
+            # The chunks are kept as they arrive and joined once, at the end: a header alone, whatever it
+            # announces, costs nothing, and each byte is copied once more only.
+            self.record, self.filled, self.payload = rec, 0, []
             offset = 0
         elif body == "chunk":
             if self.record is None or frame.chunk.seq != self.record.header.seq:
@@ -135,15 +136,15 @@ class FrameAssembler:
             self.reset()
             raise WireError(f"record {rec.header.seq}: chunk at offset {offset} (+{len(data)} bytes) does not continue "
                             f"the payload at {self.filled} of {rec.payload_bytes}")
-        try:
-            self.payload += data
-        except MemoryError:
-            seq = self.record.header.seq
-            self.reset()
-            raise WireError(f"record {seq}: no memory for {expected} payload bytes") from None
+        self.payload.append(data)
         self.filled += len(data)
         if self.filled == expected:
-            out = (self.record, self.payload)
+            try:
+                out = (self.record, b"".join(self.payload))
+            except MemoryError:
+                seq = self.record.header.seq
+                self.reset()
+                raise WireError(f"record {seq}: no memory for {expected} payload bytes") from None
             self.record, self.payload, self.filled = None, None, 0
             return out
         return None
