@@ -31,6 +31,7 @@ class CallContext:
     kwargs: dict
     taps: Any = None   # backward taps installed for this call (npu_agent.backward)
     recompute: bool = False  # a checkpoint recompute of a call recorded in the first pass: taps only
+    dropout: Any = None      # dropout family: (generator state before the call, p), to rebuild the keep-mask
 
 
 class CaptureMode(TorchFunctionMode):
@@ -167,9 +168,9 @@ class Capturer:
             rec.skip_reason = "collective communication is not replayed on the benchmark host"
             return CallContext(rec, category, api, args, kwargs)
         rec.inputs = snapshot((args, kwargs))
-        if naming.is_random(api):
-            self._random_state(rec, category, api, args, kwargs)
         ctx = CallContext(rec, category, api, args, kwargs)
+        if naming.is_random(api):
+            ctx.dropout = self._random_state(rec, category, api, args, kwargs)
         if grad_enabled and self.backward is not None:
             self.backward.tap_inputs(ctx)
         return ctx
@@ -200,8 +201,8 @@ class Capturer:
             rec.output = snapshot(out)
         if ctx.taps is not None:
             out = self.backward.tap_outputs(ctx, out)
-        if rec.mask is not None:
-            self._dropout_mask(ctx)
+        if ctx.dropout is not None:
+            rec.mask = self._dropout_mask(ctx)
         self._submit(rec)
         return out
 
@@ -213,21 +214,24 @@ class Capturer:
             self.sink(rec)
 
     # -- random APIs ---------------------------------------------------------------------------------------
-    def _random_state(self, rec: PendingRecord, category: str, api: str, args: tuple, kwargs: dict) -> None:
+    def _random_state(self, rec: PendingRecord, category: str, api: str, args: tuple, kwargs: dict):
+        """Record the generator state before a random call; for the dropout family return (state, p), from which
+        the keep-mask is rebuilt after the call."""
         device_type = rec.autocast[2]
         state = _rng_get(device_type)
         if state is None:
-            return
+            return None
         rec.rng_device = device_type
         rec.rng_state = state.cpu().numpy().tobytes()
         params = _dropout_params(category, api, args, kwargs) if api in naming.DROPOUT_MASKED else None
         if params is not None and params[1] and params[0] > 0 and args and isinstance(args[0], torch.Tensor):
-            rec.mask = (state, params, category, api)  # the mask itself is rebuilt after the call
+            return state, params[0]
+        return None
 
-    def _dropout_mask(self, ctx: CallContext) -> None:
+    def _dropout_mask(self, ctx: CallContext) -> torch.Tensor:
         """Rebuild the true keep-mask from the generator state before the call, then put the state back:
         the training's random stream is left exactly where the real call left it."""
-        state_before, (p, _), category, api = ctx.record.mask
+        (state_before, p), category, api = ctx.dropout, ctx.category, ctx.api
         device_type = ctx.record.rng_device
         x = ctx.record.inputs.tree[0][0]
         state_after = _rng_get(device_type)
@@ -238,7 +242,7 @@ class Capturer:
                 probe = getattr(torch.nn.functional, api.rstrip("_"))(ones, p, True, False)
             else:
                 probe = torch.dropout(ones, p, True) if "feature" not in api else torch.feature_dropout(ones, p, True)
-            ctx.record.mask = probe != 0
+            return probe != 0
         finally:
             _rng_set(device_type, state_after)
 
