@@ -5,7 +5,8 @@
 "capture only" runs the real capture mode (names, snapshots, backward taps and hooks) with a sink that discards
 the records; "online" is the real agent streaming to a real gpu-server subprocess on loopback (the step time is
 the training thread's; shipping and checking run in the background, and the time to drain at close() is printed
-separately; the server runs niced on this machine's cores, where a deployment has it on another host). The variants run round-robin in one process so that they share the machine's state; medians.
+separately; the server runs niced on this machine's cores, where a deployment has it on another host). The
+variants run round-robin in one process so that they share the machine's state; medians.
 """
 from __future__ import annotations
 
