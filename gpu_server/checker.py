@@ -222,7 +222,7 @@ class Checker:
             outcome.statuses.append(cmp.status)
             if cmp.status in (ERROR, WARNING) and not outcome.message:
                 outcome.message = f"{row}: {cmp.message}"
-            verdict = standards.judge(job.api, b_cpu, d, s_cpu)
+            verdict = standards.judge(job.api, b_cpu, d, s_cpu, device_metrics=cmp.metrics)
             message = "; ".join(m for m in (verdict.message, same_error) if m)
             rep.write_precision_detail(row, verdict.cells, verdict.status, verdict.algorithm, message, job.step)
             if self._write_rows:

@@ -8,7 +8,7 @@ is in thresholds.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -25,6 +25,9 @@ from gpu_server.standards.registry import (
 )
 from gpu_server.standards.selection import BINARY, canonical_name, select_standard
 from gpu_server.standards.thresholds import THRESHOLDS
+
+if TYPE_CHECKING:
+    from gpu_server.metrics import OutputMetrics
 
 __all__ = ["PrecisionJudgement", "judge", "bit_identical", "select_standard", "canonical_name", "register_standard",
            "STANDARD_REGISTRY", "THRESHOLDS"]
@@ -46,9 +49,12 @@ def bit_identical(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
-def judge(api_name: str, bench: Any, device: Any, same: Any = None) -> PrecisionJudgement:
+def judge(api_name: str, bench: Any, device: Any, same: Any = None,
+          device_metrics: OutputMetrics | None = None) -> PrecisionJudgement:
     """SPEC §6.3 verdict of one output. bench: upcast bench output; device: device output; same: the same-dtype
-    run's output on the trusted host (None when it could not run)."""
+    run's output on the trusted host (None when it could not run). `device_metrics`: the device output's metrics
+    against the bench when the caller has them already (the two-way status computed them), so they are not
+    computed twice."""
     from gpu_server.metrics import dtype_kind, mismatch, output_metrics, scalar_error_rate  # (import cycle)
 
     if bench is None:
@@ -76,7 +82,9 @@ def judge(api_name: str, bench: Any, device: Any, same: Any = None) -> Precision
             notes.append(f"same-dtype run output ignored ({reason.replace('bench', 'same-dtype')})")
         else:
             same_metrics = output_metrics(bench, same)
-    result = STANDARD_REGISTRY[key].judge(StandardInput(device.dtype, output_metrics(bench, device), same_metrics))
+    if device_metrics is None:
+        device_metrics = output_metrics(bench, device)
+    result = STANDARD_REGISTRY[key].judge(StandardInput(device.dtype, device_metrics, same_metrics))
     if result.status != PASS and bit_identical(same, device):
         result.status = PASS
         notes.append("pass: the device output is bit-identical to the same-dtype run")
