@@ -187,11 +187,11 @@ class Intake:
             seen.add(seq)
             return True
 
-    def accept(self, record: pb.Record, payload: bytearray, reserved: int = 0) -> tuple[int, str]:
+    def accept(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0) -> tuple[int, str]:
         """Take one complete record; returns its acknowledgement once the record is durable."""
         return self.submit(record, payload, reserved).wait()
 
-    def submit(self, record: pb.Record, payload: bytearray, reserved: int = 0) -> Ticket:
+    def submit(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0) -> Ticket:
         """Take one complete record; the returned ticket holds the acknowledgement once the record is durable.
 
         `reserved`: bytes of `self.budget` the payload holds (released here or once the workers checked it).
@@ -224,7 +224,7 @@ class Intake:
             return Ticket(h.seq, status, reason, after=ticket)
         return ticket
 
-    def process(self, record: pb.Record, payload: bytearray, reserved: int = 0, restore: bool = False
+    def process(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0, restore: bool = False
                 ) -> tuple[int, str]:
         """Validate a record that is new (or replayed from the spool) and hand its job (or SKIP row) to the workers.
 
@@ -292,7 +292,7 @@ class Intake:
         self.dispatch(job)
 
 
-def decode_job(record: pb.Record, payload: bytearray, limits: Limits = DEFAULT_LIMITS) -> Job:
+def decode_job(record: pb.Record, payload: bytes | bytearray, limits: Limits = DEFAULT_LIMITS) -> Job:
     h = record.header
     match = valid_call_name(h.name)
     dec = RecordDecoder(record, payload, limits)

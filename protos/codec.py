@@ -166,10 +166,11 @@ class RecordEncoder:
 class RecordDecoder:
     """Validates a record's tensor table against its payload and rebuilds its values.
 
-    `payload` is the assembled bytes (a bytearray: tensors are views into it, so they share its memory).
+    `payload` is the assembled bytes (bytes or bytearray): tensors are views into it and share its memory, so they
+    are read-only to the server (every replay works on its own copies).
     """
 
-    def __init__(self, record: pb.Record, payload: bytearray | memoryview, limits: Limits = DEFAULT_LIMITS):
+    def __init__(self, record: pb.Record, payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS):
         self.limits = limits
         self.record = record
         self.payload = payload
