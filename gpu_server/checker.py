@@ -34,14 +34,6 @@ class Outcome:
     precision: list[str] = dataclasses.field(default_factory=list)
     message: str = ""
     precision_message: str = ""
-    worst: str = ""
-
-
-@dataclasses.dataclass
-class PendingCall:
-    step: int
-    forward: Outcome
-    precision_only: bool = False
 
 
 class ForwardStore:
@@ -93,7 +85,7 @@ class Checker:
         self.summary = summary
         self.store = ForwardStore(backward_budget)
         self._reports: dict[int, RankReports] = {}
-        self._pending: dict[tuple, PendingCall] = {}
+        self._pending: dict[tuple, Outcome] = {}   # (run, rank, step, name) -> forward outcome awaiting backward
         self._lock = threading.Lock()
         self._write_rows = True
         self.match_threads = True     # CPU same-dtype runs take the training's thread count (one CPU worker only)
@@ -157,7 +149,7 @@ class Checker:
         if job.backward_expected:
             self.store.put(key, job)
             with self._lock:
-                self._pending[key] = PendingCall(job.step, outcome)
+                self._pending[key] = outcome
         else:
             self._finish(job, outcome, None, fwd_job=job)
 
@@ -166,12 +158,10 @@ class Checker:
         rep = self.reports(job.rank)
         key = (job.run_id, job.rank, job.step, job.name)
         with self._lock:
-            pending = self._pending.pop(key, None)
+            forward = self._pending.pop(key, None)
         fwd_job = self.store.take(key)
-        if pending is None:
+        if forward is None:
             forward = Outcome([SKIP], [SKIP], "forward record of this call was not received")
-        else:
-            forward = pending.forward
         if job.skip_reason:
             bwd = self._skip_rows(rep, job, "backward", job.skip_reason)
         elif fwd_job is None:
@@ -206,7 +196,7 @@ class Checker:
             msg = f"bench and device outputs differ in structure: {len(bench)} vs {len(device)} compared values"
             rep.write_detail(f"{job.name}.{direction}.output.0", BLANK, BLANK, BLANK, None, ERROR, msg, job.step)
             rep.write_precision_detail(f"{job.name}.{direction}.output.0", {}, ERROR, BLANK, msg, job.step)
-            return Outcome([ERROR], [ERROR], msg, msg, msg)
+            return Outcome([ERROR], [ERROR], msg, msg)
         for i, (d, b) in enumerate(zip(device, bench)):
             row = f"{job.name}.{direction}.output.{i}"
             b_cpu = b.detach().cpu() if isinstance(b, torch.Tensor) else b
@@ -264,9 +254,9 @@ class Checker:
         with self._lock:
             keys = [k for k in self._pending if k[0] == run_id and k[1] == rank] if run_id else list(self._pending)
             calls = [(k, self._pending.pop(k)) for k in keys]
-        for (rid, rk, step, name), call in calls:
+        for (rid, rk, step, name), forward in calls:
             job = Job(run_id=rid, rank=rk, step=step, seq=0, name=name, category="", api="", direction=pb.BACKWARD)
-            self._finish(job, call.forward, Outcome([SKIP], [SKIP], f"backward record never arrived ({why})",
+            self._finish(job, forward, Outcome([SKIP], [SKIP], f"backward record never arrived ({why})",
                                                     f"backward record never arrived ({why})"))
         if run_id:
             self.store.drop_run(run_id, rank)
