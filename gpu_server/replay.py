@@ -178,9 +178,7 @@ def run_forward(job: Job, device: torch.device, bench: bool, match_threads: bool
     args, kwargs, _ = prepare_inputs(job, device, bench)
     ac = None if bench else _autocast_dtype(job)
     try:
-        with torch.no_grad(), _threads(job, device, bench, match_threads), \
-                torch.autocast(device.type, dtype=ac, enabled=ac is not None) if ac else \
-                contextlib.nullcontext(), _no_autocast(device) if ac is None else contextlib.nullcontext():
+        with torch.no_grad(), _threads(job, device, bench, match_threads), _autocast(device, ac):
             return call_api(job, args, kwargs, device)
     except ReplayError:
         raise
@@ -189,11 +187,16 @@ def run_forward(job: Job, device: torch.device, bench: bool, match_threads: bool
 
 
 @contextlib.contextmanager
-def _no_autocast(device: torch.device):
-    try:
-        ctx = torch.autocast(device.type, enabled=False)
-    except RuntimeError:
-        ctx = contextlib.nullcontext()
+def _autocast(device: torch.device, dtype: torch.dtype | None):
+    """Autocast to `dtype` (the recorded state of a same-dtype run), or autocast off (the bench run, and calls
+    recorded without it), whatever the caller's thread had on."""
+    if dtype:
+        ctx = torch.autocast(device.type, dtype=dtype, enabled=True)   # unsupported here: the replay fails, said
+    else:
+        try:
+            ctx = torch.autocast(device.type, enabled=False)
+        except RuntimeError:  # a device type without autocast has nothing to turn off
+            ctx = contextlib.nullcontext()
     with ctx:
         yield
 
@@ -218,7 +221,7 @@ def run_backward(fwd: Job, bwd: Job, device: torch.device, bench: bool, match_th
 
 
 def _backward(fwd: Job, bwd: Job, args, kwargs, leaves: dict, device: torch.device, ac) -> list:
-    with torch.enable_grad(), torch.autocast(device.type, dtype=ac, enabled=True) if ac else _no_autocast(device):
+    with torch.enable_grad(), _autocast(device, ac):
         out = call_api(fwd, args, kwargs, device)
     outs = [t for t in iter_leaves(out) if isinstance(t, torch.Tensor)]
     grads = list(bwd.grad_output) if isinstance(bwd.grad_output, (list, tuple)) else [bwd.grad_output]
