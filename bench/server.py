@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""The server's checking time per training step against the training's own step time, side by side in one run.
+
+    python bench/server.py [--steps 6] [--layers 4] [--d 512] [--seq 128] [--batch 8] [--device cpu|cuda]
+
+1. The training alone: a mid-size transformer (d=512, 4 layers, seq 128, batch 8, float32, SGD), pinned to one
+   core, no checker: seconds per step.
+2. The same training with the agent writing every forward and backward record into a shared folder (no server
+   running), so that the checking below is measured alone, on exactly the records a run produces. With
+   `--ranks 2` two such trainings (RANK 0 and 1) write their own records.
+3. `gpu-server` in folder mode on that folder with `--workers 1` (one core), then `--workers 2` (two cores, one
+   worker per rank; needs `--ranks 2`), `--exit-when-done`: from start to exit (start-up included), divided by the
+   training steps recorded (all ranks).
+
+Prints records/s, the server's seconds per training step for each worker count, and the ratio to the training's
+step time last. `--device cuda` runs the server on the GPU (bench/gpu_check.sh).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+TRAIN = r'''
+import json, os, sys, time, torch, torch.nn as nn, torch.nn.functional as F
+cfg, steps, layers, d, seq, batch, checked = sys.argv[1], *map(int, sys.argv[2:7]), sys.argv[7] == "1"
+torch.manual_seed(0)
+layer = lambda: nn.TransformerEncoderLayer(d, max(1, d // 64), 4 * d, dropout=0.0, batch_first=True)
+model = nn.Sequential(*[layer() for _ in range(layers)], nn.Linear(d, 256))
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+x, y = torch.randn(batch, seq, d), torch.randint(0, 256, (batch, seq))
+dbg = None
+if checked:
+    from npu_agent import PrecisionDebugger
+    dbg = PrecisionDebugger(config_path=cfg)
+def one():
+    if dbg: dbg.start()
+    loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+    loss.backward()
+    if dbg: dbg.stop()
+    opt.step(); opt.zero_grad()
+    if dbg: dbg.step()
+one()  # warm-up (not captured by the timing; captured records are checked like the rest)
+t0 = time.process_time(); w0 = time.perf_counter()
+for _ in range(steps):
+    one()
+cpu, wall = time.process_time() - t0, time.perf_counter() - w0
+counts = dbg.close() if dbg else {}
+print("BENCH " + json.dumps({"cpu_per_step": cpu / steps, "wall_per_step": wall / steps,
+                             "captured": counts.get("captured", 0)}))
+'''
+
+
+def _pin(cores: list[int]):
+    usable = sorted(os.sched_getaffinity(0))
+    chosen = [usable[c % len(usable)] for c in cores]
+    return lambda: os.sched_setaffinity(0, chosen)
+
+
+def _json_line(stdout: str) -> dict:
+    return json.loads([x for x in stdout.splitlines() if x.startswith("BENCH ")][-1][6:])
+
+
+def train(work: str, ns, checked: bool, rank: int = 0) -> dict:
+    cfg = os.path.join(work, "agent.json")
+    os.makedirs(os.path.join(work, "nfs"), exist_ok=True)
+    with open(cfg, "w") as fh:
+        json.dump({"task": "tensor", "dump_path": os.path.join(work, "dump"), "level": "L1", "rank": [], "step": [],
+                   "tensor": {"scope": [], "list": [], "online_run_ut": True, "nfs_path": os.path.join(work, "nfs"),
+                              "host": "127.0.0.1", "port": 1, "tls_path": "", "online_run_ut_recompute": False}}, fh)
+    env = dict(os.environ, PYTHONPATH=ROOT, RANK=str(rank), WORLD_SIZE=str(ns.ranks), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", TRAIN, cfg, str(ns.steps), str(ns.layers), str(ns.d), str(ns.seq),
+                           str(ns.batch), "1" if checked else "0"], capture_output=True, text=True, env=env,
+                          preexec_fn=_pin([0]), timeout=3600)
+    if proc.returncode:
+        sys.exit(f"training failed:\n{proc.stderr[-3000:]}")
+    return _json_line(proc.stdout)
+
+
+def serve(work: str, nfs: str, workers: int, ranks: int, device: str) -> tuple[float, int]:
+    """Seconds from the server's start to its exit once every rank's records are checked, and records checked."""
+    out = tempfile.mkdtemp(prefix="out-", dir=work)
+    cfg = os.path.join(work, f"server{workers}.json")
+    with open(cfg, "w") as fh:
+        json.dump({"task": "run_ut", "run_ut": {"white_list": [], "black_list": [], "error_data_path": "",
+                                                "is_online": True, "nfs_path": nfs, "host": "127.0.0.1", "port": 0,
+                                                "rank_list": [], "tls_path": ""}}, fh)
+    exe = os.path.join(os.path.dirname(sys.executable), "gpu-server")
+    cmd = [exe, "--config", cfg, "--out", out, "--quiet", "--exit-when-done", "--world-size", str(ranks),
+           "--device", device, "--workers", str(workers)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_pin(list(range(1, 1 + workers))),
+                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=7200)
+    seconds = time.perf_counter() - t0
+    if proc.returncode:
+        sys.exit(f"gpu-server failed:\n{proc.stderr[-3000:]}")
+    with open(glob.glob(os.path.join(out, "summary_*.json"))[0], encoding="utf-8") as fh:
+        summary = json.load(fh)
+    return seconds, sum(summary["records_received"].values())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--d", type=int, default=512)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--ranks", type=int, default=2, help="training processes writing records (2 for --workers 2)")
+    p.add_argument("--device", default="cpu")
+    ns = p.parse_args()
+    work = tempfile.mkdtemp(prefix="bench-server-")
+    try:
+        plain = train(work, ns, checked=False)
+        recorded = [train(work, ns, checked=True, rank=r) for r in range(ns.ranks)]
+        nfs = os.path.join(work, "nfs")
+        keep = os.path.join(work, "nfs-recorded")
+        shutil.copytree(nfs, keep)
+        rows = []
+        for workers in (1, 2) if ns.ranks >= 2 else (1,):
+            shutil.rmtree(nfs)
+            shutil.copytree(keep, nfs)
+            seconds, records = serve(work, nfs, workers, ns.ranks, ns.device)
+            rows.append((workers, seconds, records))
+        base = plain["cpu_per_step"]
+        print(f"training alone (1 core): {base * 1e3:.0f} ms CPU/step ({plain['wall_per_step'] * 1e3:.0f} ms wall); "
+              f"with the agent writing to a folder: {recorded[0]['cpu_per_step'] * 1e3:.0f} ms CPU/step; "
+              f"{recorded[0]['captured']} records per rank ({ns.steps + 1} steps, {ns.ranks} ranks)")
+        for workers, seconds, records in rows:
+            per_step = seconds / (ns.steps + 1) / ns.ranks
+            print(f"server --workers {workers} on {ns.device} ({workers} core(s)): {records} records in "
+                  f"{seconds:.1f} s = {records / seconds:.0f} records/s; {per_step:.2f} s per training step "
+                  f"= {per_step / base:.1f}x the training's step")
+        print("ratio (server time per training step / training CPU per step): "
+              + ", ".join(f"workers={w}: {s / (ns.steps + 1) / ns.ranks / base:.1f}x" for w, s, _ in rows))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
