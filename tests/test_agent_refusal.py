@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import datetime as dt
+import logging
 import os
 import shutil
 import subprocess
@@ -224,3 +225,38 @@ def test_transient_outages_lose_nothing_and_are_no_refusal(tmp_path):
     lines = [x for x in err.splitlines() if x.startswith(AGENT_LINE)]
     assert not [x for x in lines if "can never receive" in x], lines
     assert any("unavailable" in x for x in lines), lines
+
+
+def test_close_waits_at_most_the_connect_timeout_when_no_server_was_reached(monkeypatch, caplog):
+    """In process, real gRPC to a port where nothing listens: close(600) returns after about the connect timeout,
+    and says while it waits (here every 0.2 s instead of every 30 s)."""
+    from npu_agent import sender as sender_module
+    from npu_agent.config import Endpoint
+    from npu_agent.sender import Sender
+    from npu_agent.transport_grpc import GrpcTransport
+    from tests.test_folder import make_record
+
+    monkeypatch.setattr(sender_module, "WAIT_LOG_S", 0.2)
+    transport = GrpcTransport(Endpoint("127.0.0.1", support.free_port()), "", "nowhere", 0, 1,
+                              connect_timeout_s=1.5, max_retry_s=0.2)
+    sender = Sender(transport, budget_bytes=64 << 20)
+    with caplog.at_level(logging.INFO, logger="npu_agent"):
+        for i in range(3):
+            assert sender.submit(make_record(i))
+        t0 = time.monotonic()
+        counts = sender.close(timeout=600)
+        waited = time.monotonic() - t0
+    assert counts["unacknowledged"] == 3 and counts["acknowledged"] == 0, counts
+    assert 1.0 < waited < 15, waited     # the connect timeout (1.5 s), not the close timeout (600 s)
+    assert "close() is waiting for the server to acknowledge 3 records" in caplog.text
+    assert "nothing listens there" in caplog.text and "ERROR" not in caplog.text
+    assert not transport.reached and sender.refusal is None
+
+
+def test_importing_the_agent_configures_no_logging():
+    """The agent logs through the "npu_agent" logger only: no handler, no level, propagation kept, so that the
+    application's logging configuration (or, without one, Python's last-resort handler) decides."""
+    import npu_agent.debugger  # noqa: F401
+
+    agent = logging.getLogger("npu_agent")
+    assert agent.handlers == [] and agent.level == logging.NOTSET and agent.propagate
