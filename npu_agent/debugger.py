@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import uuid
+from typing import Any
 
 import torch
 
@@ -127,7 +128,7 @@ class PrecisionDebugger:
                 return
             if self._mode in torch.overrides._get_current_function_mode_stack():
                 return
-            self._mode.__enter__()
+            self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
     def stop(self) -> None:
         with self._lock:
@@ -149,7 +150,7 @@ class PrecisionDebugger:
                 self._capturer.backward.end_step()
             self._capturer.next_step(self.current_step)
 
-    def close(self) -> dict | None:
+    def close(self) -> dict[str, Any] | None:
         """Flush: wait for the server to acknowledge everything (bounded by online_close_timeout_s), send the
         end-of-stream message with the counts, and log them. Idempotent; also runs at interpreter exit."""
         with self._lock:

@@ -158,7 +158,8 @@ class GrpcTransport:
         """One stream, from open to broken: re-send notice, then acknowledgements until it ends."""
         assert self._channel is not None and self._events is not None
         q: queue.Queue[bytes] = queue.Queue(maxsize=8)
-        stub = self._channel.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
+        stub: grpc.StreamStreamMultiCallable[bytes, pb.Ack] = self._channel.stream_stream(
+            METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
         with self._lock:
             self._generation += 1
             generation = self._generation
