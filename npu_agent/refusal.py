@@ -50,27 +50,27 @@ def classify(code: grpc.StatusCode | None, detail: str, tls_dir: str, host: str,
     on retry; None for what may pass (the server is down, restarting, overloaded)."""
     detail = " ".join(detail.split())
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-        return Refusal(f"the server refused this agent's client certificate ({code.name}: {detail})",
+        return Refusal(f"it refused this agent's client certificate ({code.name}: {detail})",
                        "use a client certificate issued by the server's CA that is not revoked (a new one: "
                        f"{MAKE_CERTS} --client NAME), in tensor.tls_path")
     if stream and code == grpc.StatusCode.UNIMPLEMENTED:
-        return Refusal(f"the server does not serve this agent's protocol online_check.v1 ({detail or code.name}); "
-                       "it is another version of gpu-server, or not gpu-server",
+        return Refusal(f"it does not serve this agent's protocol online_check.v1 ({detail or code.name}); it is "
+                       "another version of gpu-server, or not gpu-server",
                        "run gpu-server and npu_agent of the same release")
     if stream and code == grpc.StatusCode.FAILED_PRECONDITION:
-        return Refusal(f"the server refused this agent's protocol version ({detail})",
+        return Refusal(f"it refused this agent's protocol version ({detail})",
                        "run gpu-server and npu_agent of the same release")
     if not tls_dir:
         return None   # a plaintext agent that cannot connect: see `plaintext_refusal`
     if _has(detail, _PLAINTEXT_SERVER):
-        return Refusal(f"the server at {host} does not use TLS, and this agent does (tensor.tls_path={tls_dir!r}); "
-                       f"the handshake got a plaintext answer ({detail})",
+        return Refusal(f"it does not use TLS, and this agent does (tensor.tls_path={tls_dir!r}); the handshake got a "
+                       f"plaintext answer ({detail})",
                        "start gpu-server with run_ut.tls_path (mutual TLS), or, on a trusted network only, leave "
                        "tensor.tls_path empty")
     if _has(detail, _SERVER_CERT):
         return _server_cert_refusal(detail, tls_dir, host)
     if _has(detail, _CLIENT_CERT_ALERTS):
-        return Refusal(f"the server refused this agent's client certificate during the TLS handshake ({detail})",
+        return Refusal(f"it refused this agent's client certificate during the TLS handshake ({detail})",
                        f"use a client certificate issued by the server's CA, current and not revoked ({MAKE_CERTS})")
     if _has(detail, _TLS_VERSION):
         return Refusal(f"the agent and the server share no TLS protocol version ({detail})",
@@ -119,7 +119,6 @@ def plaintext_refusal(detail: str, host: str, port: int, timeout: float) -> Refu
     """A plaintext agent whose connection was closed before any answer: a refusal when the server speaks TLS."""
     if "Connection refused" in detail or not server_speaks_tls(host, port, min(timeout, 5.0)):
         return None
-    return Refusal(f"the server at {host}:{port} requires TLS, and this agent connects in plaintext "
-                   "(tensor.tls_path is empty)",
+    return Refusal("it requires TLS, and this agent connects in plaintext (tensor.tls_path is empty)",
                    "set tensor.tls_path to a folder with client.key, client.crt and ca.crt for this agent, made "
                    f"with {MAKE_CERTS} by the CA of the server")
