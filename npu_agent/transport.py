@@ -2,7 +2,8 @@
 
 The Sender owns the records until they are acknowledged; a transport only delivers them. Both transports
 (`transport_grpc.GrpcTransport`, `transport_folder.FolderTransport`) implement `Transport`, and the Sender
-implements `TransportEvents`; mypy checks both (`mypy --strict`, see pyproject.toml).
+implements `TransportEvents`; mypy checks both (`mypy --strict`, see pyproject.toml). How to add a transport:
+docs/design.md, "Transports".
 
 Streams and generations: a transport numbers the streams it opens (1, 2, ...; 0 before the first). When a stream
 opens, it calls `on_reconnect(generation)`, and the Sender re-sends everything not acknowledged, in order, on that
