@@ -182,6 +182,7 @@ def test_each_permanent_refusal_ends_capture_with_one_error(pki, tmp_path):
         for s in others.values():
             s.stop()
     for name, (proc, seconds) in results.items():
+        print(f"{name}: training process {seconds:.1f} s from start to exit")   # shown with pytest -s
         cause = cases[name][3]
         assert proc.returncode == 0, f"{name}:\n{proc.stderr[-3000:]}"
         assert seconds < 60, f"{name}: the training took {seconds:.0f} s to finish and exit"
@@ -260,3 +261,42 @@ def test_importing_the_agent_configures_no_logging():
 
     agent = logging.getLogger("npu_agent")
     assert agent.handlers == [] and agent.level == logging.NOTSET and agent.propagate
+
+
+def test_only_permanent_failures_are_refusals():
+    """The error texts gRPC and Python's ssl gave on this host (see the end-to-end test above): outages are not
+    refusals, mismatches are. A false refusal would drop records that a restarted server could still take."""
+    import grpc
+
+    from npu_agent.refusal import classify, tls_config_refusal
+
+    unavailable, tls = grpc.StatusCode.UNAVAILABLE, "/certs/agent"
+    transient = [
+        (unavailable, "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Connection "
+                      "refused", tls),
+        (unavailable, "failed to connect to all addresses; last error: UNAVAILABLE: ipv4:127.0.0.1:1: Socket closed",
+         tls),
+        (unavailable, "Socket closed", ""),        # plaintext: confirmed by a handshake of our own, not here
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "too many streams; retry later", tls),
+        (grpc.StatusCode.CANCELLED, "Cancelled", tls),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ""),
+    ]
+    for code, detail, tls_dir in transient:
+        assert classify(code, detail, tls_dir, "127.0.0.1", stream=True) is None, detail
+    assert classify(grpc.StatusCode.UNIMPLEMENTED, "", "", "h", stream=False) is None  # a server without health
+    permanent = [
+        (unavailable, "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:100000f7:SSL "
+                      "routines:OPENSSL_internal:WRONG_VERSION_NUMBER", "does not use TLS"),
+        (unavailable, "Tls handshake failed (TSI_PROTOCOL_FAILURE): SSL_ERROR_SSL: error:1000007d:SSL "
+                      "routines:OPENSSL_internal:CERTIFICATE_VERIFY_FAILED: unable to get local issuer certificate",
+         "does not verify against /certs/agent/ca.crt"),
+        (grpc.StatusCode.UNAUTHENTICATED, "client certificate CN=x is revoked by the server's crl.pem",
+         "refused this agent's client certificate"),
+    ]
+    for code, detail, cause in permanent:
+        refusal = classify(code, detail, tls, "127.0.0.1", stream=False)
+        assert refusal is not None and cause in refusal.cause, (detail, refusal)
+    assert tls_config_refusal("TLS handshake with h:1 failed: EOF occurred in violation of protocol", tls, "h") is None
+    expired = tls_config_refusal("/certs/agent/client.crt: the client certificate expired on 2026-01-01 00:00 UTC; "
+                                 "issue a new one with certs/make_certs.py", tls, "h")
+    assert expired is not None and "expired" in expired.cause
