@@ -172,7 +172,11 @@ class PrecisionDebugger:
         log.info("online check: run %s rank %d: captured %d, sent %d, acknowledged %d, rejected %d, dropped %d, "
                  "unacknowledged %d", self.run_id, self.rank, counts["captured"], counts["sent"],
                  counts["acknowledged"], counts["rejected"], counts["dropped"], lost)
-        if lost:
+        if lost and not counts["server_reached"]:
+            log.warning("online check: %d records are lost: no server was reached within "
+                        "tensor.online_connect_timeout_s (%.0f s); %s", lost, self.config.connect_timeout_s,
+                        sender.transport.describe_state())
+        elif lost:
             log.warning("online check: %d records were never acknowledged within %.0f s and are lost; raise "
                         "tensor.online_close_timeout_s or check the server", lost, self.config.close_timeout_s)
         return counts

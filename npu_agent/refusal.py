@@ -8,12 +8,14 @@ confirmed by a TLS handshake of our own before it counts as a refusal.
 """
 from __future__ import annotations
 
+import os
 import socket
 import ssl
 
 import grpc
 
 from npu_agent.transport import Refusal
+from protos.tls import ONLINE_CHECK_KEY_PASSPHRASE
 
 MAKE_CERTS = "certs/make_certs.py (see certs/README.md)"
 
@@ -122,3 +124,51 @@ def plaintext_refusal(detail: str, host: str, port: int, timeout: float) -> Refu
     return Refusal("it requires TLS, and this agent connects in plaintext (tensor.tls_path is empty)",
                    "set tensor.tls_path to a folder with client.key, client.crt and ca.crt for this agent, made "
                    f"with {MAKE_CERTS} by the CA of the server")
+
+
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # + empty SETTINGS
+
+
+def _closed_after_handshake(ctx: ssl.SSLContext, addr: str, port: int, timeout: float) -> str | None:
+    """One TLS handshake and the HTTP/2 preface: why the server dropped us (a TLS alert, or closing without a
+    word), or None when it answered or could not be reached."""
+    try:
+        with socket.create_connection((addr, port), timeout=timeout) as sock:
+            with ctx.wrap_socket(sock) as tls:
+                tls.sendall(_H2_PREFACE)
+                if tls.recv(1):
+                    return None
+                return "the server closed the connection right after the TLS handshake, without an answer"
+    except ssl.SSLError as exc:
+        reason = str(exc.reason or exc)
+        return reason if "ALERT" in reason.upper() else None
+    except OSError:
+        return None
+
+
+def client_certificate_refusal(host: str, port: int, tls_dir: str, timeout: float) -> Refusal | None:
+    """A TLS agent whose connection was closed before any answer: a handshake of our own with the agent's client
+    certificate, then the HTTP/2 preface. gpu-server answers the preface of a client it accepts; one whose
+    certificate it refuses gets a TLS alert, or (TLS 1.3) a closed connection. Twice in a row is a refusal; an
+    answer, or no connection at all, is not (the server may be restarting). The server's own certificate is not
+    checked here (gRPC checks it), and nothing but the preface is sent."""
+    folder = tls_dir.rstrip("/")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    addr = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        passphrase = os.environ.get(ONLINE_CHECK_KEY_PASSPHRASE, "").encode("utf-8")
+        ctx.load_cert_chain(f"{folder}/client.crt", f"{folder}/client.key", password=lambda: passphrase)
+        ctx.set_alpn_protocols(["h2"])
+    except (OSError, ValueError, NotImplementedError):
+        return None
+    why = None
+    for _ in range(2):
+        why = _closed_after_handshake(ctx, addr, port, min(timeout, 5.0))
+        if why is None:
+            return None
+    return Refusal(f"it refused this agent's client certificate {folder}/client.crt ({why})",
+                   "use a client certificate issued by the CA in gpu-server's run_ut.tls_path/ca.crt, current and "
+                   f"not revoked ({MAKE_CERTS} --client NAME with that CA)")

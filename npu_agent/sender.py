@@ -185,6 +185,7 @@ class Sender:
         counts: dict[str, Any] = dataclasses.asdict(self.counts)
         counts["unacknowledged"] = lost
         counts["last_seq"] = self._next_seq
+        counts["server_reached"] = self.transport.reached
         if refused:
             self.transport.close()
         else:

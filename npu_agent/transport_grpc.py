@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2
 
 from npu_agent.config import Endpoint
 from npu_agent.records import PendingRecord, encode_record
-from npu_agent.refusal import classify, plaintext_refusal, tls_config_refusal
+from npu_agent.refusal import classify, client_certificate_refusal, plaintext_refusal, tls_config_refusal
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos import online_check_pb2 as pb
 from protos.codec import encode_frames
@@ -233,8 +233,11 @@ class GrpcTransport:
                 return None, None   # a server without the health service still serves the stream
             detail = " ".join(((exc.details() if isinstance(exc, grpc.Call) else str(exc)) or "").split())
             refusal = classify(code, detail, self.tls_dir, self.endpoint.host, stream=False)
-            if refusal is None and not self.tls_dir and "Socket closed" in detail:
-                refusal = plaintext_refusal(detail, self.endpoint.host, self.endpoint.port, self.connect_timeout_s)
+            if refusal is None and code == grpc.StatusCode.UNAVAILABLE and "Connection refused" not in detail:
+                # closed before any answer: the server may be restarting, or refuse this agent's TLS setup
+                host, port = self.endpoint.host, self.endpoint.port
+                refusal = (client_certificate_refusal(host, port, self.tls_dir, self.connect_timeout_s) if self.tls_dir
+                           else plaintext_refusal(detail, host, port, self.connect_timeout_s))
             return f"{code.name if code else 'error'}: {detail}{self._hint(detail)}", refusal
 
     def _hint(self, detail: str) -> str:
