@@ -151,7 +151,8 @@ class PrecisionDebugger:
             self._capturer.next_step(self.current_step)
 
     def close(self) -> dict[str, Any] | None:
-        """Flush: wait for the server to acknowledge everything (bounded by online_close_timeout_s), send the
+        """Flush: wait for the server to acknowledge everything (bounded by online_close_timeout_s, and by
+        online_connect_timeout_s when no server was ever reached; not at all after a refusal), send the
         end-of-stream message with the counts, and log them. Idempotent; also runs at interpreter exit."""
         with self._lock:
             if self._closed and self._sender is None:
