@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from npu_agent.records import BACKWARD, PendingRecord
 from npu_agent.snapshot import Snapshot, iter_tensors, map_tensors
+
+if TYPE_CHECKING:
+    from npu_agent.capture import CallContext
 
 
 @dataclasses.dataclass
@@ -49,14 +53,14 @@ def _differentiable(t: torch.Tensor) -> bool:
 
 
 class BackwardTaps:
-    def __init__(self, sink):
+    def __init__(self, sink: Callable[[PendingRecord], object]):
         self.sink = sink
         self._pending: dict[tuple[int, str], _Entry] = {}
         self._lock = threading.Lock()
         self._flush_queued = False
 
     # -- forward side (training thread, inside the capture mode's handler) ---------------------------------
-    def tap_inputs(self, ctx) -> None:
+    def tap_inputs(self, ctx: CallContext) -> None:
         """Replace each differentiable input by a hooked alias; remember the slots on `ctx.taps`."""
         rec = ctx.record
         first = ctx.args[0] if ctx.args and isinstance(ctx.args[0], torch.Tensor) else None
@@ -93,7 +97,7 @@ class BackwardTaps:
             ctx.args, ctx.kwargs = args, kwargs
             ctx.taps = (entry, aliases)
 
-    def tap_outputs(self, ctx, out: Any) -> Any:
+    def tap_outputs(self, ctx: CallContext, out: Any) -> Any:
         """Hook every differentiable output; give back the original tensor where the API returned our alias."""
         entry, aliases = ctx.taps
         if aliases:
@@ -112,16 +116,16 @@ class BackwardTaps:
         return out
 
     # -- backward side (autograd engine threads) ------------------------------------------------------------
-    def _out_hook(self, entry: _Entry, j: int):
-        def hook(grad):
+    def _out_hook(self, entry: _Entry, j: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
             with self._lock:
                 if not entry.emitted:
                     entry.grad_out[j] = _copy(grad) if entry.grad_out[j] is None else entry.grad_out[j]
             return None
         return hook
 
-    def _in_hook(self, entry: _Entry, slot: int):
-        def hook(grad):
+    def _in_hook(self, entry: _Entry, slot: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
             emit = False
             with self._lock:
                 if entry.emitted or entry.grad_in[slot] is not None:
@@ -179,6 +183,6 @@ class BackwardTaps:
                                         grad_input=_snap([])))
 
 
-def _snap(values: list) -> Snapshot:
+def _snap(values: list[Any]) -> Snapshot:
     total = sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
     return Snapshot(list(values), total, set())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -19,6 +19,10 @@ from npu_agent.records import PendingRecord
 from npu_agent.snapshot import iter_tensors, snapshot
 from protos.codec import dtype_name
 
+if TYPE_CHECKING:
+    from npu_agent.backward import BackwardTaps
+    from npu_agent.checkpoint import Region
+
 log = logging.getLogger("npu_agent")
 
 
@@ -27,8 +31,8 @@ class CallContext:
     record: PendingRecord
     category: str
     api: str
-    args: tuple
-    kwargs: dict
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
     taps: Any = None   # backward taps installed for this call (npu_agent.backward)
     recompute: bool = False  # a checkpoint recompute of a call recorded in the first pass: taps only
     dropout: Any = None      # dropout family: (generator state before the call, p), to rebuild the keep-mask
@@ -39,7 +43,8 @@ class CaptureMode(TorchFunctionMode):
         super().__init__()
         self.capturer = capturer
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if torch.compiler.is_compiling():  # must stay the first statement: compiled regions are opaque
             return func(*args, **kwargs)
@@ -66,7 +71,7 @@ class CaptureMode(TorchFunctionMode):
             return out
 
 
-def autocast_state(args: tuple, kwargs: dict) -> tuple[bool, str, str]:
+def autocast_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, str, str]:
     device_type = "cpu"
     for t in iter_tensors((args, kwargs)):
         device_type = t.device.type
@@ -93,7 +98,8 @@ def _rng_set(device_type: str, state: torch.Tensor) -> None:
         getattr(torch, device_type).set_rng_state(state)
 
 
-def _dropout_params(category: str, api: str, args: tuple, kwargs: dict) -> tuple[float, bool] | None:
+def _dropout_params(category: str, api: str, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> tuple[float, bool] | None:
     """(p, training) of a dropout-family call, from its documented signature."""
     if category == "Functional":  # F.dropout*(input, p=0.5, training=True, inplace=False)
         p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
@@ -111,8 +117,8 @@ def _dropout_params(category: str, api: str, args: tuple, kwargs: dict) -> tuple
 class Capturer:
     """Turns calls into PendingRecords and hands them to `sink` (the sender)."""
 
-    def __init__(self, sink: Callable[[PendingRecord], None], api_list: tuple[str, ...] = (),
-                 scope: tuple[str, ...] = (), backward=None):
+    def __init__(self, sink: Callable[[PendingRecord], object], api_list: tuple[str, ...] = (),
+                 scope: tuple[str, ...] = (), backward: BackwardTaps | None = None):
         self.sink = sink
         self.api_list = api_list
         self.scope = scope
@@ -122,8 +128,8 @@ class Capturer:
         self.captured = 0
         self.errors = 0
         self._scope_state = 0             # 0: before scope[0]; 1: inside; 2: after scope[1]
-        self.region = None                # the reentrant checkpoint region running now (npu_agent.checkpoint)
-        self.open_regions: list = []      # regions whose records wait for their recompute
+        self.region: Region | None = None  # the reentrant checkpoint region running now (npu_agent.checkpoint)
+        self.open_regions: list[Any] = []      # regions whose records wait for their recompute
         self._warned: set[str] = set()
         self._lock = threading.Lock()
 
@@ -153,7 +159,8 @@ class Capturer:
         return naming.matches_list(full_name, self.api_list)
 
     # -- the two halves of a call --------------------------------------------------------------------------
-    def before_call(self, func, info: tuple[str, str], args: tuple, kwargs: dict) -> CallContext | None:
+    def before_call(self, func: Any, info: tuple[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]
+                    ) -> CallContext | None:
         if torch._C._current_graph_task_id() != -1:
             # Inside a backward pass: a checkpoint recompute or a custom backward. Its forward was recorded already.
             return self._recompute_call(info, args, kwargs)
@@ -175,13 +182,14 @@ class Capturer:
             self.backward.tap_inputs(ctx)
         return ctx
 
-    def _recompute_call(self, info, args: tuple, kwargs: dict) -> CallContext | None:
+    def _recompute_call(self, info: tuple[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> CallContext | None:
         region = self.region
         if region is None or not region.recomputing or self.backward is None:
             return None
         name = region.next_name()
         rec = region.held.get(name) if name else None
-        if rec is None or name.rsplit(".", 1)[0] != ".".join(info) or not torch.is_grad_enabled():
+        if rec is None or name is None or name.rsplit(".", 1)[0] != ".".join(info) or not torch.is_grad_enabled():
             return None
         ctx = CallContext(rec, info[0], info[1], args, kwargs, recompute=True)
         rec.grad_enabled = True
@@ -191,7 +199,7 @@ class Capturer:
     def after_call(self, ctx: CallContext, out: Any) -> Any:
         rec = ctx.record
         if ctx.recompute:
-            return self.backward.tap_outputs(ctx, out) if ctx.taps is not None else out
+            return self.backward.tap_outputs(ctx, out) if ctx.taps is not None else out  # type: ignore[union-attr]
         if rec.skip_reason:
             self._submit(rec)
             return out
@@ -199,8 +207,8 @@ class Capturer:
             rec.output = snapshot(ctx.args[0])   # `x[i] = v` returns None: what it produced is the new x
         else:
             rec.output = snapshot(out)
-        if ctx.taps is not None:
-            out = self.backward.tap_outputs(ctx, out)
+        if ctx.taps is not None:   # taps exist only with self.backward
+            out = self.backward.tap_outputs(ctx, out)  # type: ignore[union-attr]
         if ctx.dropout is not None:
             rec.mask = self._dropout_mask(ctx)
         self._submit(rec)
@@ -214,7 +222,8 @@ class Capturer:
             self.sink(rec)
 
     # -- random APIs ---------------------------------------------------------------------------------------
-    def _random_state(self, rec: PendingRecord, category: str, api: str, args: tuple, kwargs: dict):
+    def _random_state(self, rec: PendingRecord, category: str, api: str, args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[torch.Tensor, float] | None:
         """Record the generator state before a random call; for the dropout family return (state, p), from which
         the keep-mask is rebuilt after the call."""
         device_type = rec.autocast[2]
@@ -233,18 +242,18 @@ class Capturer:
         the training's random stream is left exactly where the real call left it."""
         (state_before, p), category, api = ctx.dropout, ctx.category, ctx.api
         device_type = ctx.record.rng_device
-        x = ctx.record.inputs.tree[0][0]
+        x = ctx.record.inputs.tree[0][0]  # type: ignore[union-attr]  # a dropout call has inputs
         state_after = _rng_get(device_type)
         try:
             _rng_set(device_type, state_before)
             ones = torch.ones_like(x)
             if category == "Functional":
-                probe = getattr(torch.nn.functional, api.rstrip("_"))(ones, p, True, False)
+                probe: torch.Tensor = getattr(torch.nn.functional, api.rstrip("_"))(ones, p, True, False)
             else:
                 probe = torch.dropout(ones, p, True) if "feature" not in api else torch.feature_dropout(ones, p, True)
             return probe != 0
         finally:
-            _rng_set(device_type, state_after)
+            _rng_set(device_type, state_after)  # type: ignore[arg-type]  # not None: state_before was not
 
     # -- our own failures ----------------------------------------------------------------------------------
     def internal_error(self, what: str, exc: BaseException) -> None:

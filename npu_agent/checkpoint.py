@@ -12,15 +12,21 @@ Held records whose region is never recomputed are released at the step boundary.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.utils.checkpoint as _ckpt
+
+if TYPE_CHECKING:
+    from npu_agent.capture import CaptureMode, Capturer
+    from npu_agent.records import PendingRecord
 
 _installed = False
 _lock = threading.Lock()
 
 
-def _active_mode():
+def _active_mode() -> CaptureMode | None:
     from npu_agent.capture import CaptureMode
 
     for mode in reversed(torch.overrides._get_current_function_mode_stack()):
@@ -30,16 +36,16 @@ def _active_mode():
 
 
 class Region:
-    def __init__(self, fn, mode):
+    def __init__(self, fn: Callable[..., Any], mode: CaptureMode):
         self.fn = fn
         self.mode = mode
         self.names: list[str] = []
-        self.held: dict = {}
+        self.held: dict[str, PendingRecord] = {}
         self.recomputing = False
         self.pos = 0
         self.released = False
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cap = self.mode.capturer
         if torch._C._current_graph_task_id() == -1:   # the first pass, in forward
             if _active_mode() is not self.mode:
@@ -63,7 +69,7 @@ class Region:
             cap.region = outer
             self.release(cap)
 
-    def hold(self, rec) -> None:
+    def hold(self, rec: PendingRecord) -> None:
         self.names.append(rec.name)
         self.held[rec.name] = rec
 
@@ -73,7 +79,7 @@ class Region:
         self.pos += 1
         return self.names[self.pos - 1]
 
-    def release(self, cap) -> None:
+    def release(self, cap: Capturer) -> None:
         if self.released:
             return
         self.released = True
@@ -91,11 +97,11 @@ def install() -> None:
         fn_cls = _ckpt.CheckpointFunction
         original = fn_cls.forward
 
-        def forward(ctx, run_function, preserve_rng_state, *args):
+        def forward(ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
             mode = _active_mode()
             if mode is not None and not isinstance(run_function, Region):
                 run_function = Region(run_function, mode)
-            return original(ctx, run_function, preserve_rng_state, *args)
+            return original(ctx, run_function, preserve_rng_state, *args)  # type: ignore[no-untyped-call]
 
-        fn_cls.forward = staticmethod(forward)
+        fn_cls.forward = staticmethod(forward)  # type: ignore[method-assign]  # the wrap is the point
         _installed = True

@@ -11,6 +11,8 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterable
+from typing import Any
 
 log = logging.getLogger("npu_agent")
 
@@ -78,7 +80,7 @@ _HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9]
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
-def _numbers(key: str, value, errors: list[str]) -> frozenset[int]:
+def _numbers(key: str, value: Any, errors: list[str]) -> frozenset[int]:
     allowed = "a list of non-negative integers or 'a-b' ranges, [] for all"
     if not isinstance(value, list):
         errors.append(f"{key}: {value!r} is not a list; allowed: {allowed}")
@@ -104,7 +106,7 @@ def _valid_host(host: str) -> bool:
         return bool(_HOSTNAME.match(host))
 
 
-def _endpoints(host, port, errors: list[str]) -> tuple[Endpoint, ...]:
+def _endpoints(host: Any, port: Any, errors: list[str]) -> tuple[Endpoint, ...]:
     """`host` is a name / IPv4 / IPv6 with `port`, or a list of "host:port" endpoints."""
     if isinstance(host, list):
         if not host:
@@ -127,7 +129,7 @@ def _endpoints(host, port, errors: list[str]) -> tuple[Endpoint, ...]:
     return (Endpoint(host, port),) if ok else ()
 
 
-def _check_dir(key: str, path, errors: list[str], files=(), writable=False) -> str:
+def _check_dir(key: str, path: Any, errors: list[str], files: tuple[str, ...] = (), writable: bool = False) -> str:
     if not isinstance(path, str):
         errors.append(f"{key}: {path!r} is not a string path")
         return ""
@@ -144,14 +146,14 @@ def _check_dir(key: str, path, errors: list[str], files=(), writable=False) -> s
     return path
 
 
-def _bool(key: str, value, errors: list[str]) -> bool:
+def _bool(key: str, value: Any, errors: list[str]) -> bool:
     if not isinstance(value, bool):
         errors.append(f"{key}: {value!r} is not true or false")
         return False
     return value
 
 
-def _positive(key: str, value, errors: list[str], default: float) -> float:
+def _positive(key: str, value: Any, errors: list[str], default: float) -> float:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
@@ -160,7 +162,7 @@ def _positive(key: str, value, errors: list[str], default: float) -> float:
     return float(value)
 
 
-def _unknown(section: str, keys, known: set[str], errors: list[str]) -> None:
+def _unknown(section: str, keys: Iterable[str], known: set[str], errors: list[str]) -> None:
     for key in keys:
         if key not in known:
             hint = difflib.get_close_matches(key, sorted(known), n=1)
@@ -168,7 +170,7 @@ def _unknown(section: str, keys, known: set[str], errors: list[str]) -> None:
                                                              f"; allowed: {', '.join(sorted(known))}"))
 
 
-def parse_config(raw: dict) -> AgentConfig:
+def parse_config(raw: dict[str, Any]) -> AgentConfig:
     errors: list[str] = []
     if not isinstance(raw, dict):
         raise ConfigError(f"config: the top level must be a JSON object, not {type(raw).__name__}")

@@ -5,7 +5,9 @@
     debugger.close()
 
 Construction validates the config (ConfigError names every bad key) and connects in the background. Nothing
-after that raises into the training: the checker's own failures are logged once and counted.
+after that raises into the training: the checker's own failures are logged once and counted. A server that can
+never accept this agent (a TLS or protocol mismatch) is logged once as an ERROR; capture stops from the next
+`start()` on and `close()` returns at once.
 """
 from __future__ import annotations
 
@@ -14,20 +16,18 @@ import logging
 import os
 import threading
 import uuid
+from typing import Any
 
 import torch
 
 from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.config import AgentConfig, load_config
 from npu_agent.sender import Sender
+from npu_agent.transport import Transport
 
+# The agent logs through the "npu_agent" logger and configures nothing: with no logging set up, Python's last-resort
+# handler still prints WARNING and ERROR lines to stderr; `logging.basicConfig(level=logging.INFO)` shows the rest.
 log = logging.getLogger("npu_agent")
-if not log.handlers:
-    _h = logging.StreamHandler()
-    _h.setFormatter(logging.Formatter("[npu_agent] %(levelname)s %(message)s"))
-    log.addHandler(_h)
-    log.setLevel(logging.INFO)
-    log.propagate = False
 
 
 def current_rank() -> tuple[int, int]:
@@ -92,12 +92,13 @@ class PrecisionDebugger:
                  self.config.nfs_path or self.config.endpoint_for(rank).target)
         return True
 
-    def _make_transport(self, rank: int, world: int):
+    def _make_transport(self, rank: int, world: int) -> Transport:
         cfg = self.config
         if cfg.nfs_path:
             from npu_agent.transport_folder import FolderTransport
 
-            return FolderTransport(cfg.nfs_path, self.run_id, rank, world)
+            return FolderTransport(cfg.nfs_path, self.run_id, rank, world, max_retry_s=cfg.max_retry_s,
+                                   connect_timeout_s=cfg.connect_timeout_s)
         from npu_agent.transport_grpc import GrpcTransport
 
         return GrpcTransport(cfg.endpoint_for(rank), cfg.tls_path, self.run_id, rank, world,
@@ -121,11 +122,13 @@ class PrecisionDebugger:
         with self._lock:
             if not self._ensure_started() or self._mode is None:
                 return
+            if self._sender is not None and self._sender.refusal is not None:
+                return   # the server can never accept this agent (logged once): capture nothing more
             if self.config.steps and self.current_step not in self.config.steps:
                 return
             if self._mode in torch.overrides._get_current_function_mode_stack():
                 return
-            self._mode.__enter__()
+            self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
     def stop(self) -> None:
         with self._lock:
@@ -147,8 +150,9 @@ class PrecisionDebugger:
                 self._capturer.backward.end_step()
             self._capturer.next_step(self.current_step)
 
-    def close(self) -> dict | None:
-        """Flush: wait for the server to acknowledge everything (bounded by online_close_timeout_s), send the
+    def close(self) -> dict[str, Any] | None:
+        """Flush: wait for the server to acknowledge everything (bounded by online_close_timeout_s, and by
+        online_connect_timeout_s when no server was ever reached; not at all after a refusal), send the
         end-of-stream message with the counts, and log them. Idempotent; also runs at interpreter exit."""
         with self._lock:
             if self._closed and self._sender is None:
@@ -169,7 +173,11 @@ class PrecisionDebugger:
         log.info("online check: run %s rank %d: captured %d, sent %d, acknowledged %d, rejected %d, dropped %d, "
                  "unacknowledged %d", self.run_id, self.rank, counts["captured"], counts["sent"],
                  counts["acknowledged"], counts["rejected"], counts["dropped"], lost)
-        if lost:
+        if lost and not counts["server_reached"]:
+            log.warning("online check: %d records are lost: no server was reached within "
+                        "tensor.online_connect_timeout_s (%.0f s); %s", lost, self.config.connect_timeout_s,
+                        sender.transport.describe_state())
+        elif lost:
             log.warning("online check: %d records were never acknowledged within %.0f s and are lost; raise "
                         "tensor.online_close_timeout_s or check the server", lost, self.config.close_timeout_s)
         return counts

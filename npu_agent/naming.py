@@ -7,6 +7,8 @@ the per-step call index.
 from __future__ import annotations
 
 import types
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +41,7 @@ DROPOUT_MASKED = frozenset({"dropout", "dropout_", "dropout1d", "dropout2d", "dr
                             "feature_dropout_"})
 
 
-def _public_callables(namespace, prefix: str = ""):
+def _public_callables(namespace: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     for name, obj in vars(namespace).items():
         if name.startswith("_") or isinstance(obj, (type, types.ModuleType)) or not callable(obj):
             continue
@@ -61,10 +63,10 @@ def _build_tables() -> dict[int, tuple[str, str]]:
 
 
 _TABLE: dict[int, tuple[str, str]] | None = None
-_KEEP: list = []  # keep classified function objects alive so their ids stay valid
+_KEEP: list[Any] = []  # keep classified function objects alive so their ids stay valid
 
 
-def _classify_uncached(func) -> tuple[str, str] | None:
+def _classify_uncached(func: Any) -> tuple[str, str] | None:
     global _TABLE
     if _TABLE is None:
         _TABLE = _build_tables()
@@ -109,10 +111,10 @@ def _classify_uncached(func) -> tuple[str, str] | None:
     return None
 
 
-_CACHE: dict = {}
+_CACHE: dict[Any, tuple[str, str] | None] = {}
 
 
-def classify(func) -> tuple[str, str] | None:
+def classify(func: Any) -> tuple[str, str] | None:
     """(category, api) for an API function object, None for anything that is not a record."""
     name = getattr(func, "__name__", None)
     if name in ("__get__", "__set__", "__delete__"):  # property accessors: new objects on every access
@@ -129,7 +131,7 @@ def classify(func) -> tuple[str, str] | None:
     return info
 
 
-def register_npu_namespace(module) -> int:
+def register_npu_namespace(module: types.ModuleType) -> int:
     """Add torch_npu's public functions as NPU APIs (called only when torch_npu is importable)."""
     global _TABLE
     if _TABLE is None:
@@ -148,7 +150,7 @@ def is_random(api: str) -> bool:
     return api in _RANDOM
 
 
-def is_inplace(api: str, kwargs: dict) -> bool:
+def is_inplace(api: str, kwargs: dict[str, Any]) -> bool:
     """In-place by name (`add_`, `__iadd__`, `__setitem__`) or by keyword (`inplace=True`, `out=`)."""
     if api.endswith("_") and not api.endswith("__"):
         return True

@@ -8,7 +8,7 @@ import torch
 
 from npu_agent.snapshot import Snapshot
 from protos import online_check_pb2 as pb
-from protos.codec import RecordEncoder
+from protos.codec import RecordEncoder, TensorHook
 
 FORWARD, BACKWARD = pb.FORWARD, pb.BACKWARD
 
@@ -17,7 +17,7 @@ FORWARD, BACKWARD = pb.FORWARD, pb.BACKWARD
 class PendingRecord:
     name: str                         # "Functional.linear.0"
     step: int
-    direction: int = FORWARD
+    direction: pb.Direction = FORWARD
     inputs: Snapshot | None = None    # forward: (args, kwargs) before the call
     output: Snapshot | None = None    # forward: the result after the call
     grad_output: Snapshot | None = None
@@ -53,7 +53,7 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int) -> tuple[pb.Record
         intra_op_threads=torch.get_num_threads() if rec.autocast[2] in ("cpu", "") else 0,
     )
 
-    def hook_for(snap: Snapshot):
+    def hook_for(snap: Snapshot) -> TensorHook:
         return lambda t: {"requires_grad": id(t) in snap.requires_grad}
 
     if rec.inputs is not None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -34,9 +35,10 @@ def _remove_dropout() -> None:
         if getattr(original, "_online_check_no_dropout", False):
             continue
 
-        def no_dropout(input, p=0.5, training=True, inplace=False, _original=original):
+        def no_dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False,
+                       _original: Callable[..., torch.Tensor] = original) -> torch.Tensor:
             return _original(input, 0.0, training, inplace)
 
-        no_dropout._online_check_no_dropout = True
+        no_dropout._online_check_no_dropout = True  # type: ignore[attr-defined]  # a marker on the function
         no_dropout.__name__ = name
         setattr(F, name, no_dropout)

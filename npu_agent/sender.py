@@ -1,39 +1,38 @@
-"""The background sender: a bounded queue between the training thread and the transport (SPEC §3.3, §4).
+"""The background sender: a bounded queue between the training thread and the transport.
 
 The training thread only calls `submit()`. Everything else (host copies, encoding, sending, acknowledgements,
-re-sending after a reconnect) happens on the sender's own thread and the transport's threads.
+re-sending after a reconnect) happens on the sender's own thread and the transport's threads. The Sender talks to
+its transport only through `npu_agent.transport.Transport`, and receives its events as `TransportEvents`.
 
 Memory: a record counts against the budget from `submit()` until the server acknowledges it (it is kept for
 re-sending until then). At the budget, the policy applies: `block` waits (nothing is lost), `drop` drops the newest
 record and counts it. One record larger than the whole budget is sent alone (blocking) rather than never.
+
+Refusal: when the transport reports that it can never deliver (`on_refused`), everything held is dropped and
+counted, `submit` returns at once from then on, and `close` does not wait.
+While the training waits for the budget, or `close` waits for acknowledgements, a line is logged every 30 s.
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
+from typing import Any
 
 from npu_agent.records import PendingRecord
+from npu_agent.transport import Counts, Refusal, Transport, end_frame
 
 log = logging.getLogger("npu_agent")
 
-
-class Counts:
-    def __init__(self) -> None:
-        self.captured = 0
-        self.sent = 0
-        self.acknowledged = 0
-        self.rejected = 0
-        self.dropped = 0
-        self.duplicates = 0
-
-    def as_dict(self) -> dict:
-        return dict(vars(self))
+WAIT_LOG_S = 30.0   # the period of the "still waiting" lines
 
 
 class Sender:
-    def __init__(self, transport, budget_bytes: int, policy: str = "block"):
+    """Implements `npu_agent.transport.TransportEvents` for its transport."""
+
+    def __init__(self, transport: Transport, budget_bytes: int, policy: str = "block"):
         self.transport = transport
         self.budget = budget_bytes
         self.policy = policy
@@ -46,33 +45,37 @@ class Sender:
         self._resend = False
         self._resend_gen = 0
         self._gen = 0                      # the transport stream the queue's order is valid for
-        self._generations = hasattr(transport, "generation")
         self._closing = False
-        self._warned_block = 0.0
+        self._refusal: Refusal | None = None
+        self._warned_block = -WAIT_LOG_S
         self._thread = threading.Thread(target=self._run, name="online-check-sender", daemon=True)
-        transport.on_ack = self._on_ack
-        transport.on_reconnect = self._on_reconnect
         self._thread.start()
-        start = getattr(transport, "start", None)
-        if start is not None:   # the transport connects only now: no stream notification can be missed
-            start()
+        transport.start(self)   # the transport connects only now: no stream notification can be missed
+
+    @property
+    def refusal(self) -> Refusal | None:
+        """Why the transport can never deliver (then nothing is captured any more), or None."""
+        return self._refusal
 
     # -- training thread -----------------------------------------------------------------------------------
     def submit(self, rec: PendingRecord) -> bool:
         size = rec.nbytes
         with self._cv:
             self.counts.captured += 1
-            while self._held + size > self.budget and self._held > 0:
+            while self._held + size > self.budget and self._held > 0 and self._refusal is None:
                 if self.policy == "drop" or self._closing:
                     self.counts.dropped += 1
                     return False
                 now = time.monotonic()
-                if now - self._warned_block > 30:
+                if now - self._warned_block >= WAIT_LOG_S:
                     self._warned_block = now
                     log.warning("online check: %d MiB of records are waiting for the server (budget %d MiB); the "
                                 "training waits (policy 'block'). %s", self._held >> 20, self.budget >> 20,
                                 self.transport.describe_state())
                 self._cv.wait(1.0)
+            if self._refusal is not None:
+                self.counts.dropped += 1
+                return False
             rec.seq = self._next_seq
             self._next_seq += 1
             self._held += size
@@ -85,8 +88,10 @@ class Sender:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._resend and not self._closing:
+                while not self._queue and not self._resend and not self._closing and self._refusal is None:
                     self._cv.wait()
+                if self._refusal is not None:
+                    return
                 if self._resend:
                     # A new stream: everything not acknowledged goes again, in sequence order, before anything new
                     # (the server checks a rank's records in arrival order: a backward must follow its forward).
@@ -100,23 +105,23 @@ class Sender:
                 rec = self._queue.popleft()
                 gen = self._gen
             try:
-                sent = self.transport.send_record(rec, gen) if self._generations else self.transport.send_record(rec)
+                sent = self.transport.send_record(rec, gen)
             except Exception as exc:  # noqa: BLE001 - an encoding bug must not stop the sender
                 log.warning("online check: could not encode %s (%s: %s); it is reported as lost", rec.name,
                             type(exc).__name__, exc)
                 self._release(rec.seq, rejected=True)
                 continue
             with self._cv:
-                if sent is False:
+                if not sent:
                     # The stream changed under us: wait for the re-send that the new stream triggers (the record
                     # stays in _unacked and goes out again in order).
-                    while not self._resend and not self._closing:
+                    while not self._resend and not self._closing and self._refusal is None:
                         self._cv.wait(1.0)
                     continue
                 self.counts.sent += 1
 
-    # -- transport callbacks -------------------------------------------------------------------------------
-    def _on_ack(self, seq: int, status: str, reason: str) -> None:
+    # -- transport events ----------------------------------------------------------------------------------
+    def on_ack(self, seq: int, status: str, reason: str) -> None:
         if status == "REJECTED":
             log.warning("online check: the server rejected record %d: %s", seq, reason)
         self._release(seq, rejected=(status == "REJECTED"), duplicate=(status == "DUPLICATE"))
@@ -134,27 +139,56 @@ class Sender:
                 self.counts.duplicates += duplicate
             self._cv.notify_all()
 
-    def _on_reconnect(self, generation: int = 0) -> None:
+    def on_reconnect(self, generation: int) -> None:
         with self._cv:
             self._resend = True
             self._resend_gen = generation
             self._cv.notify_all()
 
-    # -- end of stream -------------------------------------------------------------------------------------
-    def close(self, timeout: float) -> dict:
-        """Wait until every record is acknowledged (or `timeout`), send the end message, return the counts."""
-        deadline = time.monotonic() + timeout
+    def on_refused(self, refusal: Refusal) -> None:
         with self._cv:
-            while (self._unacked or self._queue) and time.monotonic() < deadline:
-                self._cv.wait(min(1.0, max(0.01, deadline - time.monotonic())))
+            if self._refusal is not None:
+                return
+            self._refusal = refusal
+            self.counts.dropped += len(self._unacked)
+            self._unacked.clear()
+            self._queue.clear()
+            self._held = 0
+            self._cv.notify_all()
+
+    # -- end of stream -------------------------------------------------------------------------------------
+    def close(self, timeout: float) -> dict[str, Any]:
+        """Wait until every record is acknowledged (at most `timeout`, and at most the transport's connect timeout
+        when no server was ever reached), send the end message, return the counts."""
+        start = time.monotonic()
+        deadline = start + timeout
+        never_reached = start + self.transport.connect_timeout_s
+        logged = start
+        with self._cv:
+            while (self._unacked or self._queue) and self._refusal is None:
+                now = time.monotonic()
+                if now >= deadline or (now >= never_reached and not self.transport.reached):
+                    break
+                if now - logged >= WAIT_LOG_S:
+                    logged = now
+                    log.warning("online check: close() is waiting for the server to acknowledge %d records (%d MiB), "
+                                "up to %.0f s more. %s", len(self._unacked), self._held >> 20, deadline - now,
+                                self.transport.describe_state())
+                self._cv.wait(min(1.0, max(0.01, deadline - now)))
             self._closing = True
             self._cv.notify_all()
             lost = len(self._unacked)
+            refused = self._refusal is not None
         # With records still unacknowledged the sender thread may be waiting on a server that is gone: do not wait
         # long for it (it is a daemon thread; the transport's close ends its wait).
-        self._thread.join(timeout=0.5 if lost else 5)
-        counts = self.counts.as_dict()
+        self._thread.join(timeout=0.5 if lost or refused else 5)
+        counts: dict[str, Any] = dataclasses.asdict(self.counts)
         counts["unacknowledged"] = lost
         counts["last_seq"] = self._next_seq
-        self.transport.send_end(counts, max(1.0, deadline - time.monotonic()))
+        counts["server_reached"] = self.transport.reached
+        if refused:
+            self.transport.close()
+        else:
+            wait = max(1.0, deadline - time.monotonic()) if self.transport.reached else 1.0
+            self.transport.send_end(end_frame(self.transport.identity, self.counts, self._next_seq), wait)
         return counts

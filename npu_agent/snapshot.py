@@ -7,6 +7,7 @@ tensor's device; the sender thread moves it to the host. Nothing else is done on
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any, Callable
 
 import torch
@@ -26,7 +27,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return map_leaves(obj, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)
 
 
-def iter_tensors(obj: Any):
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor in a tree, in the order the server flattens a call's inputs (protos.trees)."""
     return (v for v in iter_leaves(obj) if isinstance(v, torch.Tensor))
 

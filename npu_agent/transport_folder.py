@@ -4,7 +4,7 @@ Layout under `tensor.nfs_path` (the server reads the same folder as `run_ut.nfs_
 
     rank{r}/{run_id}.rank{r}.{seq:012d}.rec     one record: its Frames, exactly as on the gRPC stream
     rank{r}/{run_id}.rank{r}.end                end of stream: one End Frame with the counts
-    rank{r}/.{final name}.{pid}.tmp             being written (hidden: the server never reads it)
+    rank{r}/.{final name}.{pid}.{random}.tmp    being written (hidden: the server never reads it)
 
 File format (`protos.codec`, shared with `gpu_server/folder.py`): the 8 bytes `FOLDER_MAGIC`, then frames, each as
 a 4-byte little-endian length followed by one serialized `Frame` (the same bytes `protos.codec.encode_frames` yields).
@@ -14,47 +14,71 @@ folder), fsync the folder. Only then is the record acknowledged to the Sender: a
 and is never lost. The run id, rank and sequence number are in the name, so the server can order and dedupe
 without reading content. A record that cannot be written (the folder is gone, the disk is full) is retried with
 back-off; the training keeps running within the memory budget, and one warning says what is happening.
+
+Symbolic links: whoever can write to the shared folder could plant a link where the agent writes, to have it
+overwrite another file of the user running the training. The agent never follows one: the rank folder is opened
+with O_NOFOLLOW (a rank folder that is a symbolic link is refused: one ERROR, capture stops), and every file is
+created inside it, through that open folder, with O_CREAT|O_EXCL|O_NOFOLLOW under a name nobody can guess.
 """
 from __future__ import annotations
 
+import errno
 import logging
 import os
+import secrets
+import stat
 import struct
 import threading
+from collections.abc import Callable, Iterable
 
 from npu_agent.records import PendingRecord, encode_record
-from protos import online_check_pb2 as pb
+from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos.codec import FOLDER_MAGIC, encode_frames, folder_end_name, folder_record_name
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
 
 _LEN = struct.Struct("<I")
+_DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_FILE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+
+
+class SymlinkRefused(OSError):
+    """The rank folder is a symbolic link: the agent never writes through one."""
 
 
 def rank_dir(nfs_path: str, rank: int) -> str:
     return os.path.join(nfs_path, f"rank{rank}")
 
 
-def _fsync_dir(path: str) -> None:
+def open_rank_dir(folder: str) -> int:
+    """Create `folder` if needed and open it without following a symbolic link; returns the folder's fd.
+    Raises SymlinkRefused when `folder` is a symbolic link, OSError when it cannot be opened."""
+    os.makedirs(os.path.dirname(folder) or ".", exist_ok=True)   # the configured folder: the user's choice
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some network file systems refuse fsync on a directory; the rename is still atomic
+        os.mkdir(folder, 0o777)
+    except FileExistsError:
         pass
-    finally:
-        os.close(fd)
+    try:
+        return os.open(folder, _DIR_FLAGS)
+    except OSError as exc:
+        try:
+            is_link = stat.S_ISLNK(os.lstat(folder).st_mode)
+        except OSError:
+            is_link = False
+        if is_link or exc.errno == errno.ELOOP:
+            raise SymlinkRefused(errno.ELOOP, "is a symbolic link", folder) from None
+        raise
 
 
-def publish(folder: str, name: str, frames) -> int:
-    """Write `frames` (an iterable of serialized Frames) durably to `folder/name`. Returns the bytes written."""
-    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
+def publish(dir_fd: int, name: str, frames: Iterable[bytes]) -> int:
+    """Write `frames` (serialized Frames) durably to `name` inside the open folder `dir_fd`. Returns the bytes
+    written. The temporary file is created exclusively (never through a planted file or link) and renamed."""
+    tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
+    fd = os.open(tmp, _FILE_FLAGS, 0o666, dir_fd=dir_fd)
     written = 0
     try:
-        with open(tmp, "wb") as fh:
+        with os.fdopen(fd, "wb") as fh:
             fh.write(FOLDER_MAGIC)
             written += len(FOLDER_MAGIC)
             for frame in frames:
@@ -63,47 +87,70 @@ def publish(folder: str, name: str, frames) -> int:
                 written += _LEN.size + len(frame)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, os.path.join(folder, name))
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         except OSError:
             pass
         raise
-    _fsync_dir(folder)
+    try:
+        os.fsync(dir_fd)
+    except OSError:  # some network file systems refuse fsync on a directory; the rename is still atomic
+        pass
     return written
 
 
 class FolderTransport:
-    """Same interface as `GrpcTransport`: the Sender sets `on_ack`/`on_reconnect` and calls `send_record`,
-    `send_end` and `close` from its thread; `describe_state` is for its messages."""
+    """Implements `npu_agent.transport.Transport` with files: one stream (generation 1), acknowledged on write."""
 
     def __init__(self, nfs_path: str, run_id: str, rank: int, world_size: int, chunk_bytes: int = CHUNK_BYTES,
-                 max_retry_s: float = 10.0):
+                 max_retry_s: float = 10.0, connect_timeout_s: float = 30.0):
         self.nfs_path = nfs_path
-        self.run_id = run_id
-        self.rank = rank
-        self.world_size = world_size
+        self.identity = StreamIdentity(run_id, rank, world_size)
         self.chunk_bytes = chunk_bytes
         self.max_retry_s = max_retry_s
+        self.connect_timeout_s = connect_timeout_s
         self.folder = rank_dir(nfs_path, rank)
-        self.on_ack = lambda seq, status, reason: None
-        self.on_reconnect = lambda: None
+        self._events: TransportEvents | None = None
         self._closed = threading.Event()
         self._state = "ready"
         self._warned = False
+        self._reached = False
+        self._refused = False
         self.bytes_written = 0
+
+    def start(self, events: TransportEvents) -> None:
+        self._events = events
+        events.on_reconnect(1)
+
+    @property
+    def generation(self) -> int:
+        return 1 if self._events is not None else 0
+
+    @property
+    def reached(self) -> bool:
+        return self._reached
 
     def describe_state(self) -> str:
         return f"Shared folder {self.folder}: {self._state}."
 
-    def _write(self, name: str, make_frames, what: str) -> bool:
+    def _write(self, name: str, make_frames: Callable[[], Iterable[bytes]], what: str) -> bool:
         """Publish with retries until it works or the transport is closed. True when written."""
         backoff = 0.2
         while not self._closed.is_set():
             try:
-                os.makedirs(self.folder, exist_ok=True)
-                self.bytes_written += publish(self.folder, name, make_frames())
+                dir_fd = open_rank_dir(self.folder)
+                try:
+                    self.bytes_written += publish(dir_fd, name, make_frames())
+                finally:
+                    os.close(dir_fd)
+            except SymlinkRefused:
+                self._refuse(Refusal(f"the rank folder {self.folder} is a symbolic link (to "
+                                     f"{os.path.realpath(self.folder)}); the agent never writes through one",
+                                     f"remove the link ({self.folder}) and check who could create it; the agent "
+                                     "creates the rank folder itself"))
+                return False
             except OSError as exc:
                 self._state = f"cannot write ({type(exc).__name__}: {exc})"
                 if not self._warned:
@@ -114,6 +161,7 @@ class FolderTransport:
                 self._closed.wait(backoff)
                 backoff = min(backoff * 2, self.max_retry_s)
                 continue
+            self._reached = True
             if self._warned:
                 self._warned = False
                 log.warning("online check: the shared folder %s is writable again", self.folder)
@@ -121,22 +169,37 @@ class FolderTransport:
             return True
         return False
 
-    def send_record(self, rec: PendingRecord) -> None:
-        record, enc = encode_record(rec, self.run_id, self.rank)
-        frames = lambda: encode_frames(record, enc.buffers, enc.size, self.chunk_bytes)  # noqa: E731
-        if self._write(folder_record_name(self.run_id, self.rank, rec.seq), frames, f"record {rec.seq} ({rec.name})"):
-            self.on_ack(rec.seq, "ACCEPTED", "")
+    def _refuse(self, refusal: Refusal) -> None:
+        if self._refused:
+            return
+        self._refused = True
+        self._state = f"refused: {refusal.cause}"
+        self._closed.set()
+        log.error("%s", refusal.message(f"the shared folder {self.nfs_path}"))
+        assert self._events is not None
+        self._events.on_refused(refusal)
 
-    def send_end(self, counts: dict, timeout: float) -> bool:
-        end = pb.Frame(end=pb.End(run_id=self.run_id, rank=self.rank, captured=counts["captured"],
-                                  sent=counts["sent"], acknowledged=counts["acknowledged"],
-                                  dropped=counts["dropped"], last_seq=counts["last_seq"],
-                                  world_size=self.world_size)).SerializeToString()
+    def send_record(self, rec: PendingRecord, generation: int) -> bool:
+        """Write `rec` (the folder has one stream: `generation` is always 1) and acknowledge it once on disk."""
+        assert self._events is not None
+        who = self.identity
+        record, enc = encode_record(rec, who.run_id, who.rank)
+
+        def frames() -> Iterable[bytes]:
+            return encode_frames(record, enc.buffers, enc.size, self.chunk_bytes)
+
+        if not self._write(folder_record_name(who.run_id, who.rank, rec.seq), frames, f"record {rec.seq} ({rec.name})"):
+            return False
+        self._events.on_ack(rec.seq, "ACCEPTED", "")
+        return True
+
+    def send_end(self, frame: bytes, timeout: float) -> bool:
         timer = threading.Timer(max(0.1, timeout), self._closed.set)
         timer.daemon = True
         timer.start()
         try:
-            ok = self._write(folder_end_name(self.run_id, self.rank), lambda: [end], "the end-of-stream marker")
+            who = self.identity
+            ok = self._write(folder_end_name(who.run_id, who.rank), lambda: [frame], "the end-of-stream marker")
         finally:
             timer.cancel()
         self.close()

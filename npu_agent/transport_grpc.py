@@ -2,7 +2,9 @@
 
 A connection thread (re)connects with back-off and reads acknowledgements; the sender thread writes frames.
 When a stream breaks, what was not acknowledged is re-sent on the next one (the server drops duplicates).
-Reaching no server is reported once, with what the agent does about it, not once per record.
+Reaching no server is reported once, with what the agent does about it, not once per record. A server that can
+never accept this agent (TLS or certificate mismatch, another protocol version: `npu_agent.refusal`) ends the
+transport at once, with one ERROR that names the cause and the fix.
 """
 from __future__ import annotations
 
@@ -10,12 +12,15 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2
 
 from npu_agent.config import Endpoint
 from npu_agent.records import PendingRecord, encode_record
+from npu_agent.refusal import classify, client_certificate_refusal, plaintext_refusal, tls_config_refusal
+from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos import online_check_pb2 as pb
 from protos.codec import encode_frames
 from protos.limits import CHUNK_BYTES
@@ -24,7 +29,7 @@ log = logging.getLogger("npu_agent")
 
 METHOD = "/online_check.v1.OnlineCheck/Stream"
 HEALTH = "/grpc.health.v1.Health/Check"
-CHANNEL_OPTIONS = [
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", -1),
     ("grpc.max_receive_message_length", -1),
     ("grpc.keepalive_time_ms", 20000),
@@ -33,40 +38,41 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 _ACK_STATUS = {v.number: v.name for v in pb.Ack.Status.DESCRIPTOR.values}
-_CLOSE = object()
+_CLOSE = b""   # never a real frame (a serialized Frame is never empty): ends a stream's request iterator
 
 
 class GrpcTransport:
+    """Implements `npu_agent.transport.Transport` over one gRPC stream at a time."""
+
     def __init__(self, endpoint: Endpoint, tls_dir: str, run_id: str, rank: int, world_size: int,
                  connect_timeout_s: float = 30.0, max_retry_s: float = 10.0, chunk_bytes: int = CHUNK_BYTES):
         self.endpoint = endpoint
         self.tls_dir = tls_dir
-        self.run_id = run_id
-        self.rank = rank
-        self.world_size = world_size
+        self.identity = StreamIdentity(run_id, rank, world_size)
         self.connect_timeout_s = connect_timeout_s
         self.max_retry_s = max_retry_s
         self.chunk_bytes = chunk_bytes
-        self.on_ack = lambda seq, status, reason: None
-        self.on_reconnect = lambda generation: None
+        self._events: TransportEvents | None = None
         self._lock = threading.Condition()
-        self._outq: queue.Queue | None = None
+        self._outq: queue.Queue[bytes] | None = None
         self._generation = 0
         self._closed = False
         self._end_acked = threading.Event()
         self._state = "connecting"
         self._warned_down = False
-        self._ever_connected = False
-        self._channel = None
-        self._call = None
+        self._reached = False
+        self._refusal: Refusal | None = None
+        self._channel: grpc.Channel | None = None
+        self._call: grpc.Call | None = None
         if not tls_dir and not endpoint.is_loopback:
             log.warning("online check: sending training data in plaintext to %s; set tensor.tls_path for mutual TLS "
                         "(see certs/README.md)", endpoint.target)
         self._thread = threading.Thread(target=self._maintain, name="online-check-grpc", daemon=True)
 
-    def start(self) -> None:
-        """Connect in the background. Called by the Sender once its callbacks are installed, so that the first
-        stream's `on_reconnect` is never missed."""
+    def start(self, events: TransportEvents) -> None:
+        """Connect in the background, reporting to `events` (installed first, so the first stream's
+        `on_reconnect` is never missed)."""
+        self._events = events
         self._thread.start()
 
     @property
@@ -74,6 +80,10 @@ class GrpcTransport:
         """The number of the current stream (0: never connected). `send_record` sends only on the stream the
         sender names, so that after a reconnect nothing overtakes the in-order re-send of what was not acknowledged."""
         return self._generation
+
+    @property
+    def reached(self) -> bool:
+        return self._reached
 
     def describe_state(self) -> str:
         return f"Server {self.endpoint.target}: {self._state}."
@@ -89,10 +99,37 @@ class GrpcTransport:
             from protos import tls
 
             creds = tls.client_credentials(self.tls_dir)
-            tls.check_server_not_revoked(self.endpoint.host, self.endpoint.port, self.tls_dir, self.endpoint.host,
-                                         self.connect_timeout_s)
             return grpc.secure_channel(self.endpoint.target, creds, options=options)
         return grpc.insecure_channel(self.endpoint.target, options=options)
+
+    def _connect(self) -> tuple[str | None, Refusal | None]:
+        """Open a channel and check that the server answers. (None, None) when it does; else (why, refusal), with
+        a refusal only when retrying cannot help."""
+        host = self.endpoint.host
+        crl_problem: str | None = None
+        try:
+            self._channel = self._make_channel()
+            if self.tls_dir:
+                from protos import tls
+
+                try:
+                    tls.check_server_not_revoked(host, self.endpoint.port, self.tls_dir, host, self.connect_timeout_s)
+                except tls.TlsConfigError as exc:
+                    refusal = tls_config_refusal(str(exc), self.tls_dir, host)
+                    if refusal is not None:
+                        return str(exc), refusal
+                    crl_problem = str(exc)   # an interrupted handshake: the health check below tells more
+        except Exception as exc:  # noqa: BLE001 - bad TLS files (refused below), unreachable server: retry
+            why = f"cannot connect ({type(exc).__name__}: {exc})".replace("\n", " ")
+            from protos.tls import TlsConfigError
+
+            if isinstance(exc, TlsConfigError):
+                return why, tls_config_refusal(str(exc), self.tls_dir, host)
+            return why, None
+        problem, refusal = self._probe(self._channel)
+        if problem is None and crl_problem is not None:
+            return f"cannot check the server's certificate against crl.pem: {crl_problem}", None
+        return problem, refusal
 
     def _maintain(self) -> None:
         backoff = 0.2
@@ -100,11 +137,11 @@ class GrpcTransport:
             with self._lock:
                 if self._closed:
                     return
-            try:
-                self._channel = self._make_channel()
-                problem = self._probe(self._channel)
-            except Exception as exc:  # noqa: BLE001 - unreachable server, bad TLS files, timeouts: retry
-                problem = f"cannot connect ({type(exc).__name__}: {exc})".replace("\n", " ")
+            problem, refusal = self._connect()
+            if refusal is not None:
+                self._close_channel()
+                self._refuse(refusal)
+                return
             if problem:
                 self._down(problem)
                 self._close_channel()
@@ -112,85 +149,98 @@ class GrpcTransport:
                 backoff = min(backoff * 2, self.max_retry_s)
                 continue
             backoff = 0.2
-            q: queue.Queue = queue.Queue(maxsize=8)
-            stub = self._channel.stream_stream(METHOD, request_serializer=None,
-                                               response_deserializer=pb.Ack.FromString)
-            with self._lock:
-                self._generation += 1
-                generation = self._generation
-                self._outq = q
-                self._state = "connected"
-                self._ever_connected = True
-                self._lock.notify_all()
-            if self._warned_down:
-                log.warning("online check: connected to %s again; re-sending what was not acknowledged",
-                            self.endpoint.target)
-                self._warned_down = False
-            try:
-                self._call = stub(self._requests(q))
-                self.on_reconnect(generation)
-                for ack in self._call:
-                    self._dispatch(ack)
-                self._down("the server closed the stream")
-            except grpc.RpcError as exc:
-                detail = exc.details() if hasattr(exc, "details") else str(exc)
-                self._down(f"stream broke ({exc.code().name if hasattr(exc, 'code') else ''}: {detail})")
-            finally:
-                with self._lock:
-                    if self._outq is q:
-                        self._outq = None
-                    self._lock.notify_all()
-                try:
-                    q.put_nowait(_CLOSE)
-                except queue.Full:
-                    pass
-                self._close_channel()
+            self._serve()
             if self._closed:
                 return
             time.sleep(backoff)
 
-    def _requests(self, q: queue.Queue):
-        hello = pb.Frame(hello=pb.Hello(run_id=self.run_id, rank=self.rank, world_size=self.world_size,
+    def _serve(self) -> None:
+        """One stream, from open to broken: re-send notice, then acknowledgements until it ends."""
+        assert self._channel is not None and self._events is not None
+        q: queue.Queue[bytes] = queue.Queue(maxsize=8)
+        stub: grpc.StreamStreamMultiCallable[bytes, pb.Ack] = self._channel.stream_stream(
+            METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
+        with self._lock:
+            self._generation += 1
+            generation = self._generation
+            self._outq = q
+            self._state = "connected"
+            self._lock.notify_all()
+        if self._warned_down:
+            log.warning("online check: connected to %s again; re-sending what was not acknowledged",
+                        self.endpoint.target)
+            self._warned_down = False
+        refusal = None
+        try:
+            call = stub(self._requests(q))
+            self._call = call
+            self._events.on_reconnect(generation)
+            for ack in call:
+                self._reached = True
+                self._dispatch(ack)
+            self._down("the server closed the stream")
+        except grpc.RpcError as exc:
+            code = exc.code() if isinstance(exc, grpc.Call) else None
+            detail = (exc.details() if isinstance(exc, grpc.Call) else str(exc)) or ""
+            refusal = classify(code, detail, self.tls_dir, self.endpoint.host, stream=True)
+            if refusal is None:
+                self._down(f"stream broke ({code.name if code else ''}: {detail})")
+        finally:
+            with self._lock:
+                if self._outq is q:
+                    self._outq = None
+                self._lock.notify_all()
+            try:
+                q.put_nowait(_CLOSE)
+            except queue.Full:
+                pass
+            self._close_channel()
+        if refusal is not None:
+            self._refuse(refusal)
+
+    def _requests(self, q: queue.Queue[bytes]) -> Iterator[bytes]:
+        who = self.identity
+        hello = pb.Frame(hello=pb.Hello(run_id=who.run_id, rank=who.rank, world_size=who.world_size,
                                         agent_version="0.1.0"))
         yield hello.SerializeToString()
         while True:
             item = q.get()
-            if item is _CLOSE:
+            if not item:   # _CLOSE
                 return
             yield item
 
     def _dispatch(self, ack: pb.Ack) -> None:
+        assert self._events is not None
         status = _ACK_STATUS.get(ack.status, "UNKNOWN")
         if status == "END_ACCEPTED":
             self._end_acked.set()
             return
-        self.on_ack(ack.seq, status, ack.reason)
+        self._events.on_ack(ack.seq, status, ack.reason)
 
-    def _probe(self, channel: grpc.Channel) -> str | None:
-        """One health check, failing fast: None when the server answers, else why not, in words a user can act on
-        (gRPC reports TLS refusals only as transport errors, so the known ones get a hint)."""
+    def _probe(self, channel: grpc.Channel) -> tuple[str | None, Refusal | None]:
+        """One health check, failing fast: (None, None) when the server answers, else why not, in words a user can
+        act on, and a Refusal when the reason is permanent."""
         check = channel.unary_unary(HEALTH, request_serializer=health_pb2.HealthCheckRequest.SerializeToString,
                                     response_deserializer=health_pb2.HealthCheckResponse.FromString)
         try:
             check(health_pb2.HealthCheckRequest(service=""), timeout=self.connect_timeout_s, wait_for_ready=False)
-            return None
+            self._reached = True
+            return None, None
         except grpc.RpcError as exc:
-            code = exc.code() if hasattr(exc, "code") else None
+            code = exc.code() if isinstance(exc, grpc.Call) else None
             if code == grpc.StatusCode.UNIMPLEMENTED:
-                return None   # a server without the health service still serves the stream
-            detail = (exc.details() if hasattr(exc, "details") else str(exc)) or ""
-            return f"{code.name if code else 'error'}: {detail}{self._hint(detail)}".replace("\n", " ")
+                self._reached = True
+                return None, None   # a server without the health service still serves the stream
+            detail = " ".join(((exc.details() if isinstance(exc, grpc.Call) else str(exc)) or "").split())
+            refusal = classify(code, detail, self.tls_dir, self.endpoint.host, stream=False)
+            if refusal is None and code == grpc.StatusCode.UNAVAILABLE and "Connection refused" not in detail:
+                # closed before any answer: the server may be restarting, or refuse this agent's TLS setup
+                host, port = self.endpoint.host, self.endpoint.port
+                refusal = (client_certificate_refusal(host, port, self.tls_dir, self.connect_timeout_s) if self.tls_dir
+                           else plaintext_refusal(detail, host, port, self.connect_timeout_s))
+            return f"{code.name if code else 'error'}: {detail}{self._hint(detail)}", refusal
 
     def _hint(self, detail: str) -> str:
-        host = self.endpoint.host
-        if "CERTIFICATE_VERIFY_FAILED" in detail:
-            return f" (the server's certificate is not signed by {self.tls_dir}/ca.crt)"
-        if "Hostname Verification" in detail or "hostname" in detail.lower() and "match" in detail.lower():
-            return f" (the server's certificate does not name {host}; connect with one of its --server-name values)"
-        if "Socket closed" in detail or "handshake" in detail.lower():
-            if not self.tls_dir:
-                return " (the server may require mutual TLS: set tensor.tls_path)"
-            return " (the server refused this client certificate: is it signed by the server's ca.crt and not revoked?)"
         if "Connection refused" in detail:
             return " (nothing listens there: is gpu-server running, with this host and port?)"
         return ""
@@ -205,6 +255,18 @@ class GrpcTransport:
                         "memory budget and re-sent after reconnecting (retry up to every %g s).",
                         self.endpoint.target, why, self.max_retry_s)
 
+    def _refuse(self, refusal: Refusal) -> None:
+        with self._lock:
+            if self._closed or self._refusal is not None:
+                return
+            self._refusal = refusal
+            self._closed = True
+            self._state = f"refused: {refusal.cause}"
+            self._lock.notify_all()
+        log.error("%s", refusal.message(f"the server {self.endpoint.target}"))
+        assert self._events is not None
+        self._events.on_refused(refusal)
+
     def _close_channel(self) -> None:
         ch, self._channel = self._channel, None
         if ch is not None:
@@ -217,7 +279,7 @@ class GrpcTransport:
             with self._lock:
                 while self._outq is None and not self._closed:
                     self._lock.wait(1.0)
-                if self._closed:
+                if self._closed or self._outq is None:
                     return None
                 if generation is not None and generation != self._generation:
                     return None
@@ -228,26 +290,20 @@ class GrpcTransport:
             except queue.Full:
                 continue
 
-    def send_record(self, rec: PendingRecord, generation: int | None = None) -> bool:
-        """Queue all frames of `rec` on stream `generation` (None: any). False when that stream is gone (or the
-        transport closed) before the last frame was queued: the record was not sent and goes again later."""
-        record, enc = encode_record(rec, self.run_id, self.rank)
-        gen = generation
+    def send_record(self, rec: PendingRecord, generation: int) -> bool:
+        """Queue all frames of `rec` on stream `generation`. False when that stream is gone (or the transport
+        closed) before the last frame was queued: the record was not sent and goes again later."""
+        record, enc = encode_record(rec, self.identity.run_id, self.identity.rank)
         for frame in encode_frames(record, enc.buffers, enc.size, self.chunk_bytes):
-            gen = self._put(frame, gen)
-            if gen is None:
+            if self._put(frame, generation) is None:
                 return False
         return True
 
-    def send_end(self, counts: dict, timeout: float) -> bool:
-        end = pb.Frame(end=pb.End(run_id=self.run_id, rank=self.rank, captured=counts["captured"],
-                                  sent=counts["sent"], acknowledged=counts["acknowledged"],
-                                  dropped=counts["dropped"], last_seq=counts["last_seq"],
-                                  world_size=self.world_size)).SerializeToString()
+    def send_end(self, frame: bytes, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         ok = False
         while time.monotonic() < deadline and self._state == "connected":
-            if self._put(end, None) is None:
+            if self._put(frame, None) is None:
                 break
             if self._end_acked.wait(min(5.0, max(0.1, deadline - time.monotonic()))):
                 ok = True
@@ -268,5 +324,5 @@ class GrpcTransport:
         call = self._call
         if call is not None:
             call.cancel()
-        if self._thread.ident is not None:
+        if self._thread.ident is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)

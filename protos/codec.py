@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import sys
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from protos import online_check_pb2 as pb
 from protos.limits import DEFAULT_LIMITS, Limits
+
+TensorHook = Callable[[torch.Tensor], dict[str, Any]]   # TensorMeta overrides for one tensor
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("the online checker's wire format is little-endian; this host is big-endian")
@@ -74,7 +77,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # numpy is a buffer
 
 
 class RecordEncoder:
@@ -105,7 +108,7 @@ class RecordEncoder:
         self.buffers.append((meta.offset, view))
         return len(self.metas) - 1
 
-    def value(self, obj: Any, tensor_hook=None) -> pb.Value:
+    def value(self, obj: Any, tensor_hook: TensorHook | None = None) -> pb.Value:
         """Encode `obj`. `tensor_hook(t) -> dict` may give TensorMeta overrides (requires_grad, device)."""
         if obj is None:
             return pb.Value(none=True)
@@ -159,7 +162,7 @@ class RecordEncoder:
             return pb.Value(opaque=obj.type_name)
         return pb.Value(opaque=type(obj).__qualname__[:200])
 
-    def mapping(self, obj: dict, tensor_hook=None) -> pb.Mapping:
+    def mapping(self, obj: dict[str, Any], tensor_hook: TensorHook | None = None) -> pb.Mapping:
         return self.value(obj, tensor_hook).dict
 
 
@@ -286,7 +289,7 @@ class RecordDecoder:
             return Opaque(self._string(v.opaque))
         raise WireError(f"unknown value kind {kind}")  # pragma: no cover - the oneof is closed
 
-    def mapping(self, m: pb.Mapping, depth: int = 0) -> dict:
+    def mapping(self, m: pb.Mapping, depth: int = 0) -> dict[str, Any]:
         if len(m.keys) != len(m.values):
             raise WireError(f"mapping with {len(m.keys)} keys but {len(m.values)} values")
         return {self._string(k): self.value(x, depth + 1) for k, x in zip(m.keys, m.values)}
@@ -301,7 +304,7 @@ class RecordDecoder:
             raise WireError("torch.Size entries must be integers")
         return v.i
 
-    def _device(self, name: str) -> torch.device:
+    def _device(self, name: str) -> torch.device | Opaque:
         name = self._string(name)
         try:
             return torch.device(name)
@@ -310,12 +313,12 @@ class RecordDecoder:
             return Opaque(f"device {name}")
 
 
-def _span(shape, stride) -> int:
+def _span(shape: Sequence[int], stride: Sequence[int]) -> int:
     return 1 + sum((d - 1) * s for d, s in zip(shape, stride) if d > 0)
 
 
 def encode_frames(record: pb.Record, buffers: list[tuple[int, memoryview]], payload_bytes: int,
-                  chunk_bytes: int):
+                  chunk_bytes: int) -> Iterator[bytes]:
     """Yield one record as Frame messages (bytes) carrying at most chunk_bytes of payload each.
 
     The payload is appended as Frame.data (field 15, the last on the wire) by concatenation, so each tensor's
@@ -326,7 +329,7 @@ def encode_frames(record: pb.Record, buffers: list[tuple[int, memoryview]], payl
     first = True
     head = pb.Frame(record=record).SerializeToString()
     pos = 0
-    pieces: list = []
+    pieces: list[bytes | memoryview] = []
     chunk_start = 0
     bi = 0
     while True:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Any
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -33,14 +34,14 @@ class Limits:
     max_values: int = 1_000_000                    # Values in one record
     max_pending_records: int = 1 << 20             # records being assembled per stream
 
-    def replace(self, **changes) -> "Limits":
+    def replace(self, **changes: Any) -> "Limits":
         return dataclasses.replace(self, **changes)
 
 
 DEFAULT_LIMITS = Limits()
 
 
-def valid_call_name(name: str) -> re.Match | None:
+def valid_call_name(name: str) -> re.Match[str] | None:
     """`Category.api.n` with a known category, an identifier-like api and a decimal counter; else None."""
     if not isinstance(name, str) or len(name) > DEFAULT_LIMITS.max_name_len:
         return None

@@ -48,14 +48,16 @@ import ssl
 import stat
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
 __all__ = [
@@ -115,7 +117,7 @@ def _now() -> _dt.datetime:
     return _dt.datetime.now(_dt.timezone.utc)
 
 
-def _tls_dir(tls_dir: str | os.PathLike, key_name: str) -> Path:
+def _tls_dir(tls_dir: str | os.PathLike[str], key_name: str) -> Path:
     if tls_dir is None or str(tls_dir).strip() == "":
         raise TlsConfigError(f"{key_name} is empty: give the folder with the TLS files ({_MAKE})")
     path = Path(tls_dir).expanduser()
@@ -167,7 +169,7 @@ def _passphrase() -> bytes | None:
     return value.encode("utf-8") if value else None
 
 
-def load_private_key(path: Path, data: bytes | None = None):
+def load_private_key(path: Path, data: bytes | None = None) -> PrivateKeyTypes:
     """Load a PEM private key, decrypting it with ``$ONLINE_CHECK_KEY_PASSPHRASE`` when it is encrypted."""
     if data is None:
         data = _read(path, "private key", "the TLS folder")
@@ -188,7 +190,7 @@ def load_private_key(path: Path, data: bytes | None = None):
                              f"{ONLINE_CHECK_KEY_PASSPHRASE} (wrong passphrase or damaged key)") from None
 
 
-def _spki(public_key) -> bytes:
+def _spki(public_key: PublicKeyTypes) -> bytes:
     return public_key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
 
 
@@ -200,7 +202,7 @@ def _issued_by(cert: x509.Certificate, issuer: x509.Certificate) -> bool:
         return False
 
 
-def _load_material(tls_dir: str | os.PathLike, role: str) -> TlsMaterial:
+def _load_material(tls_dir: str | os.PathLike[str], role: str) -> TlsMaterial:
     key_file, crt_file, key_name, eku, eku_name = _ROLE[role]
     folder = _tls_dir(tls_dir, key_name)
     key_path, crt_path, ca_path = folder / key_file, folder / crt_file, folder / "ca.crt"
@@ -247,12 +249,12 @@ def _load_material(tls_dir: str | os.PathLike, role: str) -> TlsMaterial:
                        certificate=leaf, ca_certificates=tuple(cas))
 
 
-def load_server_material(tls_dir: str | os.PathLike) -> TlsMaterial:
+def load_server_material(tls_dir: str | os.PathLike[str]) -> TlsMaterial:
     """Read and check ``server.key``, ``server.crt`` and ``ca.crt`` in ``tls_dir``."""
     return _load_material(tls_dir, "server")
 
 
-def load_client_material(tls_dir: str | os.PathLike) -> TlsMaterial:
+def load_client_material(tls_dir: str | os.PathLike[str]) -> TlsMaterial:
     """Read and check ``client.key``, ``client.crt`` and ``ca.crt`` in ``tls_dir``."""
     return _load_material(tls_dir, "client")
 
@@ -260,7 +262,7 @@ def load_client_material(tls_dir: str | os.PathLike) -> TlsMaterial:
 # ----------------------------------------------------------------------------------------------- credentials
 
 
-def server_credentials(tls_dir: str | os.PathLike) -> grpc.ServerCredentials:
+def server_credentials(tls_dir: str | os.PathLike[str]) -> grpc.ServerCredentials:
     """Server credentials for ``grpc.Server.add_secure_port``: presents server.crt and *requires* a client
     certificate that verifies against ca.crt (TLS 1.2 minimum, gRPC's default; see the module docstring).
 
@@ -271,7 +273,7 @@ def server_credentials(tls_dir: str | os.PathLike) -> grpc.ServerCredentials:
                                        root_certificates=m.root_certificates_pem, require_client_auth=True)
 
 
-def client_credentials(tls_dir: str | os.PathLike) -> grpc.ChannelCredentials:
+def client_credentials(tls_dir: str | os.PathLike[str]) -> grpc.ChannelCredentials:
     """Channel credentials for ``grpc.secure_channel``: presents client.crt and verifies the server's certificate
     against ca.crt, including its name (the dialled host, or the override from :func:`channel_options`)."""
     m = load_client_material(tls_dir)
@@ -290,7 +292,7 @@ def channel_options(server_name: str | None = None) -> list[tuple[str, str]]:
 # ----------------------------------------------------------------------------------------------- CRL
 
 
-def load_crl(tls_dir: str | os.PathLike) -> frozenset[int] | None:
+def load_crl(tls_dir: str | os.PathLike[str]) -> frozenset[int] | None:
     """Serial numbers revoked by ``tls_dir/crl.pem``; None when there is no crl.pem.
 
     The CRL must be signed by a certificate in ``tls_dir/ca.crt`` and be current, else :class:`TlsConfigError`.
@@ -314,7 +316,7 @@ def load_crl(tls_dir: str | os.PathLike) -> frozenset[int] | None:
     for ca in cas:
         if ca.subject == crl.issuer:
             try:
-                signed = crl.is_signature_valid(ca.public_key())
+                signed = crl.is_signature_valid(ca.public_key())  # type: ignore[arg-type]  # raises if unfit
             except (TypeError, ValueError):
                 signed = False
             if signed:
@@ -340,7 +342,7 @@ class CrlReloader:
     keeps refusing the serials it knew and retries on the next check (fail closed, never open).
     """
 
-    def __init__(self, tls_dir: str | os.PathLike, interval: float = 5.0):
+    def __init__(self, tls_dir: str | os.PathLike[str], interval: float = 5.0):
         self._path = Path(tls_dir) / CRL_FILE
         self._dir = tls_dir
         self._interval = interval
@@ -349,7 +351,7 @@ class CrlReloader:
         self._revoked = load_crl(tls_dir)
         self._checked = time.monotonic()
 
-    def _stat(self):
+    def _stat(self) -> tuple[int, int, int] | None:
         try:
             st = self._path.stat()
             return (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -377,7 +379,7 @@ class CrlReloader:
             return self._revoked
 
 
-def _auth_value(auth_context: dict, key: str) -> bytes | None:
+def _auth_value(auth_context: Mapping[str, Any], key: str) -> bytes | None:
     values = auth_context.get(key) if auth_context else None
     if not values:
         return None
@@ -385,7 +387,7 @@ def _auth_value(auth_context: dict, key: str) -> bytes | None:
     return value.encode("ascii") if isinstance(value, str) else bytes(value)
 
 
-def peer_certificate_revoked(auth_context: dict, revoked: Collection[int] | None) -> str | None:
+def peer_certificate_revoked(auth_context: Mapping[str, Any], revoked: Collection[int] | None) -> str | None:
     """A reason string when the client certificate in ``auth_context`` (``context.auth_context()`` in a gRPC
     handler, key ``x509_pem_cert``) has a revoked serial number; None when it is not revoked or there is no CRL.
 
@@ -406,8 +408,9 @@ def peer_certificate_revoked(auth_context: dict, revoked: Collection[int] | None
     return None
 
 
-def _guard(behavior, current_revoked: Callable[[], Collection[int] | None]):
-    def guarded(request_or_iterator, context):
+def _guard(behavior: Callable[[Any, grpc.ServicerContext], Any],
+           current_revoked: Callable[[], Collection[int] | None]) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def guarded(request_or_iterator: Any, context: grpc.ServicerContext) -> Any:
         reason = peer_certificate_revoked(context.auth_context(), current_revoked())
         if reason is not None:
             log.warning("refused %s: %s", context.peer(), reason)
@@ -415,6 +418,10 @@ def _guard(behavior, current_revoked: Callable[[], Collection[int] | None]):
         return behavior(request_or_iterator, context)
 
     return guarded
+
+
+if TYPE_CHECKING:
+    _Handler = grpc.RpcMethodHandler[Any, Any]
 
 
 class RevocationInterceptor(grpc.ServerInterceptor):
@@ -427,7 +434,8 @@ class RevocationInterceptor(grpc.ServerInterceptor):
     def __init__(self, revoked: Collection[int] | Callable[[], Collection[int] | None] | None):
         self._current = revoked if callable(revoked) else (lambda: revoked)
 
-    def intercept_service(self, continuation, handler_call_details):
+    def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], _Handler | None],
+                          handler_call_details: grpc.HandlerCallDetails) -> _Handler | None:
         handler = continuation(handler_call_details)
         if handler is None:
             return None
@@ -452,7 +460,7 @@ def _strip_brackets(host: str) -> str:
     return host[1:-1] if host.startswith("[") and host.endswith("]") else host
 
 
-def check_server_not_revoked(host: str, port: int, tls_dir: str | os.PathLike, server_name: str | None = None,
+def check_server_not_revoked(host: str, port: int, tls_dir: str | os.PathLike[str], server_name: str | None = None,
                              timeout: float = 10.0) -> None:
     """Refuse a server whose certificate is revoked by the client's ``tls_dir/crl.pem``.
 

@@ -6,10 +6,11 @@ ten times slower on the agent's hot path (reference/hooking.md §4).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Callable
 
 
-def iter_leaves(obj: Any):
+def iter_leaves(obj: Any) -> Iterator[Any]:
     """Every leaf, depth first: tuple/list items in order, dict values in insertion order, slice start/stop/step."""
     if isinstance(obj, (tuple, list)):
         for v in obj:

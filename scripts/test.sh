@@ -4,6 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
+.venv/bin/mypy   # --strict over npu_agent/ and protos/ ([tool.mypy] in pyproject.toml)
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
 CONTRACT=../shared/acceptance/contract_check.py
 if [ -f "$CONTRACT" ]; then

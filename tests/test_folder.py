@@ -237,8 +237,9 @@ def test_agent_keeps_training_while_the_folder_is_unwritable(tmp_path, caplog):
 
 
 TRAIN = r'''
-import sys, torch, torch.nn as nn, torch.nn.functional as F
+import logging, sys, torch, torch.nn as nn, torch.nn.functional as F
 from npu_agent import PrecisionDebugger
+logging.basicConfig(level=logging.INFO)   # the agent's INFO lines (its counts at close)
 torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
 dbg = PrecisionDebugger(config_path=sys.argv[1])

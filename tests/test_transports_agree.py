@@ -16,8 +16,9 @@ RESULTS = ("accuracy_checking_result", "api_precision_compare_result")
 
 # step 0: a small MLP in float32; step 1: the same in bfloat16. Seeded, so every process computes the same values.
 TRAIN = r'''
-import sys, torch, torch.nn as nn, torch.nn.functional as F
+import logging, sys, torch, torch.nn as nn, torch.nn.functional as F
 from npu_agent import PrecisionDebugger, seed_all
+logging.basicConfig(level=logging.INFO)   # the agent's INFO lines (its counts at close)
 seed_all(1234, mode=True)
 dbg = PrecisionDebugger(config_path=sys.argv[1])
 for dtype in (torch.float32, torch.bfloat16):
