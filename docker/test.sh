@@ -49,10 +49,11 @@ if [ -n "${DOCKER_TEST_REBUILD:-}" ] || ! docker image inspect "$BASE" >/dev/nul
   say "debootstrap --variant=minbase $SUITE (python3, python3-venv) from the apt mirror"
   debootstrap --variant=minbase --include=python3,python3-venv "$SUITE" "$ROOTFS" "$MIRROR" \
     >/tmp/online-check-debootstrap.log 2>&1 || die "debootstrap failed: $(tail -20 /tmp/online-check-debootstrap.log)"
+  for m in proc sys dev/pts dev; do umount "$ROOTFS/$m" 2>/dev/null || true; done
   rm -rf "$ROOTFS"/var/cache/apt/archives/*.deb "$ROOTFS"/var/lib/apt/lists/*
-  tar -C "$ROOTFS" -c . | docker import -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
+  tar -C "$ROOTFS" --one-file-system -c . | docker import -c 'ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin' \
     - "$BASE" >/dev/null
-  rm -rf "$ROOTFS"
+  rm -rf --one-file-system "$ROOTFS"
 fi
 BASEPY=$(docker run --rm --network none "$BASE" python3 -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
 [ "$BASEPY" = "$PYVER" ] || die "the base image has Python $BASEPY but $PY is $PYVER: the wheels would not fit"
@@ -104,7 +105,9 @@ for _ in $(seq 120); do
   sleep 1
 done
 [ "${STATE%% *}" = healthy ] || die "the health check never passed ($STATE): $(docker inspect -f '{{json .State.Health}}' "$NAME")"
-say "HEALTHCHECK: healthy ($(docker inspect -f '{{(index .State.Health.Log 0).Output}}' "$NAME" | tr -d '\n'))"
+say "HEALTHCHECK: healthy ($(docker inspect -f '{{range .State.Health.Log}}{{.Output}}{{end}}' "$NAME" | grep SERVING | tail -1))"
+PROBE=$(docker exec "$NAME" gpu-server health --host 127.0.0.1 --port "$PORT") || die "gpu-server health failed: $PROBE"
+[[ "$PROBE" == *SERVING ]] || die "gpu-server health answered: $PROBE"
 UID_IN=$(docker exec "$NAME" id -u)
 [ "$UID_IN" != 0 ] || die "the server runs as root in the container"
 say "the server runs as uid $UID_IN"
