@@ -48,6 +48,7 @@ class ServerApp:
         self.spool = Spool(out_dir, limits, fsync=fsync)
         self.recovery = self.spool.open(time.strftime("%Y%m%d%H%M%S"))
         self.ts = self.recovery.ts
+        self.summary.backlog = self.spool.live_records   # records/s, backlog and time to drain in the progress line
         # error_data_path: relative paths (msprobe's default "./") are taken inside --out
         error_base = os.path.join(out_dir, config.error_data_path) if config.error_data_path else None
         self.pool = WorkerPool(self.devices, out_dir, self.ts, self.summary, backward_budget,

@@ -182,3 +182,25 @@ def test_health_probe_against_a_real_server(tmp_path):
         assert up.returncode == 0 and "SERVING" in up.stdout, up.stderr
     down = cli("health", "--host", "127.0.0.1", "--port", str(server.port), "--timeout", "2")
     assert down.returncode == 1 and "not reachable" in down.stderr
+
+
+def test_progress_rates_backlog_and_time_to_drain():
+    from gpu_server.drain_rate import DrainRate
+    from gpu_server.summary import Summary
+
+    now = [100.0]
+    rate = DrainRate(window_s=10.0, clock=lambda: now[0])
+    assert rate.rates(0, 0) == (0.0, 0.0, 0.0)
+    now[0] = 102.0
+    assert rate.rates(200, 100) == (100.0, 50.0, 2.0)          # 100 records/s in, 50/s done, 100 left: 2 s
+    now[0] = 104.0
+    assert rate.rates(200, 100)[2] == 4.0                        # 100 done in 4 s: 25/s
+    now[0] = 120.0
+    rate.rates(200, 100)
+    now[0] = 121.0
+    assert rate.rates(200, 100) == (0.0, 0.0, None)              # nothing drains within the window: unknown
+    assert rate.line(200, 100).endswith("backlog 100, drain in -")
+    summary = Summary()
+    summary.backlog = lambda: 7
+    summary.record_received(0)
+    assert "backlog 7" in summary.progress_line() and "rec/s in" in summary.progress_line()
