@@ -38,7 +38,7 @@ def main(argv=None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=50051)
     p.add_argument("--tls-path", default="", help="client certificate folder for a mutual-TLS server ('' plaintext)")
-    p.add_argument("--server-name", default=None, help="name to check the server certificate against")
+    p.add_argument("--server-name", default="", help="name to check the server certificate against (default: --host)")
     p.add_argument("--timeout", type=float, default=5.0)
     ns = p.parse_args(argv)
     try:
