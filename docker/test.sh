@@ -80,7 +80,7 @@ docker image inspect "$IMAGE" --format '{{.Config.User}} {{json .Config.Healthch
 
 # -- run it: server in the container on the host network, training on the host on 127.0.0.1 -----------------
 WORK=$(mktemp -d /tmp/online-check-docker.XXXXXX)
-cleanup() { docker rm -f "$NAME" >/dev/null 2>&1 || true; rm -rf "$WORK"; }
+cleanup() { docker rm -f "$NAME" "$NAME-tls" >/dev/null 2>&1 || true; rm -rf "$WORK"; }
 trap cleanup EXIT
 PORT=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 mkdir -p "$WORK/config" "$WORK/out"
@@ -138,5 +138,46 @@ assert os.stat(glob.glob(os.path.join(out, "api_precision_compare_result_*_rank0
 html = glob.glob(os.path.join(out, "report_*.html"))
 assert html and "Functional.gelu" in open(html[0], encoding="utf-8").read(), "no HTML report naming the failure"
 print(f"[docker/test.sh] reports OK: {sorted(got)} flagged, files owned by uid 10001, {os.path.basename(html[0])}")
+PY
+# -- mutual TLS: certificates from certs/make_certs.py, the HEALTHCHECK with a client certificate ----------------
+say "mutual TLS: certificates from certs/make_certs.py, server container with tls_path, HEALTHCHECK over TLS"
+"$PY" certs/make_certs.py --out "$WORK/certs" --server-name localhost --server-name 127.0.0.1 --client training \
+  --client health >/dev/null || die "certs/make_certs.py failed"
+chown -R 10001:10001 "$WORK/certs"
+mkdir -p "$WORK/out-tls" && chown 10001:10001 "$WORK/out-tls"
+PORT2=$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+sed -e "s/\"port\": $PORT/\"port\": $PORT2/" -e 's|"tls_path": ""|"tls_path": "/certs/server"|' \
+  "$WORK/config/server.json" >"$WORK/config/server-tls.json"
+sed -e "s/\"port\": $PORT/\"port\": $PORT2/" -e "s|\"tls_path\": \"\"|\"tls_path\": \"$WORK/certs/clients/training\"|" \
+  "$WORK/agent.json" >"$WORK/agent-tls.json"
+docker run -d --name "$NAME-tls" --network host -e OMP_NUM_THREADS=1 -e GPU_SERVER_HEALTH_PORT="$PORT2" \
+  -e GPU_SERVER_HEALTH_TLS=/certs/clients/health -e GPU_SERVER_HEALTH_NAME=localhost \
+  --health-interval 2s --health-start-period 60s \
+  -v "$WORK/config:/config:ro" -v "$WORK/certs:/certs:ro" -v "$WORK/out-tls:/out" "$IMAGE" \
+  --config /config/server-tls.json --out /out >/dev/null
+for _ in $(seq 120); do
+  STATE=$(docker inspect -f '{{.State.Health.Status}} {{.State.Running}}' "$NAME-tls")
+  case "$STATE" in healthy*) break ;; *false) die "the TLS container exited: $(docker logs "$NAME-tls" 2>&1 | tail -30)" ;; esac
+  sleep 1
+done
+[ "${STATE%% *}" = healthy ] || die "the TLS health check never passed: $(docker inspect -f '{{json .State.Health}}' "$NAME-tls")"
+PYTHONPATH="$ROOT" "$PY" -m gpu_server.cli health --host 127.0.0.1 --port "$PORT2" --server-name localhost \
+  --tls-path "$WORK/certs/clients/health" | grep -q SERVING || die "the host's probe with a client certificate failed"
+if PYTHONPATH="$ROOT" "$PY" -m gpu_server.cli health --host 127.0.0.1 --port "$PORT2" --timeout 3 >/dev/null 2>&1; then
+  die "a plaintext probe was answered by the TLS server"
+fi
+say "TLS HEALTHCHECK healthy; a probe without a client certificate is refused"
+OMP_NUM_THREADS=1 RANK=0 PYTHONPATH="$ROOT" "$PY" -c "from tests.faulty_kernels import main; main()" \
+  --config "$WORK/agent-tls.json" --model convnet --dtype float32 --steps 1 || die "the training over TLS failed"
+docker stop -t 300 "$NAME-tls" >/dev/null
+CODE=$(docker inspect -f '{{.State.ExitCode}}' "$NAME-tls")
+[ "$CODE" = 0 ] || die "the TLS server exited with $CODE: $(docker logs "$NAME-tls" 2>&1 | tail -30)"
+"$PY" - "$WORK/out-tls" <<'PY'
+import os, sys
+sys.path.insert(0, os.getcwd())
+from tests import support
+rows = support.read_csv(sys.argv[1], "api_precision_compare_result", 0)
+assert len(rows) > 5 and {r["Forward Test Success"] for r in rows} <= {"pass", "SKIP"}, rows
+print(f"[docker/test.sh] TLS run OK: {len(rows)} calls checked over mutual TLS, none failed")
 PY
 say "passed in $(( $(date +%s) - T0 )) s"
