@@ -204,3 +204,35 @@ def test_progress_rates_backlog_and_time_to_drain():
     summary.backlog = lambda: 7
     summary.record_received(0)
     assert "backlog 7" in summary.progress_line() and "rec/s in" in summary.progress_line()
+
+
+def test_compare_skips_and_drops_like_msprobe(out, tmp_path):
+    """Rows msprobe cannot judge: an invalid name (a SKIP row and result), a float64 output (SKIP), a row the
+    reference machine lacks (left out, counted on stderr), a blank metric (SKIP with the reason)."""
+    src = glob.glob(os.path.join(out, "accuracy_checking_details_*_rank1.csv"))[0]
+    with open(src, encoding="utf-8-sig", newline="") as fh:
+        reader = csv.DictReader(fh)
+        header, rows = reader.fieldnames, [r for r in reader if r["Step"] == "0"]
+    linear = next(r for r in rows if r["API Name"] == "Functional.linear.0.forward.output.0")
+    gelu = next(r for r in rows if r["API Name"] == "Functional.gelu.0.forward.output.0")
+    npu_rows = [dict(linear, **{"API Name": "broken"}), dict(linear, **{"DEVICE Dtype": "torch.float64"}),
+                dict(gelu, **{"均方根误差": " "}), dict(gelu, **{"API Name": "Functional.gelu.9.forward.output.0"})]
+    gpu_rows = [linear, gelu]
+    for name, data in (("npu.csv", npu_rows), ("gpu.csv", gpu_rows)):
+        with open(tmp_path / name, "w", encoding="utf-8-sig", newline="") as fh:
+            writer = csv.DictWriter(fh, header)
+            writer.writeheader()
+            writer.writerows(data)
+    proc = cli("compare", "-npu", str(tmp_path / "npu.csv"), "-gpu", str(tmp_path / "gpu.csv"), "-o", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "1 rows of" in proc.stderr and "left out" in proc.stderr
+    details = _rows(glob.glob(str(tmp_path / "api_precision_compare_details_*.csv"))[0])
+    assert [d["API Name"] for d in details] == ["broken", "Functional.linear.0.forward.output.0",
+                                                 "Functional.gelu.0.forward.output.0"]
+    assert [d["比对结果"] for d in details] == ["SKIP", "SKIP", "SKIP"]
+    assert details[0]["Message"] == "The API name broken is invalid."
+    assert "blank" in details[2]["Message"]
+    results = {r["API Name"]: r for r in _rows(glob.glob(str(tmp_path / "api_precision_compare_result_*.csv"))[0])}
+    assert results["broken"]["Forward Test Success"] == "SKIP"
+    assert results["Functional.linear.0"]["Message"] == "This data type does not support benchmark compare."
+    assert results["Functional.gelu.0"]["Forward Test Success"] == "SKIP"
