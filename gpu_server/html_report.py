@@ -138,7 +138,8 @@ def svg_histogram(values: list[tuple[float, bool]], threshold: float | None, xla
         x = left + bw * (1 + (math.log10(threshold) - lo) / step)
         out.append(f"<line x1='{x:.1f}' y1='{top}' x2='{x:.1f}' y2='{top + ph}' stroke='#000' "
                    f"stroke-dasharray='4 3'><title>threshold {threshold:g}</title></line>"
-                   f"<text x='{x + 3:.1f}' y='{top + 10}'>threshold {threshold:g}</text>")
+                   f"<text x='{x + (3 if x < left + 0.7 * pw else -3):.1f}' y='{top + 10}' "
+                   f"text-anchor='{'start' if x < left + 0.7 * pw else 'end'}'>threshold {threshold:g}</text>")
     out.append(f"<text x='{left + pw / 2:.1f}' y='{height - 4}' text-anchor='middle'>{_e(xlabel)}</text></svg>")
     return "".join(out)
 
@@ -163,7 +164,7 @@ def svg_lines(series: dict[str, list[tuple[float, float]]], ylabel: str, width: 
     pw, ph = width - left - legend, height - bottom - top
     sx = lambda x: left + pw * (x - x0) / (x1 - x0)
     sy = lambda y: top + ph - ph * (y - y0) / (y1 - y0)
-    fmt = (lambda v: f"1e{v:.1f}") if log else (lambda v: f"{v:g}")
+    fmt = (lambda v: f"{10 ** v:.3g}") if log else (lambda v: f"{v:g}")
     out = [f"<svg class='plot' width='{width}' height='{height}' viewBox='0 0 {width} {height}' role='img'>",
            f"<line x1='{left}' y1='{top + ph}' x2='{left + pw}' y2='{top + ph}' stroke='#444'/>",
            f"<line x1='{left}' y1='{top}' x2='{left}' y2='{top + ph}' stroke='#444'/>",
