@@ -9,6 +9,10 @@
     gpu-server health --host H --port P [--tls-path DIR]  the gRPC health probe (gpu_server/health.py)
 
 Exit status: 0 done, 1 failures found where `--fail-on error` asks, 2 bad input (with a message saying what to do).
+
+`recheck` sees what the spool still holds: a server deletes a spool segment once every record in it is completely
+reported, so after a clean drain the spool is empty and only the records of a crashed or killed server (not yet
+completely reported) can be checked again.
 """
 from __future__ import annotations
 

@@ -93,6 +93,11 @@ def test_report_is_self_contained(report):
     assert "<script src" not in text and "<link" not in text and "@import" not in text
     assert not re.search(r"""(src|href)=['"]?(https?:)?//""", text), "the report fetches something from a network"
     assert text.count("<svg") >= 5
+    links = re.findall(r"href='([^']+)'", text)
+    assert len(links) == len(FAILING), links                 # one error-data folder per failing call
+    for link in links:
+        folder = os.path.join(os.path.dirname(report), link)
+        assert os.path.isfile(os.path.join(folder, "replay.py")) and os.path.isfile(os.path.join(folder, "call.json"))
 
 
 @needs_chromium
