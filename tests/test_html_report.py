@@ -32,7 +32,7 @@ def report() -> str:
     from gpu_server.html_report import write_html
 
     out = faulty_out()
-    return write_html(out, os.path.join(out, "report_for_browser.html"))
+    return write_html(out, os.path.join(out, "browser-test.html"))
 
 
 def chromium(*args: str) -> subprocess.CompletedProcess:

@@ -144,7 +144,7 @@ def test_recheck_checks_the_spooled_records_again_beside_the_old_reports(tmp_pat
     old.mkdir()
     made = support.run_training(SPOOL_SCRIPT, str(old), env={"OMP_NUM_THREADS": "1"})
     names = made.stdout.split()
-    assert names == ["Functional.gelu.0", "Functional.linear.0", "Tensor.__mul__.0"] or "Functional.gelu.0" in names
+    assert {"Functional.gelu.0", "Functional.linear.0"} <= set(names) and len(names) == 3, names
     segments = sorted(glob.glob(str(old / "spool" / "seg-*.spl")))
     before = {p: os.path.getsize(p) for p in segments}
     assert segments
@@ -166,7 +166,7 @@ def test_recheck_checks_the_spooled_records_again_beside_the_old_reports(tmp_pat
 
 
 def test_report_command_and_the_report_written_at_drain(out, tmp_path):
-    assert glob.glob(os.path.join(out, "report_*.html")), "the server wrote no HTML report when it drained"
+    assert glob.glob(os.path.join(out, "report_" + "[0-9]" * 14 + ".html")), "no HTML report written at the drain"
     target = str(tmp_path / "r.html")
     proc = cli("report", out, "-o", target)
     assert proc.returncode == 0 and proc.stdout.strip() == target, proc.stderr
