@@ -5,8 +5,9 @@ offline (on a cluster with no network): every plot is inline SVG drawn here, the
 (sorting and filtering the table), nothing is fetched. It shows
 
 - the verdicts at a glance: calls, and output rows by API and by precision standard;
-- the failing and warning calls first, sortable and filterable, each with its metrics, its message and a link to
-  its error-data folder (`error_data/{ts}/rank{r}/{call}.step{s}/`, with `python replay.py` inside);
+- the failing and warning calls first, sortable and filterable (also by link: `report.html#filter=gelu&status=error`),
+  each with its metrics, its message and a link to its error-data folder (`error_data/{ts}/rank{r}/{call}.step{s}/`,
+  with `python replay.py` inside);
 - for each failing API, the error distribution over its output rows: the standard's device / same-dtype ratio
   (1 = the device is as far from the bench as the trusted host's own run in that dtype), the threshold marked;
   and the device's relative (or ULP) error against the bench, failing rows in red;
@@ -282,6 +283,10 @@ _JS = """
     document.getElementById('shown').textContent=shown;
   }
   q.addEventListener('input',apply); st.addEventListener('change',apply);
+  location.hash.replace(/^#/,'').split('&').forEach(function(kv){   // #filter=TEXT&status=error: a link to a view
+    var p=kv.split('='), v=decodeURIComponent(p[1]||'');
+    if(p[0]==='filter') q.value=v; if(p[0]==='status') st.value=v;
+  });
   Array.prototype.forEach.call(t.tHead.rows[0].cells,function(th,i){
     th.addEventListener('click',function(){
       var asc=th.getAttribute('data-asc')!=='1'; th.setAttribute('data-asc',asc?'1':'0');

@@ -119,6 +119,13 @@ def test_browser_dom_names_the_failing_api_and_counts(report):
     assert ranks["0"][2] == str(len(FAILING)) and ranks["1"][2] == "0"
     assert "Functional.gelu" in dom.by_id.get("distributions", "") or "Functional.gelu" in proc.stdout
     print(f"\nchromium --dump-dom: {time.time() - t0:.1f} s")
+    # the page's filter, driven by the link (#filter=...): only that call's rows stay shown
+    proc = chromium("--dump-dom", "file://" + report + "#filter=Functional.gelu.1&status=error")
+    dom = _Cells()
+    dom.feed(proc.stdout)
+    assert dom.by_id["shown"] == "2", dom.by_id["shown"]
+    hidden = {cells[2] for a, cells in dom.tables["calls"] if "display: none" in (a.get("style") or "")}
+    assert hidden == {"Functional.gelu.0"}
 
 
 @needs_chromium
