@@ -59,8 +59,10 @@ ALIASES: dict[str, dict[str, str]] = {
 }
 if len(_PRECISION_ALIASES) != len(PRECISION_DETAILS_HEADER):  # pragma: no cover - a columns.py change
     raise RuntimeError("report_frame: api_precision_compare_details aliases out of step with gpu_server.columns")
-_TEXT = {"API name", "API Name", "Bench Dtype", "DEVICE Dtype", "Shape", "Message", "Status", "Forward Test Success",
-         "Backward Test Success", "比对结果", "比对算法"}
+# numeric columns (typed as floats); every other column stays text, columns added later included
+_NUMERIC = {title for _, title in METRIC_COLUMNS} | {
+    c for c in PRECISION_DETAILS_HEADER[1:]
+    if not c.endswith("判定结果") and c not in ("比对结果", "比对算法", "Message")}
 
 
 def kind_of(kind: str) -> str:
@@ -86,11 +88,9 @@ def report_files(out_dir: str, kind: str) -> list[tuple[str, str, int]]:
 
 def _typed(frame: pd.DataFrame, kind: str) -> pd.DataFrame:
     for column in frame.columns:
-        if column in _TEXT or column.endswith("判定结果"):
-            continue
-        if column in EXTRA_COLUMNS:
+        if column == "Step":
             frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("Int64")
-        else:
+        elif column in _NUMERIC:
             frame[column] = pd.to_numeric(frame[column].str.strip().replace("", None), errors="coerce").astype(float)
     for chinese, english in ALIASES[kind].items():
         if chinese in frame.columns and english not in frame.columns:

@@ -59,6 +59,18 @@ def test_load_is_one_typed_frame_over_ranks_and_steps(out):
         load(out, "nonsense")
 
 
+def test_load_keeps_columns_it_does_not_know_as_text(out, tmp_path):
+    from gpu_server.reports import load
+
+    src = glob.glob(os.path.join(out, "accuracy_checking_details_*_rank0.csv"))[0]
+    with open(src, encoding="utf-8-sig", newline="") as fh:
+        rows = list(csv.reader(fh))
+    with open(tmp_path / os.path.basename(src), "w", encoding="utf-8-sig", newline="") as fh:
+        csv.writer(fh).writerows([rows[0] + ["Host"]] + [r + [f"node-{i}"] for i, r in enumerate(rows[1:])])
+    frame = load(str(tmp_path))
+    assert list(frame["Host"][:2]) == ["node-0", "node-1"] and frame["余弦相似度"].dtype == float
+
+
 def test_summary_again_matches_the_server_and_fails_ci(out):
     saved = json.load(open(glob.glob(os.path.join(out, "summary_*.json"))[0], encoding="utf-8"))
     proc = cli("summary", out, "--json", "--fail-on", "error")
