@@ -300,9 +300,6 @@ def recheck(out_dir: str, config=None, device: str | None = None, workers: int |
             new_dir: str | None = None) -> tuple[str, list[str], object]:
     """Check the records held in `out_dir`'s spool again with this code's standards and thresholds on `device`,
     writing a new set of reports into `new_dir` (default `OUT/recheck_{ts}/`). Returns (new_dir, paths, summary)."""
-    from gpu_server.app import ServerApp
-    from gpu_server.config import ServerConfig
-
     new_dir = new_dir or os.path.join(out_dir, "recheck_" + time.strftime("%Y%m%d%H%M%S"))
     if os.path.exists(os.path.join(new_dir, "spool")):
         raise ValueError(f"{new_dir} holds a spool already; give a new folder")
@@ -311,6 +308,9 @@ def recheck(out_dir: str, config=None, device: str | None = None, workers: int |
         shutil.rmtree(new_dir, ignore_errors=True)
         raise ValueError(f"{out_dir}/spool holds no records: a server that drained completely deleted them (only "
                          "records not yet completely reported, after a crash or a kill, can be checked again)")
+    from gpu_server.app import ServerApp   # imports torch: after the cheap checks
+    from gpu_server.config import ServerConfig
+
     app = ServerApp(config or ServerConfig(), new_dir, device=device, workers=workers)
     app.resume()
     for run_id, rank, _seq in {(k[0], k[1], 0) for k in app.spool.seen()}:
