@@ -308,7 +308,7 @@ def recheck(out_dir: str, config=None, device: str | None = None, workers: int |
         shutil.rmtree(new_dir, ignore_errors=True)
         raise ValueError(f"{out_dir}/spool holds no records: a server that drained completely deleted them (only "
                          "records not yet completely reported, after a crash or a kill, can be checked again)")
-    from gpu_server.app import ServerApp   # imports torch: after the cheap checks
+    from gpu_server.app import ServerApp  # imports torch: after the cheap checks
     from gpu_server.config import ServerConfig
 
     app = ServerApp(config or ServerConfig(), new_dir, device=device, workers=workers)
