@@ -303,9 +303,15 @@ def recheck(out_dir: str, config=None, device: str | None = None, workers: int |
     new_dir = new_dir or os.path.join(out_dir, "recheck_" + time.strftime("%Y%m%d%H%M%S"))
     if os.path.exists(os.path.join(new_dir, "spool")):
         raise ValueError(f"{new_dir} holds a spool already; give a new folder")
+    created = not os.path.exists(new_dir)
     segments = copy_spooled_records(out_dir, new_dir)
     if not segments:
-        shutil.rmtree(new_dir, ignore_errors=True)
+        shutil.rmtree(os.path.join(new_dir, "spool"), ignore_errors=True)   # made just now, empty
+        if created:
+            try:
+                os.rmdir(new_dir)
+            except OSError:
+                pass
         raise ValueError(f"{out_dir}/spool holds no records: a server that drained completely deleted them (only "
                          "records not yet completely reported, after a crash or a kill, can be checked again)")
     from gpu_server.app import ServerApp  # imports torch: after the cheap checks
