@@ -48,6 +48,7 @@ class ServerApp:
         self.spool = Spool(out_dir, limits, fsync=fsync)
         self.recovery = self.spool.open(time.strftime("%Y%m%d%H%M%S"))
         self.ts = self.recovery.ts
+        self.summary.backlog = self.spool.live_records   # records/s, backlog and time to drain in the progress line
         # error_data_path: relative paths (msprobe's default "./") are taken inside --out
         error_base = os.path.join(out_dir, config.error_data_path) if config.error_data_path else None
         self.pool = WorkerPool(self.devices, out_dir, self.ts, self.summary, backward_budget,
@@ -137,4 +138,14 @@ class ServerApp:
         self.summary.set_memory(self.budget.limit, self.budget.peak)
         path = self.summary.write_json(self.out_dir, self.ts)
         files = [p for paths in self.summary.files.values() for p in paths]
-        return files + [path]
+        return files + [path] + self._html_report()
+
+    def _html_report(self) -> list[str]:
+        """The HTML report next to the CSVs (gpu_server/html_report.py); never fails the drain."""
+        try:
+            from gpu_server.html_report import write_html
+
+            return [write_html(self.out_dir)] if self.summary.files else []
+        except Exception as exc:  # noqa: BLE001 - the CSV reports are complete; the HTML one is a view of them
+            log.warning("the HTML report could not be written: %s", exc)
+            return []

@@ -22,6 +22,7 @@ from gpu_server.config import ServerConfigError, load_server_config
 from protos.limits import DEFAULT_LIMITS, MiB
 
 log = logging.getLogger("gpu_server")
+SUBCOMMANDS = ("health", "report", "compare", "recheck", "summary")
 
 
 def _args(argv):
@@ -47,6 +48,11 @@ def _args(argv):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in SUBCOMMANDS:   # offline tools and the health probe (gpu_server/offline.py)
+        from gpu_server.offline import run_subcommand
+
+        return run_subcommand(argv[0], argv[1:])
     logging.basicConfig(level=logging.INFO, format="[gpu-server] %(levelname)s %(message)s", stream=sys.stderr)
     ns = _args(argv)
     try:

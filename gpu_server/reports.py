@@ -116,3 +116,10 @@ class _NullReports:
 
 
 NULL_REPORTS = _NullReports()
+
+
+def load(out_dir: str, kind: str = "details"):
+    """The reports of `out_dir` as one pandas DataFrame (all ranks and steps): see gpu_server/report_frame.py."""
+    from gpu_server.report_frame import load as _load
+
+    return _load(out_dir, kind)

@@ -8,6 +8,9 @@ import json
 import os
 import threading
 import time
+from typing import Callable
+
+from gpu_server.drain_rate import DrainRate
 
 STATUSES = ("pass", "Warning", "error", "SKIP")
 # msprobe's algorithm names (the 比对算法 column) and how the summary calls them
@@ -31,6 +34,8 @@ class Summary:
         self.transport: dict[str, int] = collections.Counter()
         self.session: dict = {"resumed": False, "server_starts": 1}
         self.memory: dict = {}
+        self.backlog: Callable[[], int] | None = None   # records waiting (the app sets it): rates in the progress line
+        self._drain = DrainRate()
 
     def add_files(self, rank: int, paths: list[str]) -> None:
         with self._lock:
@@ -116,7 +121,9 @@ class Summary:
             per = " ".join(f"r{r}:{self.received[r]}/{self.checked[r]}/{self.failed[r]}" for r in ranks)
             line = (f"received {sum(self.received.values())}, checked {sum(self.checked.values())}, "
                     f"failed {sum(self.failed.values())} calls")
-            return line + (f"  [rank:recv/checked/failed {per}]" if per else "")
+            line += f"  [rank:recv/checked/failed {per}]" if per else ""
+            received = sum(self.received.values())
+        return line + ("; " + self._drain.line(received, self.backlog()) if self.backlog else "")
 
     def as_dict(self) -> dict:
         with self._lock:
