@@ -96,7 +96,6 @@ class ServerApp:
             try:
                 self.intake.process(record, payload, entry.payload_len)
             except Exception as exc:  # noqa: BLE001 - one spooled record never stops a restart
-                log.exception("spool: record %s fails to load", entry.key)
                 self._quarantine(entry, f"the spooled record fails to load ({type(exc).__name__}: {exc})")
                 continue
             self.replayed += 1
