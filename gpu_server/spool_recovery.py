@@ -32,8 +32,15 @@ def _truncate(path: str, size: int, fsync: bool) -> None:
 def _complete_rows_size(path: str) -> int:
     """Bytes up to and including the last newline (a row is never split over lines: messages are one line)."""
     with open(path, "rb") as fh:
-        data = fh.read()
-    return data.rfind(b"\n") + 1
+        end = fh.seek(0, os.SEEK_END)
+        while end > 0:
+            start = max(0, end - (64 << 10))
+            fh.seek(start)
+            i = fh.read(end - start).rfind(b"\n")
+            if i >= 0:
+                return start + i + 1
+            end = start
+    return 0
 
 
 def cut_reports(out_dir: str, ts: str, state: JournalState, fsync: bool) -> dict[str, int]:
@@ -41,6 +48,9 @@ def cut_reports(out_dir: str, ts: str, state: JournalState, fsync: bool) -> dict
     cut: dict[str, int] = {}
     for name in report_files.session_reports(out_dir, ts):
         path = os.path.join(out_dir, name)
+        if not os.path.isfile(path) or os.path.islink(path):
+            log.warning("spool: %s is not a regular file; it is left alone", path)
+            continue
         size = os.path.getsize(path)
         keep = _complete_rows_size(path) if state.damaged else state.files.get(name, 0)
         if size > keep:

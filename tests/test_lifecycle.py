@@ -342,3 +342,24 @@ def test_out_that_cannot_be_created_gives_a_clear_message(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "--out" in proc.stderr and "cannot create" in proc.stderr, proc.stderr
+
+
+def test_report_rows_that_cannot_be_written_are_counted_and_fail_the_exit_status(tmp_path):
+    work = str(tmp_path)
+    nfs, out = os.path.join(work, "nfs"), os.path.join(work, "out")
+    os.makedirs(nfs)
+    os.makedirs(os.path.join(out, "spool"))
+    ts = "20260101000000"
+    with open(os.path.join(out, "spool", "state.json"), "w") as fh:     # a session whose {ts} is known
+        json.dump({"ts": ts, "starts": 1, "format": 1}, fh)
+    os.makedirs(report_files.path(out, report_files.RESULT, ts, 0))    # the result file cannot be opened
+    server = Server(work, out=out, nfs_path=nfs).start()
+    _send_failing_gelu(nfs, "runA")
+    deadline = time.time() + 60
+    while "could not be written" not in server.log() and time.time() < deadline:
+        time.sleep(0.1)
+    assert server.stop() == 3, server.log()[-3000:]
+    summary = summary_of(out)
+    assert summary["report_write_failures"]["records"] == 1, summary["report_write_failures"]
+    assert "REPORT ROWS NOT WRITTEN" in server.log()
+    assert glob.glob(os.path.join(out, "spool", "seg-*.spl")), "the record must stay in the spool for a restart"
