@@ -34,8 +34,7 @@ import threading
 import time
 from typing import Iterator
 
-from gpu_server import disk
-from gpu_server.spool_acks import Ticket
+from gpu_server.spool_acks import GroupCommit, Ticket
 from gpu_server.spool_journal import Journal, JournalState, read_journal
 from gpu_server.spool_recovery import cut_reports, rebuild_from_reports
 from gpu_server.spool_segments import (
@@ -45,7 +44,6 @@ from gpu_server.spool_segments import (
     read_entry,
     scan_segment,
     segment_path,
-    write_segment,
 )
 from protos import online_check_pb2 as pb
 from protos.limits import DEFAULT_LIMITS, Limits
@@ -53,8 +51,6 @@ from protos.limits import DEFAULT_LIMITS, Limits
 __all__ = ["Entry", "Recovery", "Spool", "SpoolError", "Ticket"]
 
 log = logging.getLogger("gpu_server")
-
-_BATCH_BYTES = 256 << 20        # one group commit writes at most this much (then the next batch starts)
 
 Key = tuple  # (run_id, rank, seq)
 
@@ -85,20 +81,13 @@ class Spool:
         self.limits = limits
         self.fsync = fsync
         self._cv = threading.Condition()
-        self._queue: list[tuple[Key, bytes, bytearray | memoryview, Ticket, int]] = []
-        self._inflight: dict[Key, Ticket] = {}     # appended, not yet durable
         self._where: dict[Key, int] = {}           # durable, not completely reported -> segment
         self._live: dict[int, int] = {}            # segment -> entries not completely reported
-        self._done_early: set[Key] = set()         # completely reported before its segment was durable
-        self._fallback: dict[Key, Ticket] = {}     # could not be spooled: acknowledged once reported
+        self.commits = GroupCommit(self._cv, self.dir, fsync, self._durable, self._unlink_segment)
+        self.stats = self.commits.stats
         self.state = JournalState()
         self.journal: Journal | None = None
-        self._next_segment = 0
-        self._closed = False
         self._lock_fd = -1
-        self._failed_once = False
-        self.stats = {"segments": 0, "records": 0, "bytes": 0, "fsyncs": 0}
-        self._thread: threading.Thread | None = None
 
     # -- start-up ----------------------------------------------------------------------------------------------
     def open(self, default_ts: str) -> Recovery:
@@ -143,14 +132,12 @@ class Spool:
         for seg in list_segments(self.dir):
             if not self._live.get(seg):
                 self._unlink_segment(seg)
-        self._next_segment = max(list_segments(self.dir), default=-1) + 1
         truncated = cut_reports(self.out_dir, ts, state, self.fsync) if resumed else {}
         self.journal = Journal(journal_path, self.fsync, self._journaled)
         self.journal.compact(state)
         replay.sort(key=lambda e: (e.key[0], e.key[1], e.key[2]))
         half = {e.key for e in replay if e.key in state.half}
-        self._thread = threading.Thread(target=self._commit_loop, name="gpu-server-spool", daemon=True)
-        self._thread.start()
+        self.commits.start(max(list_segments(self.dir), default=-1) + 1)
         return Recovery(ts=ts, resumed=resumed, starts=starts, replay=replay, half=half,
                         ends=list(state.ends.values()), truncated=truncated, done_count=state.done_count(),
                         damage=damage, journal_damaged=state.damaged, rebuilt=rebuilt)
@@ -198,95 +185,20 @@ class Spool:
     def append(self, record: pb.Record, payload: bytearray | memoryview) -> Ticket:
         """Queue `record` for the next group commit; the ticket is set ACCEPTED once it is durable."""
         h = record.header
-        key = (h.run_id, h.rank, h.seq)
-        ticket = Ticket(h.seq)
-        header = record.SerializeToString()
-        with self._cv:
-            if self._closed:
-                raise SpoolError("the spool is closed")
-            self._inflight[key] = ticket
-            self._queue.append((key, header, payload, ticket, len(payload)))
-            self._cv.notify_all()
-        return ticket
+        try:
+            return self.commits.append((h.run_id, h.rank, h.seq), record.SerializeToString(), payload)
+        except RuntimeError as exc:
+            raise SpoolError(str(exc)) from None
 
     def pending(self, key: Key) -> Ticket | None:
         """The ticket of a record accepted but not yet durable (a duplicate waits for it), else None."""
-        with self._cv:
-            return self._inflight.get(key) or self._fallback.get(key)
+        return self.commits.pending(key)
 
-    def _commit_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._queue and not self._closed:
-                    self._cv.wait()
-                if not self._queue:
-                    return
-                batch, size = [], 0
-                while self._queue and (not batch or size + self._queue[0][4] <= _BATCH_BYTES):
-                    item = self._queue.pop(0)
-                    batch.append(item)
-                    size += item[4]
-                seg = self._next_segment
-                self._next_segment += 1
-            if not self._commit(seg, batch):
-                continue
-            with self._cv:
-                live = 0
-                for key, _h, _p, _t, _n in batch:
-                    self._inflight.pop(key, None)
-                    if key in self._done_early:
-                        self._done_early.discard(key)
-                    else:
-                        self._where[key] = seg
-                        live += 1
-                self._live[seg] = live
-                self.stats["segments"] += 1
-                self.stats["records"] += len(batch)
-                self.stats["bytes"] += size
-            if not live:
-                self._unlink_segment(seg)
-            for *_rest, ticket, _n in batch:
-                ticket.set(pb.Ack.ACCEPTED)
-
-    def _commit(self, seg: int, batch) -> bool:
-        """Write one segment; on a full disk wait and retry (nothing acknowledged meanwhile). False: not durable."""
-        since = time.monotonic()
-        while True:
-            try:
-                write_segment(segment_path(self.dir, seg), [(h, p) for _k, h, p, _t, _n in batch], self.fsync)
-                if self.fsync:
-                    self.stats["fsyncs"] += 1
-                    self._fsync_dir()
-                return True
-            except OSError as exc:
-                if disk.is_full(exc) and disk.wait_for_space(self.dir, since):
-                    continue
-                if disk.is_full(exc):   # stopping with the disk still full: never acknowledged, the agents re-send
-                    with self._cv:
-                        for key, *_rest in batch:
-                            self._inflight.pop(key, None)
-                            self._done_early.discard(key)
-                    return False
-                if not self._failed_once:
-                    self._failed_once = True
-                    log.error("spool: cannot write %s (%s); records are acknowledged only once their rows are "
-                              "written, and are not kept across a restart", self.dir, exc)
-                with self._cv:
-                    for key, _h, _p, ticket, _n in batch:
-                        self._inflight.pop(key, None)
-                        if key in self._done_early:
-                            self._done_early.discard(key)
-                            ticket.set(pb.Ack.ACCEPTED)
-                        else:
-                            self._fallback[key] = ticket
-                return False
-
-    def _fsync_dir(self) -> None:
-        fd = os.open(self.dir, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    def _durable(self, seg: int, keys: list[Key]) -> None:
+        """(Under the lock.) Segment `seg` is durable and holds `keys` not yet completely reported."""
+        for key in keys:
+            self._where[key] = seg
+        self._live[seg] = len(keys)
 
     # -- completion (worker threads) ---------------------------------------------------------------------------
     def complete(self, done: list[Key], half: list[Key], files: dict[str, int]) -> None:
@@ -296,11 +208,7 @@ class Spool:
         names = {os.path.basename(p): s for p, s in files.items()}
         self.journal.add({"d": [list(k) for k in done], "h": [list(k) for k in half], "f": names}, list(done),
                          files)
-        with self._cv:
-            for key in list(done) + list(half):  # a record waiting for durability by its rows (spool not writable)
-                t = self._fallback.pop(key, None)
-                if t is not None:
-                    t.set(pb.Ack.ACCEPTED)
+        self.commits.reported(list(done) + list(half))   # a record that could not be spooled: acknowledged now
 
     def record_end(self, end: dict) -> None:
         """Persist an end message before it is acknowledged."""
@@ -315,8 +223,7 @@ class Spool:
                 self.state.mark_done(key)
                 seg = self._where.pop(key, None)
                 if seg is None:
-                    if key in self._inflight:
-                        self._done_early.add(key)
+                    self.commits.done_before_durable(key)
                     continue
                 self._live[seg] -= 1
                 if self._live[seg] <= 0:
@@ -336,18 +243,14 @@ class Spool:
         """Wait for queued commits, then journal what is complete."""
         deadline = time.monotonic() + timeout
         with self._cv:
-            while (self._queue or self._inflight) and time.monotonic() < deadline:
+            while self.commits.busy() and time.monotonic() < deadline:
                 self._cv.wait(0.05)
         if self.journal is not None:
             self.journal.flush()
 
     def close(self) -> None:
         self.flush()
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
+        self.commits.close()
         if self.journal is not None:
             self.journal.close()
         if self._lock_fd >= 0:
@@ -356,7 +259,7 @@ class Spool:
 
     def live_records(self) -> int:
         with self._cv:
-            return len(self._where) + len(self._inflight)
+            return len(self._where) + self.commits.inflight()
 
 
 def _read_json(path: str) -> dict:

@@ -70,6 +70,7 @@ class WorkerPool:
                 checker.match_threads = False
             log.info("%d CPU workers, %d torch threads each; CPU same-dtype runs do not match the training's thread "
                      "count", cpu_workers, torch.get_num_threads())
+        self._sizes: dict[int, dict[str, int]] = {}   # rank -> its report files' sizes after its last completion
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=queue_size) for _ in devices]
         self.threads = [threading.Thread(target=self._run, args=(i,), name=f"gpu-server-worker-{i}", daemon=True)
                         for i in range(len(devices))]
@@ -106,9 +107,11 @@ class WorkerPool:
                     run_id, rank, why = payload
                     self._completed(checker, checker.flush_run(run_id, rank, why), rank)
             except ReportWriteError as exc:
-                # Its rows are not (all) written: nothing is journaled, the record stays in the spool and a
-                # restart with the same --out checks it again.
-                self.summary.report_failed(payload.rank if kind == "job" else payload[1], str(exc))
+                # Its rows are not (all) written: nothing is journaled, the rows it did write are cut back, the
+                # record stays in the spool and a restart with the same --out checks it again.
+                rank = payload.rank if kind == "job" else payload[1]
+                self._cut_back(rank)
+                self.summary.report_failed(rank, str(exc))
             except Exception:  # noqa: BLE001
                 log.exception("worker %d: internal error", i)
 
@@ -127,10 +130,20 @@ class WorkerPool:
                 files[path] = os.path.getsize(path)
             except OSError:
                 pass
+        self._sizes[rank] = files
         try:
             self.on_complete(completion.done, completion.half, files)
         except Exception:  # noqa: BLE001
             log.exception("could not journal completed records")
+
+    def _cut_back(self, rank: int) -> None:
+        """Cut the rank's report files back to their sizes after its last complete record (no orphan rows)."""
+        for path, size in self._sizes.get(rank, {}).items():
+            try:
+                if os.path.getsize(path) > size:
+                    os.truncate(path, size)
+            except OSError:
+                pass
 
     def drain_and_stop(self) -> None:
         """Check everything already queued, flush and close the reports. Calls still waiting for their backward
