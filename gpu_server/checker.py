@@ -17,7 +17,7 @@ import torch
 from gpu_server import error_data, standards
 from gpu_server.columns import BLANK
 from gpu_server.intake import Job
-from gpu_server.pending import Completion, PendingCalls, Waiting, record_key
+from gpu_server.pending import Completion, PendingCalls, Waiting
 from gpu_server.replay import ReplayError, flatten_outputs, run_backward, run_forward
 from gpu_server.reports import NULL_REPORTS, RankReports, ReportWriteError
 from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING
@@ -83,24 +83,21 @@ class Checker:
             self._write_rows = True
 
     def _check(self, job: Job) -> Completion:
+        waiting = self.pending.take(job) if job.direction == pb.BACKWARD else None
         try:
             if job.direction == pb.BACKWARD:
-                return self._check_backward(job)
+                return self._check_backward(job, waiting)
             return self._check_forward(job)
         except ReportWriteError:
             raise
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the worker
             log.exception("internal error while checking %s", job.name)
             why = f"internal error while checking: {type(exc).__name__}: {exc}"
-            done = Completion(done=[record_key(job)])
-            if job.direction == pb.BACKWARD:
-                forward = self.pending.take(job)
-                done = self.pending.backward_done(job, forward)
-                self._finish(job, forward.outcome if forward else Outcome([SKIP], [SKIP], why), Outcome([SKIP], [SKIP],
-                             why, why))
-            else:
-                self._finish(job, Outcome([SKIP], [SKIP], why, why), None)
-            return done
+            if job.direction != pb.BACKWARD:
+                return self._forward_complete(job, Outcome([SKIP], [SKIP], why, why))
+            forward = waiting.outcome if waiting is not None else Outcome([SKIP], [SKIP], why, why)
+            self._finish(job, forward, Outcome([SKIP], [SKIP], why, why))
+            return self.pending.backward_done(job, waiting)
 
     # -- forward -----------------------------------------------------------------------------------------------
     def _check_forward(self, job: Job) -> Completion:
@@ -142,9 +139,8 @@ class Checker:
         return done
 
     # -- backward ----------------------------------------------------------------------------------------------
-    def _check_backward(self, job: Job) -> Completion:
+    def _check_backward(self, job: Job, waiting: Waiting | None) -> Completion:
         rep = self.reports(job.rank)
-        waiting = self.pending.take(job)
         fwd_job = waiting.job if waiting is not None else None
         forward = waiting.outcome if waiting is not None else Outcome(
             [SKIP], [SKIP], "forward record of this call was not received")
