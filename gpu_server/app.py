@@ -48,6 +48,7 @@ class ServerApp:
         self.devices = bench_devices(device, workers)
         self.expected_ranks = expected_ranks
         self.done = threading.Event()
+        disk.stopping.clear()
         self._ended: set[int] = set()
         self.budget = ByteBudget(memory_budget or default_memory_budget())
         self.spool = Spool(out_dir, limits, fsync=fsync)

@@ -29,7 +29,8 @@ class Summary:
         self.result_status: collections.Counter = collections.Counter()
         self.precision_status: collections.Counter = collections.Counter()
         self.by_standard: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-        self.failing: dict[str, list] = collections.defaultdict(list)  # bare API -> [(rank, call, message)]
+        self.failing: collections.Counter = collections.Counter()       # bare API -> failed calls
+        self.failing_examples: dict[str, list] = collections.defaultdict(list)  # bare API -> up to 3 examples
         self.ends: dict[tuple[str, int], dict] = {}
         self.files: dict[int, list[str]] = {}
         self.transport: dict[str, int] = collections.Counter()
@@ -84,7 +85,9 @@ class Summary:
             if "error" in (fwd, bwd, pfwd, pbwd):
                 self.failed[rank] += 1
                 api = ".".join(name.split(".")[:2])
-                self.failing[api].append((rank, name, message))
+                self.failing[api] += 1
+                if len(self.failing_examples[api]) < 3:     # bounded, however many calls fail
+                    self.failing_examples[api].append((rank, name, message))
 
     def standard_row(self, algorithm: str, status: str) -> None:
         """One api_precision_compare details row: counted per standard and status."""
@@ -155,9 +158,9 @@ class Summary:
                 "accuracy_checking_status": dict(self.result_status),
                 "api_precision_compare_status": dict(self.precision_status),
                 "api_precision_compare_rows_by_standard": {k: dict(v) for k, v in sorted(self.by_standard.items())},
-                "failing_apis": {api: {"calls": len(v), "examples": [{"rank": r, "call": n, "message": m}
-                                                                      for r, n, m in v[:3]]}
-                                 for api, v in sorted(self.failing.items(), key=lambda kv: -len(kv[1]))},
+                "failing_apis": {api: {"calls": n, "examples": [{"rank": r, "call": c, "message": m}
+                                                                 for r, c, m in self.failing_examples[api]]}
+                                 for api, n in sorted(self.failing.items(), key=lambda kv: -kv[1])},
                 "ranks_ended": [{"run_id": rid, "rank": rk, **c} for (rid, rk), c in self.ends.items()],
                 "records_dropped_by_agents": sum(int(c.get("dropped", 0)) for c in self.ends.values()),
                 "session": dict(self.session),
