@@ -116,3 +116,28 @@ def test_report_file_names_have_one_home(name):
     assert report_files.parse(name) == ("accuracy_checking_result", "20260101000000", 12)
     assert report_files.name(*report_files.parse(name)) == name
     assert report_files.parse("accuracy_checking_result_2026_rank1.csv") is None
+
+
+def test_report_files_share_a_bounded_set_of_open_files(tmp_path):
+    import gpu_server.reports as reports
+    from gpu_server import report_files
+
+    files = reports.OpenFiles(limit=3)
+    saved, reports.OPEN_FILES = reports.OPEN_FILES, files
+    try:
+        ranks = [reports.RankReports(str(tmp_path), "20260101000000", r) for r in range(4)]
+        for step in range(3):
+            for rep in ranks:                          # interleaved: every write may reopen a closed file
+                rep.write_result("Torch.add.0", "pass", " ", "", step)
+                assert len(files._open) <= 3
+        for rep in ranks:
+            rep.close()
+    finally:
+        reports.OPEN_FILES = saved
+    assert files.reopened > 4
+    for r in range(4):
+        with open(report_files.path(str(tmp_path), report_files.RESULT, "20260101000000", r), "rb") as fh:
+            data = fh.read()
+        assert data.count("\ufeff".encode()) == 1 and data.startswith("\ufeff".encode())
+        lines = data.decode("utf-8-sig").splitlines()
+        assert lines[0].startswith("API name,") and [ln.split(",")[-1] for ln in lines[1:]] == ["0", "1", "2"]
