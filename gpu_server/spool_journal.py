@@ -97,31 +97,29 @@ def _apply(state: JournalState, item: dict, first: bool) -> None:
 
 
 def read_journal(path: str) -> JournalState:
+    """The journal's state, read line by line (a long session's journal can be large)."""
     state = JournalState()
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        fh = open(path, "rb")
     except FileNotFoundError:
         return state
     state.exists = True
-    lines = data.split(b"\n")
-    torn_last = not data.endswith(b"\n")
-    if not torn_last:
-        lines = lines[:-1]
-    for n, line in enumerate(lines):
-        try:
-            item = json.loads(line)
-            if not isinstance(item, dict):
-                raise ValueError("not an object")
-            _apply(state, item, first=n == 0)
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            if n == len(lines) - 1 and torn_last and n > 0:
-                log.warning("spool: the last journal line is cut off (the server was killed while writing it); "
-                            "the records it named are checked again")
-                continue
-            state.damaged = f"line {n + 1} of {path} is unreadable ({exc})"
-            break
-    if not lines and state.exists:
+    n = -1
+    with fh:
+        for n, line in enumerate(fh):
+            try:
+                item = json.loads(line)
+                if not isinstance(item, dict):
+                    raise ValueError("not an object")
+                _apply(state, item, first=n == 0)
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                if n > 0 and not line.endswith(b"\n"):      # only the last line can lack its newline
+                    log.warning("spool: the last journal line is cut off (the server was killed while writing it); "
+                                "the records it named are checked again")
+                    continue
+                state.damaged = f"line {n + 1} of {path} is unreadable ({exc})"
+                break
+    if n < 0:
         state.damaged = f"{path} is empty"
     state.half = {k for k in state.half if not state.is_done(k)}
     return state
