@@ -4,6 +4,8 @@ Start-up with an `--out` that holds a spool (gpu_server/spool.py) resumes the ea
 keep their `{ts}` and are cut back to what the journal says is complete, the spooled records that were not
 completely reported are handed to the workers before the transport opens, and the (run, rank, seq) already accepted
 are remembered, so an agent re-sending after the restart gets DUPLICATE for them and no row is written twice.
+A spooled record that cannot be read back or decoded is quarantined with a SKIP row: one record never stops a
+restart. What a call's records may journal, on every path, is decided by gpu_server/pending.py.
 """
 from __future__ import annotations
 
