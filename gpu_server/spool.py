@@ -134,7 +134,7 @@ class Spool:
                 self._unlink_segment(seg)
         truncated = cut_reports(self.out_dir, ts, state, self.fsync) if resumed else {}
         self.journal = Journal(journal_path, self.fsync, self._journaled)
-        self.journal.compact(state)
+        self.journal.open(state)
         replay.sort(key=lambda e: (e.key[0], e.key[1], e.key[2]))
         half = {e.key for e in replay if e.key in state.half}
         self.commits.start(max(list_segments(self.dir), default=-1) + 1)
@@ -212,7 +212,6 @@ class Spool:
 
     def record_end(self, end: dict) -> None:
         """Persist an end message before it is acknowledged."""
-        self.state.ends[(end["run_id"], int(end["rank"]))] = end
         self.journal.add_now({"end": end})
 
     def _journaled(self, keys: list[Key]) -> None:
@@ -220,7 +219,6 @@ class Spool:
         dead = []
         with self._cv:
             for key in keys:
-                self.state.mark_done(key)
                 seg = self._where.pop(key, None)
                 if seg is None:
                     self.commits.done_before_durable(key)

@@ -6,8 +6,9 @@
     {"end": {"run_id": .., "rank": .., "captured": .., ...}}
 
 `d`: the record's rows are all written; `h`: a forward record whose detail rows are written while its result row
-waits for the backward record; `f`: the sizes of the report files right after those rows. Each start compacts the
-journal into one snapshot line (written to a temporary file, fsync'ed, renamed).
+waits for the backward record; `f`: the sizes of the report files right after those rows. Each start, and every
+COMPACT_BYTES appended during a long session, compacts the journal into one snapshot line (written to a temporary
+file, fsync'ed, renamed).
 
 A journal whose first line is not a snapshot, or with an unreadable line before its last, is damaged: it cannot
 say which rows are complete, so the restart keeps the report files and rebuilds what is done from them
@@ -30,6 +31,7 @@ from gpu_server.seqset import SeqSet
 log = logging.getLogger("gpu_server")
 
 INTERVAL_S = 0.05      # completions are journaled in groups at most this often
+COMPACT_BYTES = 64 << 20   # past this much appended, the journal is compacted into one snapshot line again
 
 Key = tuple  # (run_id, rank, seq)
 
@@ -126,14 +128,19 @@ def read_journal(path: str) -> JournalState:
 
 
 class Journal:
-    """Appends journal lines and fsyncs them in groups, after the report files they describe."""
+    """Appends journal lines and fsyncs them in groups, after the report files they describe. Keeps `state` (what
+    the journal says) up to date, and compacts the file into one snapshot line once COMPACT_BYTES were appended, so
+    a long session's journal stays bounded."""
 
     def __init__(self, path: str, fsync: bool, on_journaled: Callable[[list[Key]], None]):
         self.path = path
         self.fsync = fsync
         self.on_journaled = on_journaled
+        self.state = JournalState()
+        self.appended = 0
+        self.compactions = 0
         self._cv = threading.Condition()
-        self._buf: list[str] = []
+        self._buf: list[dict] = []
         self._keys: list[Key] = []
         self._files: set[str] = set()
         self._fd = -1
@@ -141,12 +148,18 @@ class Journal:
         self._thread: threading.Thread | None = None
         self.failed = 0
 
-    def compact(self, state: JournalState) -> None:
-        """Replace the journal with one snapshot line of `state`, then open it for appending."""
+    def open(self, state: JournalState) -> None:
+        """Replace the journal with one snapshot line of `state` (kept up to date from now on), then append."""
+        self.state = state
+        self._rewrite()
+        self._thread = threading.Thread(target=self._loop, name="gpu-server-journal", daemon=True)
+        self._thread.start()
+
+    def _rewrite(self) -> None:
         tmp = self.path + ".tmp"
         try:
             with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps({"snapshot": state.snapshot()}, separators=(",", ":")) + "\n")
+                fh.write(json.dumps({"snapshot": self.state.snapshot()}, separators=(",", ":")) + "\n")
                 fh.flush()
                 if self.fsync:
                     os.fsync(fh.fileno())
@@ -157,13 +170,14 @@ class Journal:
             except OSError:
                 pass
             raise
+        if self._fd >= 0:
+            os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
-        self._thread = threading.Thread(target=self._loop, name="gpu-server-journal", daemon=True)
-        self._thread.start()
+        self.appended = 0
 
     def add(self, line: dict, done: list[Key], files) -> None:
         with self._cv:
-            self._buf.append(json.dumps(line, separators=(",", ":")))
+            self._buf.append(line)
             self._keys.extend(done)
             self._files.update(files)
             self._cv.notify_all()
@@ -171,7 +185,7 @@ class Journal:
     def add_now(self, line: dict) -> None:
         """Append and fsync at once (an end message, before it is acknowledged)."""
         with self._cv:
-            self._buf.append(json.dumps(line, separators=(",", ":")))
+            self._buf.append(line)
             self._flush_locked()
 
     def flush(self) -> None:
@@ -202,7 +216,7 @@ class Journal:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-        data = ("\n".join(lines) + "\n").encode("utf-8")
+        data = ("\n".join(json.dumps(x, separators=(",", ":")) for x in lines) + "\n").encode("utf-8")
         since = time.monotonic()
         while True:
             before = os.lseek(self._fd, 0, os.SEEK_END)
@@ -223,7 +237,17 @@ class Journal:
                 self._buf, self._keys, self._files = [], [], set()
                 return
         self._buf, self._keys, self._files = [], [], set()
+        for item in lines:
+            _apply(self.state, item, first=False)
         self.on_journaled(keys)
+        self.appended += len(data)
+        if self.appended >= COMPACT_BYTES:
+            try:
+                self._rewrite()
+                self.compactions += 1
+            except OSError as exc:   # the appended journal is still whole: try again later
+                self.appended = 0
+                log.warning("spool: cannot compact %s (%s); it keeps growing for now", self.path, exc)
 
     def close(self) -> None:
         with self._cv:

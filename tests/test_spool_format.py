@@ -141,3 +141,33 @@ def test_report_files_share_a_bounded_set_of_open_files(tmp_path):
         assert data.count("\ufeff".encode()) == 1 and data.startswith("\ufeff".encode())
         lines = data.decode("utf-8-sig").splitlines()
         assert lines[0].startswith("API name,") and [ln.split(",")[-1] for ln in lines[1:]] == ["0", "1", "2"]
+
+
+def test_long_sessions_compact_the_journal_and_resume_from_it(tmp_path, monkeypatch):
+    import gpu_server.spool_journal as spool_journal
+    from gpu_server.spool import Spool
+
+    monkeypatch.setattr(spool_journal, "COMPACT_BYTES", 2000)
+    out = str(tmp_path)
+    report = os.path.join(out, "accuracy_checking_result_20260101000000_rank0.csv")
+    sp = Spool(out, fsync=False)
+    sp.open("20260101000000")
+    for i in range(60):
+        rec = pb.Record(header=pb.RecordHeader(run_id="run1", rank=0, step=0, seq=i, name=f"Torch.abs.{i}",
+                                               direction=pb.FORWARD), payload_bytes=8)
+        assert sp.append(rec, bytearray(8)).wait(10)[0] == pb.Ack.ACCEPTED
+        with open(report, "a") as fh:
+            fh.write(f"row{i}\n")
+        done, half = ([("run1", 0, i)], []) if i != 7 else ([], [("run1", 0, 7)])
+        sp.complete(done, half, {report: os.path.getsize(report)})
+        sp.flush()
+    assert sp.journal.compactions >= 1
+    sp.close()
+    with open(os.path.join(out, "spool", "journal.log")) as fh:
+        lines = fh.read().splitlines()
+    assert len(lines) < 30 and lines[0].startswith('{"snapshot"')
+    sp = Spool(out, fsync=False)
+    rec = sp.open("x")
+    assert [e.key for e in rec.replay] == [("run1", 0, 7)] and rec.half == {("run1", 0, 7)}
+    assert rec.done_count == 59 and not rec.truncated and not rec.journal_damaged
+    sp.close()
