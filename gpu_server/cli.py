@@ -1,7 +1,8 @@
 """`gpu-server --config server.json --out ./results`: the benchmark host's command (SPEC §5.1).
 
 msprobe's spellings `-config` and `-o` work too. SIGINT/SIGTERM: stop accepting, check everything already accepted,
-flush the reports, print the summary, exit 0 (non-zero with `--fail-on error` when an API failed).
+flush the reports, print the summary, exit 0 (1 with `--fail-on error` when an API failed; 3 when report rows
+could not be written: those records stay in the spool for a restart).
 
 Every acknowledged record is in `--out/spool/` until its rows are written; a restart with the same `--out` (after a
 crash, a kill or a stop) resumes: same report files, spooled records checked first, nothing written twice
@@ -43,6 +44,9 @@ def _args(argv):
     p.add_argument("--memory-mb", type=float, default=None,
                    help="payload bytes held at once: being received, spooled, waiting for a worker (default: a "
                         "quarter of the host's memory, at least 1024); a full budget slows the agents down")
+    p.add_argument("--error-data-max-mb", type=float, default=None,
+                   help="cap on the evidence saved under error_data_path (default: no cap); past it, failing calls "
+                        "are still reported, only their tensors are not saved")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     return p.parse_args(argv)
 
@@ -63,7 +67,17 @@ def main(argv=None) -> int:
     from gpu_server.app import ServerApp  # imports torch: after the cheap checks
     from gpu_server.spool import SpoolError
 
-    os.makedirs(ns.out, exist_ok=True)
+    if ns.error_data_max_mb is not None and ns.error_data_max_mb < 0:
+        print("gpu-server: --error-data-max-mb must be 0 or more", file=sys.stderr)
+        return 2
+    try:
+        os.makedirs(ns.out, exist_ok=True)
+        if not os.access(ns.out, os.W_OK | os.X_OK):
+            raise PermissionError(13, "not writable by this user")
+    except OSError as exc:
+        print(f"gpu-server: --out {ns.out}: cannot create or write this folder ({exc.strerror or exc}); choose a "
+              "folder this user may write", file=sys.stderr)
+        return 2
     limits = DEFAULT_LIMITS.replace(max_record_bytes=int(ns.max_record_mb * MiB))
     expected = ns.world_size or (len(config.rank_list) if config.rank_list else None)
     if ns.exit_when_done and not expected:
@@ -73,7 +87,8 @@ def main(argv=None) -> int:
         app = ServerApp(config, ns.out, device=ns.device, workers=ns.workers, limits=limits,
                         backward_budget=int(ns.backward_memory_mb * MiB),
                         expected_ranks=expected if ns.exit_when_done else None,
-                        memory_budget=int(ns.memory_mb * MiB) if ns.memory_mb else None)
+                        memory_budget=int(ns.memory_mb * MiB) if ns.memory_mb else None,
+                        error_data_max_bytes=None if ns.error_data_max_mb is None else int(ns.error_data_max_mb * MiB))
         app.start()
     except (ValueError, OSError, SpoolError) as exc:
         print(f"gpu-server: {exc}", file=sys.stderr)
@@ -112,6 +127,12 @@ def main(argv=None) -> int:
     print(f"reports ({time.time() - t0:.1f} s to drain):")
     for p in paths:
         print(f"  {p}")
+    unwritten = sum(app.summary.report_failures.values())
+    if unwritten:
+        print(f"gpu-server: the report rows of {unwritten} records could not be written (see the log); they are kept "
+              f"in {os.path.join(os.path.abspath(ns.out), 'spool')}: fix the cause and restart with the same --out",
+              file=sys.stderr)
+        return 3
     failed = sum(app.summary.failed.values())
     return 1 if ns.fail_on == "error" and failed else 0
 

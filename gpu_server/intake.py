@@ -17,6 +17,7 @@ import torch
 
 from gpu_server.config import ServerConfig
 from gpu_server.registry import known
+from gpu_server.seqset import SeqSet
 from protos import online_check_pb2 as pb
 from protos.codec import RecordDecoder, WireError
 from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, valid_call_name
@@ -171,7 +172,7 @@ class Intake:
         self.on_end = on_end or (lambda end: None)
         self.spool = spool
         self.budget = budget
-        self._seen: dict[tuple[str, int], set[int]] = {}
+        self._seen: dict[tuple[str, int], SeqSet] = {}
         self._lock = threading.Lock()
         self.received = 0
         self.duplicates = 0
@@ -181,7 +182,7 @@ class Intake:
     def mark_seen(self, run_id: str, rank: int, seq: int) -> bool:
         """True if new. The durable spool replays this on restart so duplicates are caught across restarts."""
         with self._lock:
-            seen = self._seen.setdefault((run_id, rank), set())
+            seen = self._seen.setdefault((run_id, rank), SeqSet())
             if seq in seen:
                 return False
             seen.add(seq)
@@ -224,11 +225,8 @@ class Intake:
             return Ticket(h.seq, status, reason, after=ticket)
         return ticket
 
-    def process(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0, restore: bool = False
-                ) -> tuple[int, str]:
+    def process(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0) -> tuple[int, str]:
         """Validate a record that is new (or replayed from the spool) and hand its job (or SKIP row) to the workers.
-
-        `restore`: replayed from the spool after its detail rows were written; the workers rebuild its state only.
         """
         h = record.header
         match = valid_call_name(h.name)
@@ -261,14 +259,8 @@ class Intake:
                 self._reject_row(h, h.name, why, job, reserved=reserved)
                 return REJECTED, f"{h.name}: {why}"
         job.reserved = reserved
-        self._dispatch(job, restore)
+        self.dispatch(job)
         return ACCEPTED, ""
-
-    def _dispatch(self, job: Job, restore: bool = False) -> None:
-        if restore:
-            self.dispatch(job, restore=True)
-        else:
-            self.dispatch(job)
 
     def _release(self, n: int) -> None:
         if self.budget is not None and n:

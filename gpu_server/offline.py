@@ -278,7 +278,7 @@ def copy_spooled_records(out_dir: str, new_dir: str) -> int:
     """Put the records held in `out_dir`'s spool into a fresh spool in `new_dir` (hard links when possible, the
     originals are never changed); the number of segment files. This is the only place that knows the spool
     layout (gpu_server/spool.py): segments `spool/seg-*.spl`, which a new server start replays."""
-    from gpu_server.spool import _SEGMENT
+    from gpu_server.spool_segments import SEGMENT_FILE
 
     src = os.path.join(out_dir, "spool")
     if not os.path.isdir(src):
@@ -287,7 +287,7 @@ def copy_spooled_records(out_dir: str, new_dir: str) -> int:
     os.makedirs(dst, exist_ok=True)
     n = 0
     for name in sorted(os.listdir(src)):
-        if _SEGMENT.match(name):
+        if SEGMENT_FILE.match(name):
             try:
                 os.link(os.path.join(src, name), os.path.join(dst, name))
             except OSError:
