@@ -143,8 +143,7 @@ class StreamHandler:
                     log.warning("stream from %s: %s", peer, reason)
                     await acks.put(_Cut(grpc.StatusCode.DEADLINE_EXCEEDED, reason))
                     return
-                ack = await self._frame(raw, asm, peer)
-                if ack is not None:
+                for ack in await self._frame(raw, asm, peer):
                     await acks.put(ack)
         except asyncio.CancelledError:
             raise
@@ -159,33 +158,41 @@ class StreamHandler:
             except asyncio.QueueFull:
                 pass  # the stream's coroutine is gone or will be cancelled with the call
 
-    async def _frame(self, raw: bytes, asm: FrameAssembler, peer: str):
+    async def _frame(self, raw: bytes, asm: FrameAssembler, peer: str) -> list:
+        """The answers to one message: acknowledgements and tickets, in order (usually one or none)."""
         loop = asyncio.get_running_loop()
         try:
             frame = pb.Frame.FromString(raw)
         except DecodeError:
             asm.reset()
             self.intake.rejected += 1
-            return pb.Ack(status=pb.Ack.REJECTED, reason=f"a {len(raw)}-byte message is not a valid Frame; "
-                                                         "this server speaks online_check.v1 protobuf only")
+            return [pb.Ack(status=pb.Ack.REJECTED, reason=f"a {len(raw)}-byte message is not a valid Frame; "
+                                                          "this server speaks online_check.v1 protobuf only")]
         del raw
         body = frame.WhichOneof("body")
         if body == "hello":
             h = frame.hello
             log.info("agent connected from %s: run %s rank %d of %d (agent %s)", peer, log_text(h.run_id, 64), h.rank,
                      h.world_size, log_text(h.agent_version, 32))
-            return None
+            return []
         if body == "end":
             end = frame.end
             if not RUN_ID.match(end.run_id):
-                return pb.Ack(status=pb.Ack.REJECTED, reason="end message with an invalid run id")
+                return [pb.Ack(status=pb.Ack.REJECTED, reason="end message with an invalid run id")]
             why = self.intake.end_backed(end)
             if why:
                 log.warning("stream from %s: end message of run %s rank %d not counted: no record of it reached "
                             "this server", peer, log_text(end.run_id, 64), end.rank)
-                return pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED, reason=why)
+                return [pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED, reason=why)]
             await loop.run_in_executor(self._work, self.on_end, end)   # durable before END_ACCEPTED
-            return pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED)
+            return [pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED)]
+        out = []
+        if body == "record" and asm.record is not None:   # the record before was cut off: refuse it, go on
+            cut, filled = asm.record.header.seq, asm.filled
+            asm.reset()
+            self.intake.rejected += 1
+            out.append(pb.Ack(seq=cut, status=pb.Ack.REJECTED,
+                              reason=f"record {cut} was cut off by the next record after {filled} bytes"))
         seq = frame.record.header.seq if body == "record" else frame.chunk.seq if body == "chunk" else 0
         try:
             if body == "record":
@@ -201,12 +208,13 @@ class StreamHandler:
                 done = asm.feed(frame)
         except WireError as exc:
             self.intake.rejected += 1
-            return pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc))
+            return out + [pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc))]
         del frame
         if done is None:
-            return None
+            return out
         record, payload = done
-        return await loop.run_in_executor(self._work, self.intake.submit, record, payload, asm.take_reserved())
+        return out + [await loop.run_in_executor(self._work, self.intake.submit, record, payload,
+                                                 asm.take_reserved())]
 
 
 class _RevocationCheck(grpc.aio.ServerInterceptor):

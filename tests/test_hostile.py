@@ -212,23 +212,25 @@ def test_memory_mb_bounds_one_record(tmp_path):
     the stream goes on. --max-record-mb above --memory-mb is refused at start."""
     work = str(tmp_path)
     with support.Server(work, args=("--memory-mb", "64")) as srv:
+        stream = RawStream(srv.port).send(hello(), *relu_frames("hostile", 0))
+        assert stream.wait(1)[0].status == pb.Ack.ACCEPTED
+        time.sleep(1.0)   # the first record is checked: the workers are warm
         base = peak_rss(srv.proc.pid)
         chunk = bytes(4 * MiB)
         total = 512 * MiB
-        frames = [header(0, total, chunk)]
-        frames += [pb.Frame(chunk=pb.Chunk(seq=0, offset=off), data=chunk).SerializeToString()
-                   for off in range(4 * MiB, total, 4 * MiB)]
-        stream = RawStream(srv.port).send(hello(), *frames)
-        del frames
-        stream.send(*relu_frames("hostile", 1))
-        acks = stream.wait(2)
+        stream.send(header(1, total, chunk))
+        for off in range(4 * MiB, total, 4 * MiB):
+            stream.send(pb.Frame(chunk=pb.Chunk(seq=1, offset=off), data=chunk).SerializeToString())
+        stream.send(*relu_frames("hostile", 2))
+        acks = stream.wait(3)[1:]
         stream.close()
         peak = peak_rss(srv.proc.pid)
-    assert [(a.seq, a.status) for a in acks] == [(0, pb.Ack.REJECTED), (1, pb.Ack.ACCEPTED)], acks
+    assert [(a.seq, a.status) for a in acks] == [(1, pb.Ack.REJECTED), (2, pb.Ack.ACCEPTED)], acks
     reason = acks[0].reason
     assert "512.0 MiB" in reason and "32.0 MiB" in reason and "--max-record-mb" in reason and "--memory-mb" in reason
     print(f"\nserver peak RSS {peak / MiB:.0f} MiB ({base / MiB:.0f} MiB before the 512 MiB record)")
-    assert peak - base < 128 * MiB, (base / MiB, peak / MiB)
+    # 4 MiB frames in flight and the allocator's slack (about 110 MiB measured), never the 512 MiB record
+    assert peak - base < 192 * MiB, (base / MiB, peak / MiB)
     (tmp_path / "cli").mkdir()
     bad = support.Server(str(tmp_path / "cli"), args=("--memory-mb", "64", "--max-record-mb", "100"))
     with pytest.raises(RuntimeError, match=r"--max-record-mb 100 is more than the memory budget \(64 MiB"):
