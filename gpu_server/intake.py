@@ -91,7 +91,7 @@ class ByteBudget:
 
     def _enter(self, waiter: _Waiter) -> bool:
         """Under the lock: take the bytes now (True) or queue the waiter."""
-        if not self._waiters and self._fits(waiter.n):
+        if self._fits(waiter.n) and (not self._waiters or waiter.since - self._waiters[0].since <= self.AGING_S):
             self._take(waiter.n)
             return True
         self._waiters.append(waiter)

@@ -282,3 +282,44 @@ def test_strict_names():
     assert RUN_ID.match("run-1_A") and API_NAME.match("linear") and not API_NAME.match("linear\n")
     assert "\n" not in log_text("a\nb\r\x1b[31m") and log_text("a\nb") == "a\\nb"
     assert log_text("y" * 100, 10) == "y" * 10 + "..."
+
+
+def test_the_budget_grants_in_order_without_starving_and_a_cancelled_wait_holds_nothing():
+    import asyncio
+
+    from gpu_server.intake import ByteBudget
+
+    async def scenario():
+        budget = ByteBudget(100)
+        budget.AGING_S = 0.2
+        await budget.acquire_async(60)
+        big = asyncio.ensure_future(budget.acquire_async(80))
+        await asyncio.sleep(0.01)
+        small = asyncio.ensure_future(budget.acquire_async(30))
+        await asyncio.sleep(0.01)
+        assert small.done() and not big.done(), "a small request that fits passes a large one that does not"
+        await asyncio.sleep(0.3)
+        late = asyncio.ensure_future(budget.acquire_async(5))
+        await asyncio.sleep(0.01)
+        budget.release(1)   # the large one has waited past AGING_S: nobody passes it any more
+        await asyncio.sleep(0.01)
+        assert not late.done() and budget.held == 89
+        budget.release(59)
+        budget.release(30)
+        await asyncio.sleep(0.01)
+        assert big.done() and late.done() and budget.held == 85
+        cancelled = asyncio.ensure_future(budget.acquire_async(50))
+        await asyncio.sleep(0.01)
+        held = budget.held
+        cancelled.cancel()
+        await asyncio.sleep(0.01)
+        assert budget.held == held and not budget._waiters, "a cancelled wait holds nothing"
+        return budget
+
+    budget = asyncio.run(scenario())
+    assert budget.peak == 90
+    assert ByteBudget(10).acquire(20), "one request above the whole budget passes alone (a spool replay)"
+    b = ByteBudget(10)
+    b.acquire(8)
+    assert not b.acquire(5, cancelled=lambda: True), "a thread that gives up holds nothing"
+    assert b.held == 8
