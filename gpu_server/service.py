@@ -124,6 +124,7 @@ class StreamHandler:
     async def _read(self, request_iterator, acks: asyncio.Queue, peer: str) -> None:
         asm = FrameAssembler(self.limits, self.budget)
         messages = request_iterator.__aiter__()
+        cut = False
         try:
             while True:
                 deadline = asm.deadline()
@@ -135,16 +136,20 @@ class StreamHandler:
                 except StopAsyncIteration:
                     break
                 except asyncio.TimeoutError:
-                    self.cut += 1
-                    rec = asm.record
-                    reason = (f"record {rec.header.seq}: {asm.filled} of {rec.payload_bytes} payload bytes arrived, "
-                              f"then nothing for {self.limits.record_timeout_s:g} s (gpu-server --record-timeout-s): "
-                              "the stream is closed and the record's memory released; the agent re-sends it")
-                    log.warning("stream from %s: %s", peer, reason)
-                    await acks.put(_Cut(grpc.StatusCode.DEADLINE_EXCEEDED, reason))
+                    cut = True
+                    await self._cut(asm, acks, peer)
                     return
                 for ack in await self._frame(raw, asm, peer):
-                    await acks.put(ack)
+                    deadline = asm.deadline()
+                    if deadline is None:
+                        await acks.put(ack)
+                        continue
+                    try:   # a client that reads no answers must not keep a half-received record forever either
+                        await asyncio.wait_for(acks.put(ack), max(0.0, deadline - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        cut = True
+                        await self._cut(asm, acks, peer)
+                        return
         except asyncio.CancelledError:
             raise
         except grpc.RpcError:
@@ -153,10 +158,18 @@ class StreamHandler:
             log.exception("stream from %s: internal error", peer)
         finally:
             asm.reset()
-            try:
-                acks.put_nowait(None)
-            except asyncio.QueueFull:
-                pass  # the stream's coroutine is gone or will be cancelled with the call
+            if not cut:
+                _put_last(acks, None)
+
+    async def _cut(self, asm: FrameAssembler, acks: asyncio.Queue, peer: str) -> None:
+        self.cut += 1
+        rec = asm.record
+        reason = (f"record {rec.header.seq}: {asm.filled} of {rec.payload_bytes} payload bytes arrived, then nothing "
+                  f"for {self.limits.record_timeout_s:g} s (gpu-server --record-timeout-s): the stream is closed and "
+                  "the record's memory released; the agent re-sends it")
+        log.warning("stream from %s: %s", peer, reason)
+        asm.reset()
+        _put_last(acks, _Cut(grpc.StatusCode.DEADLINE_EXCEEDED, reason))
 
     async def _frame(self, raw: bytes, asm: FrameAssembler, peer: str) -> list:
         """The answers to one message: acknowledgements and tickets, in order (usually one or none)."""
@@ -215,6 +228,17 @@ class StreamHandler:
         record, payload = done
         return out + [await loop.run_in_executor(self._work, self.intake.submit, record, payload,
                                                  asm.take_reserved())]
+
+
+def _put_last(acks: asyncio.Queue, item) -> None:
+    """Queue the stream's last item without waiting; a client that reads no answers loses the ones still queued
+    (what they acknowledged it re-sends, and gets DUPLICATE)."""
+    try:
+        acks.put_nowait(item)
+    except asyncio.QueueFull:
+        while not acks.empty():
+            acks.get_nowait()
+        acks.put_nowait(item)
 
 
 class _RevocationCheck(grpc.aio.ServerInterceptor):
@@ -287,6 +311,9 @@ class GrpcServer:
                    ("grpc.max_send_message_length", 16 << 20),
                    ("grpc.so_reuseport", 0),
                    ("grpc.keepalive_permit_without_calls", 1),
+                   # ping idle agents: a connection gone half-open frees its stream slot within ~80 s
+                   ("grpc.keepalive_time_ms", 60_000),
+                   ("grpc.keepalive_timeout_ms", 20_000),
                    ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
         interceptors = []
         creds = None
