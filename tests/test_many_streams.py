@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import grpc
 import torch
@@ -109,3 +110,41 @@ def test_1024_streams_are_served_and_the_1025th_is_refused_with_the_reason(tmp_p
     assert {r["Forward Test Success"] for r in rows} == {"pass"}
     assert "Traceback" not in log
     assert os.path.isdir(srv.out)
+
+
+def test_an_agent_over_the_limit_logs_why_and_gets_in_once_a_slot_frees(tmp_path):
+    """A real training against a server whose only stream slot is taken: its agent logs the server's reason (the
+    limit and the fix), keeps its records, and delivers them all once the slot frees."""
+    import threading
+
+    from tests.test_hostile import TRAIN, RawStream, counts_of
+
+    work = str(tmp_path)
+    with support.Server(work, args=("--max-streams", "1")) as srv:
+        holder = RawStream(srv.port).send(hello("holder"))
+        cfg = support.agent_config(os.path.join(work, "agent.json"), srv.port, online_max_retry_s=1,
+                                   online_close_timeout_s=120)
+        result: dict = {}
+
+        def train() -> None:
+            try:
+                result["proc"] = support.run_training(TRAIN, cfg, timeout=180)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                result["error"] = exc
+
+        t = threading.Thread(target=train)
+        t.start()
+        deadline = time.time() + 120
+        while "refused a stream from" not in srv.log() and time.time() < deadline and t.is_alive():
+            time.sleep(0.1)
+        refused_while_training = t.is_alive()
+        holder.close()
+        t.join(180)
+    if "error" in result:
+        raise result["error"]
+    assert refused_while_training, "the training finished before it was refused: the test proves nothing"
+    proc = result["proc"]
+    counts = counts_of(proc)
+    assert counts["captured"] > 0 and counts["acknowledged"] == counts["captured"], counts
+    assert "RESOURCE_EXHAUSTED" in proc.stderr and "--max-streams 1" in proc.stderr, proc.stderr[-3000:]
+    assert "the limit (--max-streams) is 1" in srv.log()
