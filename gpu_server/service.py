@@ -40,6 +40,8 @@ from protos.limits import RUN_ID, Limits, log_text
 log = logging.getLogger("gpu_server")
 SERVICE = "online_check.v1.OnlineCheck"
 _ACK_QUEUE = 256          # acknowledgements waiting to be sent on one stream; then the stream stops reading
+_INLINE_BYTES = 256 << 10  # records in one message up to this size are validated on the event loop, larger ones
+#                            on the intake threads (decoding is bounded by the size: at most ~0.1 s of loop time)
 _TICKET_SLICE_S = 0.25    # a thread waits this long at most for one ticket before giving its place to another
 
 
@@ -181,6 +183,7 @@ class StreamHandler:
             self.intake.rejected += 1
             return [pb.Ack(status=pb.Ack.REJECTED, reason=f"a {len(raw)}-byte message is not a valid Frame; "
                                                           "this server speaks online_check.v1 protobuf only")]
+        size = len(raw)
         del raw
         body = frame.WhichOneof("body")
         if body == "hello":
@@ -226,6 +229,8 @@ class StreamHandler:
         if done is None:
             return out
         record, payload = done
+        if size <= _INLINE_BYTES:   # a small record: validating it costs less than a thread hop
+            return out + [self.intake.submit(record, payload, asm.take_reserved())]
         return out + [await loop.run_in_executor(self._work, self.intake.submit, record, payload,
                                                  asm.take_reserved())]
 
