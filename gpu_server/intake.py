@@ -1,11 +1,13 @@
-"""Accepting records, whatever transport brought them (SPEC §4, §5.1).
+"""Accepting records, whatever transport brought them (docs/security.md, "Who can reach the port or the folder").
 
 `FrameAssembler` joins one stream's frames into (Record, payload), reserving the payload's bytes from the server's
-memory budget first (`ByteBudget`). `Intake.submit` drops duplicates (same run, rank, seq), applies the rank and API
-filters, writes the record to the durable spool (gpu_server/spool.py), validates the whole record (header, names,
-tensor table, values) and hands a decoded `Job` to the workers; it returns a `Ticket` that holds the acknowledgement
-once the record is durable. `Intake.accept` is the same, waiting for the ticket. Every outcome is an
-acknowledgement status and, for bad records, a SKIP row.
+memory budget first (`ByteBudget`, after `admit` refused a record above `Limits.max_record_bytes`). `Intake.submit`
+drops duplicates (same run, rank, seq), applies the rank and API filters, validates the whole record (header, strict
+names, tensor table, every value decoded, the replay registry) and only then writes it to the durable spool
+(gpu_server/spool.py) and hands the decoded `Job` to the workers; it returns a `Ticket` that holds the
+acknowledgement once the record is durable. A record that fails validation is answered REJECTED at once with the
+reason and a SKIP row, and is never spooled. `Intake.accept` is the same, waiting for the ticket. `Intake.end_backed`
+says whether an end message may count (its run and rank sent records).
 """
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ class StreamHandler:
                     break
                 except asyncio.TimeoutError:
                     cut = True
-                    await self._cut(asm, acks, peer)
+                    self._cut(asm, acks, peer, "then nothing")
                     return
                 for ack in await self._frame(raw, asm, peer):
                     deadline = asm.deadline()
@@ -150,7 +150,7 @@ class StreamHandler:
                         await asyncio.wait_for(acks.put(ack), max(0.0, deadline - time.monotonic()))
                     except asyncio.TimeoutError:
                         cut = True
-                        await self._cut(asm, acks, peer)
+                        self._cut(asm, acks, peer, "then the client read no answers")
                         return
         except asyncio.CancelledError:
             raise
@@ -163,10 +163,11 @@ class StreamHandler:
             if not cut:
                 _put_last(acks, None)
 
-    async def _cut(self, asm: FrameAssembler, acks: asyncio.Queue, peer: str) -> None:
+    def _cut(self, asm: FrameAssembler, acks: asyncio.Queue, peer: str, what: str) -> None:
+        """Close a stream whose half-received record ran past its deadline, releasing the record's memory now."""
         self.cut += 1
         rec = asm.record
-        reason = (f"record {rec.header.seq}: {asm.filled} of {rec.payload_bytes} payload bytes arrived, then nothing "
+        reason = (f"record {rec.header.seq}: {asm.filled} of {rec.payload_bytes} payload bytes arrived, {what} "
                   f"for {self.limits.record_timeout_s:g} s (gpu-server --record-timeout-s): the stream is closed and "
                   "the record's memory released; the agent re-sends it")
         log.warning("stream from %s: %s", peer, reason)
@@ -353,6 +354,9 @@ class GrpcServer:
             finally:
                 self.handler.close()
                 self._close_loop()
+            h = self.handler
+            log.info("agent streams: at most %d at once (--max-streams %d), %d refused above the limit, %d cut for a "
+                     "stalled record", h.peak, h.limits.max_streams, h.refused, h.cut)
         return self._stopped
 
     def _close_loop(self) -> None:
