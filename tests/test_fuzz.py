@@ -330,6 +330,8 @@ def test_a_real_server_answers_every_bad_message_and_keeps_serving(server, tmp_p
         _record_frame(bad_shape, bytes(PAYLOAD)),                                  # negative dimension
         _record_frame(too_deep, bytes(PAYLOAD)),                                   # nesting beyond the limit
         _record_frame(rec(6, "Torch.no_such_api.0"), bytes(PAYLOAD)),              # unknown API
+        _record_frame(rec(10, "Functional.linear.0\n"), bytes(PAYLOAD)),            # a trailing newline
+        _record_frame(rec(11, "Functional.linear.\u0663"), bytes(PAYLOAD)),         # an Arabic-Indic digit
         pb.Frame(end=pb.End(run_id="../x")).SerializeToString(),                   # end with a bad run id
         _deep_frame_bytes(5000),                                                   # nesting 5000 deep
     ]

@@ -206,6 +206,30 @@ def test_a_poison_record_is_rejected_at_intake_never_spooled_and_a_restart_is_cl
     assert "Traceback" not in again.log()
 
 
+def test_a_poison_record_already_in_the_spool_is_quarantined_on_restart(tmp_path):
+    """A spool written before intake validated fully (or damaged in a way the checksums do not see) may hold a
+    record that no longer decodes: the restart reports it as a SKIP row with the reason and goes on."""
+    from gpu_server.spool import Spool
+
+    out = str(tmp_path / "out")
+    poison = pb.Record(header=pb.RecordHeader(run_id="old", rank=0, seq=0, name="Functional.relu.0",
+                                              direction=pb.FORWARD),
+                       tensors=[pb.TensorMeta(dtype="float32", shape=[2, 2], stride=[0, 0], nbytes=16, device="cpu")],
+                       payload_bytes=16)
+    poison.args.items.append(pb.Value(tensor=0))
+    spool = Spool(out)
+    spool.open("20260101000000")
+    spool.append(poison, bytearray(16)).wait(30)
+    spool.close()
+    srv = support.Server(str(tmp_path), out=out).start()
+    code = srv.stop()
+    assert code == 0, srv.log()[-3000:]
+    assert "Traceback" not in srv.log()
+    rows = support.read_csv(out, "accuracy_checking_result")
+    assert [(r["API name"], r["Forward Test Success"]) for r in rows] == [("Functional.relu.0", "SKIP")], rows
+    assert "dense, non-overlapping" in rows[0]["Message"], rows[0]
+
+
 def test_memory_mb_bounds_one_record(tmp_path):
     """Finding: a 512 MiB record with --memory-mb 64 took the server to 2.65 GB. The largest record is derived
     from the budget (half of it by default); a larger one is refused at its header, its chunks dropped unread, and
