@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from gpu_server.config import ServerConfig
-from gpu_server.registry import known
+from gpu_server.registry import replayable
 from protos import online_check_pb2 as pb
 from protos.codec import RecordDecoder, WireError
 from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, valid_call_name
@@ -255,7 +255,7 @@ class Intake:
             self._reject_row(h, h.name, reason, reserved=reserved)
             return REJECTED, reason
         if not job.skip_reason:
-            why = known(category, api)
+            why = replayable(category, api, job.args, job.kwargs)
             if why is not None:
                 self.rejected += 1
                 self._reject_row(h, h.name, why, job, reserved=reserved)
