@@ -157,8 +157,10 @@ def random_plan(job: Job, device: torch.device) -> str | None:
         return None
     what = f"{job.category}.{job.api} draws random numbers"
     if job.category == "NPU":
-        raise ReplayError(f"{what} inside the fused NPU kernel (its Philox mask is not recorded and cannot be "
-                          f"regenerated on the bench host); {_RANDOM_ADVICE.replace('dropout p=0', 'keep_prob=1')}")
+        keep = apis.random_arg(job.args, job.kwargs, 9, "keep_prob", 1.0)
+        raise ReplayError(f"{job.category}.{job.api} with keep_prob={keep} applies a random dropout mask inside the "
+                          "fused NPU kernel (its Philox mask is not recorded and cannot be regenerated on the bench "
+                          f"host); {_RANDOM_ADVICE.replace('dropout p=0', 'keep_prob=1')}")
     if not job.rng_state:
         raise ReplayError(f"{what} and its record carries no generator state (the device's generator cannot be read "
                           f"by the agent); {_RANDOM_ADVICE}")

@@ -152,8 +152,8 @@ TENSOR = ((_TENSOR_ONLY | _ELEMENTWISE | frozenset(n + "_" for n in _ELEMENTWISE
                               "atleast_1d atleast_2d atleast_3d one_hot embedding pixel_shuffle pixel_unshuffle "
                               "channel_shuffle native_channel_shuffle vander"))
           | _names("bernoulli multinomial sigmoid tanh exp sqrt rsqrt neg"))
-          - _names("angle_ bucketize complex detach_copy expand_copy isin polar rsub searchsorted std_mean var_mean "
-                   "view_as_complex view_as_real view_copy"))
+          - _names("real imag angle_ bucketize complex detach_copy expand_copy isin polar rsub searchsorted std_mean "
+                   "var_mean view_as_complex view_as_real view_copy"))
 
 # aten operators a training reaches directly (`torch.ops.aten.X(...)`): the torch names that are aten operators,
 # plus the aten-only forward and backward kernels.
@@ -267,7 +267,8 @@ empty empty_like empty_strided empty_permuted new_empty new_empty_strided resize
 """)
 
 
-def _arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+def random_arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+    """Argument `name` (positional `index`) of a call, or its default."""
     if name in kwargs:
         return kwargs[name]
     return args[index] if len(args) > index else default
@@ -280,22 +281,22 @@ def random_kind(category: str, api: str, args: tuple, kwargs: dict) -> str | Non
     if api not in RANDOM_INSIDE:
         return None
     if api == "scaled_dot_product_attention":
-        p = _arg(args, kwargs, 4, "dropout_p", 0.0)
+        p = random_arg(args, kwargs, 4, "dropout_p", 0.0)
         return "inside" if isinstance(p, (int, float)) and p > 0 else None
     if api == "npu_fusion_attention":
-        keep = _arg(args, kwargs, 9, "keep_prob", 1.0)
+        keep = random_arg(args, kwargs, 9, "keep_prob", 1.0)
         return "inside" if isinstance(keep, (int, float)) and keep < 1 else None
     if api == "multi_head_attention_forward":
-        p, training = _arg(args, kwargs, 12, "dropout_p", 0.0), _arg(args, kwargs, 16, "training", True)
+        p, training = random_arg(args, kwargs, 12, "dropout_p", 0.0), random_arg(args, kwargs, 16, "training", True)
         return "inside" if training and isinstance(p, (int, float)) and p > 0 else None
     if api.startswith("rrelu"):
-        return "inside" if _arg(args, kwargs, 3, "training", False) else None
+        return "inside" if random_arg(args, kwargs, 3, "training", False) else None
     if api == "gumbel_softmax":
         return "inside"
     if category == "Functional":  # F.*dropout*(input, p=0.5, training=True, inplace=False)
-        p, training = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "training", True)
+        p, training = random_arg(args, kwargs, 1, "p", 0.5), random_arg(args, kwargs, 2, "training", True)
     else:                          # torch.dropout(input, p, train), native_dropout(input, p, train)
-        p, training = _arg(args, kwargs, 1, "p", 0.5), _arg(args, kwargs, 2, "train", True)
+        p, training = random_arg(args, kwargs, 1, "p", 0.5), random_arg(args, kwargs, 2, "train", True)
     return "inside" if training and isinstance(p, (int, float)) and p > 0 else None
 
 
@@ -344,8 +345,10 @@ def replayable(category: str, api: str, args: tuple = (), kwargs: dict | None = 
             return "not replayable: collective communication is not replayed on the benchmark host"
         return f"not replayable: unknown API category {category[:32]!r}"
     if api not in names:
-        return (f"not replayable: {category}.{api[:80]} is not in the server's allowlist of computational APIs "
-                "(docs/security.md)")
+        if category == "NPU":
+            return f"not replayable: no reference implementation for the fused operator {api[:80]} (docs/fused_ops.md)"
+        return (f"not replayable: {category}.{api[:80]} is not an API in the server's allowlist of computational "
+                "APIs (docs/security.md)")
     items = [(None, i, v) for i, v in enumerate(args)] + [(k, None, v) for k, v in kwargs.items()]
     for param, position, value in items:
         for leaf, top in _leaves(value):
