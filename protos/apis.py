@@ -170,8 +170,8 @@ max_pool2d_with_indices_backward avg_pool2d avg_pool2d_backward adaptive_avg_poo
 _adaptive_avg_pool2d_backward upsample_nearest2d upsample_bilinear2d upsample_nearest2d_backward
 upsample_bilinear2d_backward linear addmm mm bmm _to_copy copy expand view _unsafe_view slice select
 constant_pad_nd reflection_pad2d replication_pad2d im2col col2im new_zeros new_ones new_full new_empty
-new_empty_strided _scaled_dot_product_attention_math _scaled_dot_product_flash_attention_for_cpu
-scaled_dot_product_attention fill zero native_dropout native_dropout_backward rms_norm _fused_rms_norm split_with_sizes
+new_empty_strided scaled_dot_product_attention fill zero native_dropout native_dropout_backward rms_norm
+_fused_rms_norm split_with_sizes
 """)
 ATEN = ((_ELEMENTWISE | frozenset(n + "_" for n in _ELEMENTWISE) | _TORCH_MATH | _REDUCTIONS | _SHAPES | _FACTORIES
         | _NN_TORCH | _RANDOM_TORCH | _ATEN_ONLY
@@ -287,14 +287,15 @@ def random_kind(category: str, api: str, args: tuple, kwargs: dict) -> str | Non
         keep = random_arg(args, kwargs, 9, "keep_prob", 1.0)
         return "inside" if isinstance(keep, (int, float)) and keep < 1 else None
     if api == "multi_head_attention_forward":
-        p, training = random_arg(args, kwargs, 12, "dropout_p", 0.0), random_arg(args, kwargs, 16, "training", True)
+        p, training = random_arg(args, kwargs, 10, "dropout_p", 0.0), random_arg(args, kwargs, 13, "training", True)
         return "inside" if training and isinstance(p, (int, float)) and p > 0 else None
     if api.startswith("rrelu"):
         return "inside" if random_arg(args, kwargs, 3, "training", False) else None
     if api == "gumbel_softmax":
         return "inside"
-    if category == "Functional":  # F.*dropout*(input, p=0.5, training=True, inplace=False)
-        p, training = random_arg(args, kwargs, 1, "p", 0.5), random_arg(args, kwargs, 2, "training", True)
+    if category == "Functional":  # F.*dropout*(input, p=0.5, training=True, inplace=False); alpha: training=False
+        p = random_arg(args, kwargs, 1, "p", 0.5)
+        training = random_arg(args, kwargs, 2, "training", "alpha" not in api)
     else:                          # torch.dropout(input, p, train), native_dropout(input, p, train)
         p, training = random_arg(args, kwargs, 1, "p", 0.5), random_arg(args, kwargs, 2, "train", True)
     return "inside" if training and isinstance(p, (int, float)) and p > 0 else None

@@ -160,3 +160,33 @@ def test_random_calls_that_cannot_be_reproduced_are_skip_with_what_to_do():
         run_forward(job, CPU, bench=True)
     with pytest.raises(ReplayError, match="uninitialised output"):
         run_forward(to_job(sink.forward("Torch.empty_like.0")), CPU, bench=True)
+
+
+def _advances_generator(fn) -> bool:
+    before = torch.get_rng_state()
+    fn()
+    after = torch.get_rng_state()
+    torch.set_rng_state(before)
+    return not torch.equal(before, after)
+
+
+def test_random_kind_matches_whether_the_call_draws():
+    from protos.apis import random_kind
+
+    x, q = torch.randn(4, 6), torch.randn(1, 2, 5, 4)
+    cases = [
+        ("Functional", "dropout", (x, 0.3, True), {}), ("Functional", "dropout", (x, 0.3, False), {}),
+        ("Functional", "dropout", (x, 0.0), {}), ("Functional", "alpha_dropout", (x, 0.3), {}),
+        ("Functional", "alpha_dropout", (x, 0.3, True), {}), ("Functional", "rrelu", (x,), {}),
+        ("Functional", "rrelu", (x,), {"training": True}), ("Torch", "dropout", (x, 0.2, True), {}),
+        ("Torch", "native_dropout", (x, 0.2, False), {}),
+        ("Functional", "scaled_dot_product_attention", (q, q, q), {"dropout_p": 0.1}),
+        ("Functional", "scaled_dot_product_attention", (q, q, q), {}),
+        ("Torch", "randn_like", (x,), {}), ("Torch", "abs", (x,), {}),
+    ]
+    import torch.nn.functional as nnf
+
+    for category, api, args, kwargs in cases:
+        fn = getattr(nnf if category == "Functional" else torch, api)
+        draws = _advances_generator(lambda: fn(*args, **kwargs))   # noqa: B023 - called at once
+        assert (random_kind(category, api, args, kwargs) is not None) == draws, (category, api, args, kwargs)
