@@ -6,7 +6,7 @@ uninitialised outputs are replayed). How to add an API: docs/security.md, "What 
 
 A call is replayable when its name is in the allowlist of its category and every argument leaf is a tensor, a
 number, a bool, None, a dtype, a shape, a memory format, a layout, a slice, Ellipsis or a device (replaced by the
-bench device), nested in tuples and lists, and every string is one of the values the API documents for that
+bench device), nested in tuples, lists and mappings, and every string is one of the values the API documents for that
 parameter (`STRINGS`). Nothing that does I/O, starts processes, imports modules, changes global defaults or seeds a
 generator is in the allowlist; tests/test_allowlist.py enumerates the tables and checks that by name and by calling.
 """
@@ -97,12 +97,41 @@ _foreach_neg_ _foreach_lerp _foreach_lerp_ _foreach_norm _foreach_maximum _forea
 _foreach_minimum_ _foreach_exp _foreach_exp_ _foreach_abs _foreach_abs_ _foreach_sign _foreach_sign_ _foreach_zero_
 _foreach_copy_ _foreach_clamp_max _foreach_clamp_max_ _foreach_clamp_min _foreach_clamp_min_ _foreach_reciprocal
 _foreach_reciprocal_ _foreach_pow _foreach_pow_ _foreach_rsqrt _foreach_rsqrt_
+_foreach_acos _foreach_acos_ _foreach_asin _foreach_asin_ _foreach_atan _foreach_atan_ _foreach_ceil _foreach_ceil_
+_foreach_clone _foreach_cos _foreach_cos_ _foreach_cosh _foreach_cosh_ _foreach_erf _foreach_erf_ _foreach_erfc
+_foreach_erfc_ _foreach_expm1 _foreach_expm1_ _foreach_floor _foreach_floor_ _foreach_frac _foreach_frac_
+_foreach_lgamma _foreach_lgamma_ _foreach_log _foreach_log_ _foreach_log10 _foreach_log10_ _foreach_log1p
+_foreach_log1p_ _foreach_log2 _foreach_log2_ _foreach_max _foreach_powsum _foreach_round _foreach_round_
+_foreach_sigmoid _foreach_sigmoid_ _foreach_sin _foreach_sin_ _foreach_sinh _foreach_sinh_ _foreach_tan _foreach_tan_
+_foreach_tanh _foreach_tanh_ _foreach_trunc _foreach_trunc_
 _fused_adam_ _fused_adamw_ _fused_sgd_ _fused_adagrad_
+""")
+# torch.* that exist only as functions: in-place math, copies of views, recurrent cells, windows, SyncBatchNorm's
+# statistics, more special functions.
+_TORCH_MORE = _names("""
+acos_ acosh_ arccos_ arccosh_ arcsin_ arcsinh_ arctan_ arctanh_ asin_ asinh_ atan_ atanh_ ceil_ clamp_max_
+clamp_min_ conj_physical_ cos_ cosh_ deg2rad_ erf_ erfc_ exp2_ expm1_ fix_ floor_ frac_ gcd_ i0_ lcm_ ldexp_ log_
+log10_ log1p_ log2_ logit_ nan_to_num_ negative_ rad2deg_ reciprocal_ round_ sin_ sinc_ sinh_ square_ tan_ trunc_
+xlogy_ fill fill_ zero_ index_put_ put constant_pad_nd split_with_sizes unsafe_chunk unsafe_split
+unsafe_split_with_sizes alias_copy diagonal_copy permute_copy select_copy slice_copy split_copy split_with_sizes_copy
+squeeze_copy t_copy transpose_copy unbind_copy unfold_copy unsqueeze_copy frobenius_norm nuclear_norm norm_except_dim
+gru_cell lstm_cell rnn_tanh_cell rnn_relu_cell lstm gru rnn_tanh rnn_relu grid_sampler_2d grid_sampler_3d
+hann_window hamming_window bartlett_window blackman_window kaiser_window histogram gradient unravel_index
+embedding_renorm_ triplet_margin_loss lu_unpack geqrf orgqr ormqr nonzero_static batch_norm_stats
+batch_norm_gather_stats batch_norm_gather_stats_with_counts batch_norm_backward_reduce batch_norm_backward_elemt
+batch_norm_update_stats binomial segment_reduce
+fft_hfft2 fft_hfftn fft_ihfft2 fft_ihfftn special_airy_ai special_bessel_j0 special_bessel_j1 special_bessel_y0
+special_bessel_y1 special_gammainc special_gammaincc special_modified_bessel_i0 special_modified_bessel_i1
+special_modified_bessel_k0 special_modified_bessel_k1 special_scaled_modified_bessel_k0
+special_scaled_modified_bessel_k1 special_spherical_bessel_j0 special_chebyshev_polynomial_t
+special_chebyshev_polynomial_u special_hermite_polynomial_h special_hermite_polynomial_he
+special_laguerre_polynomial_l special_legendre_polynomial_p
 """)
 
 TORCH = ((_ELEMENTWISE | _TORCH_MATH | _REDUCTIONS | _LINALG | _SHAPES | _FACTORIES | _NN_TORCH | _RANDOM_TORCH
-         | _FOREACH | _names("abs_ relu_ sigmoid_ tanh_ exp_ sqrt_ rsqrt_ neg_ dropout_ alpha_dropout_ rrelu_ selu_ "
-                             "celu_ threshold_ feature_dropout_ feature_alpha_dropout_ clamp_ clip_"))
+         | _FOREACH | _TORCH_MORE
+         | _names("abs_ relu_ sigmoid_ tanh_ exp_ sqrt_ rsqrt_ neg_ dropout_ alpha_dropout_ rrelu_ selu_ celu_ "
+                  "threshold_ feature_dropout_ feature_alpha_dropout_ clamp_ clip_"))
          - _names("one_hot"))
 
 FUNCTIONAL = _names("""
@@ -122,7 +151,7 @@ cross_entropy ctc_loss hinge_embedding_loss kl_div l1_loss mse_loss margin_ranki
 multilabel_soft_margin_loss multi_margin_loss nll_loss huber_loss smooth_l1_loss soft_margin_loss
 triplet_margin_loss linear_cross_entropy
 pixel_shuffle pixel_unshuffle channel_shuffle native_channel_shuffle pad interpolate upsample upsample_nearest
-upsample_bilinear grid_sample affine_grid scaled_dot_product_attention multi_head_attention_forward
+upsample_bilinear grid_sample affine_grid scaled_dot_product_attention multi_head_attention_forward grouped_mm
 """)
 
 # Tensor methods: the element-wise math (out-of-place and in-place), the torch functions that are also methods, and
@@ -151,7 +180,8 @@ TENSOR = ((_TENSOR_ONLY | _ELEMENTWISE | frozenset(n + "_" for n in _ELEMENTWISE
                               "broadcast_tensors block_diag cartesian_prod combinations tril_indices triu_indices "
                               "atleast_1d atleast_2d atleast_3d one_hot embedding pixel_shuffle pixel_unshuffle "
                               "channel_shuffle native_channel_shuffle vander"))
-          | _names("bernoulli multinomial sigmoid tanh exp sqrt rsqrt neg"))
+          | _names("bernoulli multinomial sigmoid tanh exp sqrt rsqrt neg to_dense unsafe_split_with_sizes histogram "
+                   "nonzero_static lu geqrf orgqr ormqr"))
           - _names("real imag angle_ bucketize complex detach_copy expand_copy isin polar rsub searchsorted std_mean "
                    "var_mean view_as_complex view_as_real view_copy"))
 
@@ -223,6 +253,7 @@ STRINGS: dict[str, dict[str, frozenset[str]]] = {
     **{name: _SCATTER for name in ("scatter", "scatter_", "scatter_reduce", "scatter_reduce_", "index_reduce",
                                    "index_reduce_")},
     "searchsorted": {"side": frozenset({"left", "right"})},
+    "segment_reduce": {"reduce": frozenset({"sum", "max", "min", "mean", "prod"})},
     **{name: _NORM for name in ("norm", "linalg_norm", "linalg_matrix_norm", "linalg_cond")},
     "linalg_qr": {"mode": frozenset({"reduced", "complete", "r"})},
     "qr": {"mode": frozenset({"reduced", "complete", "r"})},
@@ -249,7 +280,7 @@ _LEAVES = (torch.Tensor, bool, int, float, complex, torch.dtype, torch.memory_fo
 # stream); the bench run is that same replay.
 RANDOM_DRAWS = _names("""
 rand rand_like randn randn_like randint randint_like randperm bernoulli bernoulli_ multinomial normal normal_ uniform_
-exponential_ geometric_ log_normal_ cauchy_ random_ poisson
+exponential_ geometric_ log_normal_ cauchy_ random_ poisson binomial
 """)
 # Computations with random noise inside: replayed from the recorded generator state in both precisions where that
 # reproduces the noise (a CPU bench: the noise does not depend on the dtype there, measured), or with the keep-mask.
@@ -328,10 +359,8 @@ def _string_ok(api: str, value: str, param: str | None, position: int | None) ->
 def _leaf_ok(api: str, leaf: Any, param: str | None, position: int | None, top: bool) -> str | None:
     if isinstance(leaf, str):
         if not top:
-            return f"a string inside a sequence argument of {api}"
+            return f"a string inside a sequence or mapping argument of {api}"
         return _string_ok(api, leaf, param, position)
-    if isinstance(leaf, dict):
-        return f"a mapping argument of {api}"
     if isinstance(leaf, _LEAVES) or isinstance(leaf, Opaque):  # Opaque: replay says which type could not travel
         return None
     return f"an argument of type {type(leaf).__name__} to {api}"
@@ -365,9 +394,12 @@ def is_device_string(api: str, value: Any) -> bool:
 
 
 def _leaves(value: Any, top: bool = True):
-    """The leaves of one argument (tuples, lists and slices walked; a mapping is a leaf, refused by the caller)."""
+    """The leaves of one argument: tuples, lists, mapping values and slices walked (their strings are refused)."""
     if isinstance(value, (tuple, list)):
         for v in value:
+            yield from _leaves(v, False)
+    elif isinstance(value, dict):
+        for v in value.values():
             yield from _leaves(v, False)
     elif isinstance(value, slice):
         for v in (value.start, value.stop, value.step):

@@ -231,7 +231,8 @@ def test_the_sandbox_sees_what_it_must_catch(tmp_path, monkeypatch):
     ("Tensor", "to", (torch.ones(2), "meta"), {}, False),
     ("Tensor", "add", (torch.ones(2), 1), {"alpha": "x"}, False),
     ("Tensor", "add", (torch.ones(2), [1, "x"]), {}, False),
-    ("Tensor", "add", (torch.ones(2), {"a": 1}), {}, False),
+    ("Tensor", "add", (torch.ones(2), {"a": 1}), {}, True),
+    ("Tensor", "add", (torch.ones(2), {"a": "/etc/passwd"}), {}, False),
     ("Tensor", "__getitem__", (torch.ones(2, 3), (slice(0, 1), Ellipsis, None)), {}, True),
     ("Torch", "save", (torch.ones(2), "/tmp/x"), {}, False),
 ])
