@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import threading
 from typing import Any, Callable
@@ -389,12 +390,13 @@ def sdpa_reference(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scal
 
 
 # -- global torch state ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
 def _state_items(device: torch.device) -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
     """(name, read, restore) for every piece of process-wide torch state a replay must leave as it found it."""
     cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
     items = [
         ("default dtype", torch.get_default_dtype, torch.set_default_dtype),
-        ("default device", lambda: str(torch.get_default_device()),
+        ("default device", lambda: str(torch.empty(0).device),   # what a factory creates (52 us -> 2 us)
          lambda v: torch.set_default_device(None if v == "cpu" else v)),
         ("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
         ("anomaly detection", torch.is_anomaly_enabled, torch.set_anomaly_enabled),
@@ -403,15 +405,18 @@ def _state_items(device: torch.device) -> list[tuple[str, Callable[[], Any], Cal
          lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
          lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
         ("float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
-        ("cuDNN flags", lambda: (cudnn.enabled, cudnn.deterministic, cudnn.benchmark, cudnn.allow_tf32),
-         lambda v: _set_attrs(cudnn, ("enabled", "deterministic", "benchmark", "allow_tf32"), v)),
-        ("CUDA matmul flags", lambda: (matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
-                                       matmul.allow_bf16_reduced_precision_reduction),
-         lambda v: _set_attrs(matmul, ("allow_tf32", "allow_fp16_reduced_precision_reduction",
-                                       "allow_bf16_reduced_precision_reduction"), v)),
         ("oneDNN", lambda: torch.backends.mkldnn.enabled, lambda v: setattr(torch.backends.mkldnn, "enabled", v)),
         ("default generator of the CPU", torch.get_rng_state, torch.set_rng_state),
     ]
+    if device.type == "cuda":   # flags only a CUDA bench reads (reading them costs microseconds each)
+        items += [
+            ("cuDNN flags", lambda: (cudnn.enabled, cudnn.deterministic, cudnn.benchmark, cudnn.allow_tf32),
+             lambda v: _set_attrs(cudnn, ("enabled", "deterministic", "benchmark", "allow_tf32"), v)),
+            ("CUDA matmul flags", lambda: (matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
+                                           matmul.allow_bf16_reduced_precision_reduction),
+             lambda v: _set_attrs(matmul, ("allow_tf32", "allow_fp16_reduced_precision_reduction",
+                                           "allow_bf16_reduced_precision_reduction"), v)),
+        ]
     if device.type != "cpu":
         getter, setter = _rng_access(device)
         items.append((f"default generator of {device}", getter, setter))
