@@ -235,6 +235,8 @@ def run_forward(job: Job, device: torch.device, bench: bool, match_threads: bool
     with global_state_guard(device, f"{job.category}.{job.api}"):
         _uninitialised_check(job)
         plan = random_plan(job, device)
+        if bench:
+            allocation_check(job)
         if plan in ("draw", "same"):
             bench = False   # the stream is reproduced in the recorded dtype only: that replay is the bench too
         args, kwargs, _ = prepare_inputs(job, device, bench)
@@ -247,6 +249,34 @@ def run_forward(job: Job, device: torch.device, bench: bool, match_threads: bool
             raise
         except Exception as exc:  # noqa: BLE001 - the replay failing is a reported outcome, not a crash
             raise ReplayError(f"replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def allocation_check(job: Job, slack: int = 1 << 16) -> None:
+    """Refuse a call whose outputs would be far larger than what the device produced (`zeros(1 << 40)`, a huge
+    `repeat` or `scale_factor`): the call is first run on the meta device, which computes shapes and allocates
+    nothing. Calls without a meta kernel (data-dependent shapes) are left to the real replay."""
+    if job.mask is not None:
+        return
+    recorded = sum(t.numel() for t in iter_leaves(job.output) if isinstance(t, torch.Tensor))
+    meta = torch.device("meta")
+
+    def to_meta(leaf):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.to(meta)
+        if isinstance(leaf, torch.device) or (isinstance(leaf, Opaque) and leaf.type_name.startswith("device ")):
+            return meta
+        return meta if is_device_string(job.api, leaf) else leaf
+
+    try:
+        fn = resolve(job.category, job.api)
+        with torch.no_grad(), meta:
+            out = fn(*map_leaves(job.args, to_meta), **map_leaves(job.kwargs, to_meta))
+    except Exception:  # noqa: BLE001 - no meta kernel, or the call fails anyway: the real replay reports it
+        return
+    produced = sum(t.numel() for t in iter_leaves(out) if isinstance(t, torch.Tensor))
+    if produced > 2 * recorded + slack:
+        raise ReplayError(f"not replayable: replaying {job.category}.{job.api} would produce {produced} elements "
+                          f"where the device produced {recorded}")
 
 
 def _uninitialised_check(job: Job) -> None:
@@ -276,6 +306,8 @@ def run_backward(fwd: Job, bwd: Job, device: torch.device, bench: bool, match_th
     with global_state_guard(device, f"{fwd.category}.{fwd.api}"):
         _uninitialised_check(fwd)
         plan = random_plan(fwd, device)
+        if bench:
+            allocation_check(fwd)
         if plan in ("draw", "same"):
             bench = False
         args, kwargs, leaves = prepare_inputs(fwd, device, bench, requires_grad=True)

@@ -252,14 +252,15 @@ def test_a_replay_that_changes_global_state_is_skip_and_the_state_is_restored(mo
     job = to_job(sink.forward("Torch.abs.0"))
     rng = torch.get_rng_state()
 
+    threads = torch.get_num_threads()
+
     def hostile(t):
         torch.set_default_dtype(torch.float64)
         torch.manual_seed(1)
-        torch.set_num_threads(1 if torch.get_num_threads() != 1 else 2)
+        torch.set_num_threads(1 if threads != 1 else 2)
         return t.abs()
 
     monkeypatch.setattr(replay, "resolve", lambda category, api: hostile)
-    threads = torch.get_num_threads()
     with pytest.raises(ReplayError, match=r"not replayable: .*default dtype.*intra-op thread count.*CPU.*restored"):
         run_forward(job, CPU, bench=True)
     assert torch.get_default_dtype() == torch.float32 and torch.get_num_threads() == threads
@@ -330,14 +331,18 @@ def test_hostile_records_through_a_real_server(tmp_path):
         ("Aten.from_file.0", (str(saved),), {}, t),
         ("Tensor.__reduce_ex__.0", (t, 2), {}, None),
     ]
+    # allowlisted, but asking for far more memory than the device's output: refused by the meta dry run
+    greedy = [("Torch.zeros.0", ((1 << 40,),), {}, torch.zeros(4)),
+              ("Tensor.repeat.0", (t, 1 << 20, 1 << 20), {}, t),
+              ("Functional.interpolate.0", (torch.ones(1, 1, 4, 4),), {"scale_factor": 1e5}, torch.ones(1, 1, 8, 8))]
     work = tmp_path / "srv"
     work.mkdir()
     with support.Server(str(work)) as srv:
         hello5 = pb.Frame(hello=pb.Hello(run_id="hostile", rank=5)).SerializeToString()
         msgs = [hello5]
-        for seq, (name, args, kwargs, out) in enumerate(hostile):
+        for seq, (name, args, kwargs, out) in enumerate(hostile + greedy):
             msgs += _frames(name, args, kwargs, out, seq, 5, "hostile")
-        acks = _stream(srv.port, msgs, want=len(hostile))
+        acks = _stream(srv.port, msgs, want=len(hostile) + len(greedy))
         # then an honest rank: its calls are checked as usual
         x, w = torch.randn(4, 8), torch.randn(3, 8)
         good = [("Functional.linear.0", (x, w), {}, torch.nn.functional.linear(x, w)),
@@ -349,14 +354,16 @@ def test_hostile_records_through_a_real_server(tmp_path):
         good_acks = _stream(srv.port, msgs, want=len(good))
         srv.stop()
         log = srv.log()
-    assert [a.status for a in acks] == [pb.Ack.REJECTED] * len(hostile), acks
-    assert all("not replayable" in a.reason for a in acks), [a.reason for a in acks]
+    assert [a.status for a in acks] == [pb.Ack.REJECTED] * len(hostile) + [pb.Ack.ACCEPTED] * len(greedy), acks
+    assert all("not replayable" in a.reason for a in acks[:len(hostile)]), [a.reason for a in acks]
     assert [a.status for a in good_acks] == [pb.Ack.ACCEPTED] * len(good), good_acks
     assert not saved.exists() and not marker.exists() and not (work / "x").exists()
     assert "Traceback" not in log
     rows = support.by_name(support.read_csv(srv.out, "accuracy_checking_result", 5))
-    assert set(rows) == {name for name, *_ in hostile}
+    assert set(rows) == {name for name, *_ in hostile + greedy}
     for row in rows.values():
         assert row["Forward Test Success"] == "SKIP" and "not replayable" in row["Message"], row
+    for name, *_ in greedy:
+        assert "would produce" in rows[name]["Message"], rows[name]
     honest = support.read_csv(srv.out, "accuracy_checking_result", 0)
     assert [r["Forward Test Success"] for r in honest] == ["pass"] * len(good), honest

@@ -62,7 +62,7 @@ for step in range(2):
     opt.zero_grad()
     dbg.step()
 counts = dbg.close()
-assert counts["unacknowledged"] == 0 and counts["dropped"] == 0, counts
+assert counts["unacknowledged"] == 0 and counts["dropped"] == 0 and counts["rejected"] == 0, counts
 """
 
 RANDOM_CALLS = ("Functional.scaled_dot_product_attention", "Torch.randn_like", "Torch.multinomial", "Torch.bernoulli",
