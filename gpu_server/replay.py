@@ -493,3 +493,17 @@ def global_state_guard(device: torch.device, what: str):
                           f"{', '.join(changed)}); the state was restored") from None
     if failure is not None:
         raise failure
+
+
+# -- loading torch's meta kernels ahead of the first dry run --------------------------------------------------------
+def _warm_up() -> None:
+    try:
+        torch.mm(torch.empty(2, 2, device="meta"), torch.empty(2, 2, device="meta")).add_(1)
+    except Exception:  # noqa: BLE001 - the dry run then loads them itself (or finds no meta kernel)
+        pass
+
+
+# The first meta operation of a process imports torch's Python meta registrations (sympy and friends: about 1.5 s
+# on an idle core). Done in the background as soon as the replay module is loaded (at server start), so that the
+# first job does not wait for it.
+threading.Thread(target=_warm_up, name="gpu-server-meta-warm-up", daemon=True).start()
