@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from gpu_server.config import ServerConfig
-from gpu_server.registry import known
+from gpu_server.registry import replayable
 from gpu_server.seqset import SeqSet
 from protos import online_check_pb2 as pb
 from protos.codec import RecordDecoder, WireError
@@ -383,7 +383,7 @@ class Intake:
                       log_text(h.run_id), h.rank, h.seq, type(exc).__name__, log_text(str(exc), 200))
             return None, f"{h.name}: the record cannot be decoded ({type(exc).__name__})"
         if not job.skip_reason:
-            why = known(match.group(1), match.group(2))
+            why = replayable(match.group(1), match.group(2), job.args, job.kwargs)
             if why is not None:
                 self.rejected += 1
                 return job, f"{h.name}: {why}"
