@@ -13,7 +13,7 @@ generator is in the allowlist; tests/test_allowlist.py enumerates the tables and
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -298,14 +298,14 @@ empty empty_like empty_strided empty_permuted new_empty new_empty_strided resize
 """)
 
 
-def random_arg(args: tuple, kwargs: dict, index: int, name: str, default: Any) -> Any:
+def random_arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any) -> Any:
     """Argument `name` (positional `index`) of a call, or its default."""
     if name in kwargs:
         return kwargs[name]
     return args[index] if len(args) > index else default
 
 
-def random_kind(category: str, api: str, args: tuple, kwargs: dict) -> str | None:
+def random_kind(category: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     """"draw", "inside" or None (this call uses no randomness: dropout with p=0 or in eval, sdpa without dropout...)."""
     if api in RANDOM_DRAWS:
         return "draw"
@@ -366,7 +366,7 @@ def _leaf_ok(api: str, leaf: Any, param: str | None, position: int | None, top: 
     return f"an argument of type {type(leaf).__name__} to {api}"
 
 
-def replayable(category: str, api: str, args: tuple = (), kwargs: dict | None = None) -> str | None:
+def replayable(category: str, api: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> str | None:
     """None when `Category.api(*args, **kwargs)` may be replayed, else the reason ("not replayable: ...")."""
     kwargs = kwargs or {}
     names = ALLOWLIST.get(category)
@@ -393,7 +393,7 @@ def is_device_string(api: str, value: Any) -> bool:
     return api in _DEVICE_STRING_APIS and isinstance(value, str) and DEVICE_STRING.match(value) is not None
 
 
-def _leaves(value: Any, top: bool = True):
+def _leaves(value: Any, top: bool = True) -> Iterator[Any]:
     """The leaves of one argument: tuples, lists, mapping values and slices walked (their strings are refused)."""
     if isinstance(value, (tuple, list)):
         for v in value:
