@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -199,25 +200,109 @@ def train_convnet(config_path: str, steps: int, dtype: torch.dtype, dropout: flo
     debugger.close()
 
 
+class MoE(nn.Module):
+    """A mixture-of-experts layer over token embeddings: a softmax router picks the top-2 experts per token
+    (`topk`), each expert's tokens are gathered, transformed and added back with `index_add`; a load-balancing
+    mask is built with `scatter`."""
+
+    def __init__(self, vocab: int = 64, d: int = 16, experts: int = 4, classes: int = 10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.router = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                     for _ in range(experts))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx).flatten(0, 1)                                  # (N, d)
+        probs = torch.softmax(self.router(x), dim=-1)
+        weights, chosen = torch.topk(probs, 2, dim=-1)                   # (N, 2)
+        load = torch.zeros_like(probs).scatter(1, chosen, 1.0)           # (N, E) one-hot of the chosen experts
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            if rows.numel():
+                y = expert(x.index_select(0, rows)) * weights[rows, slot].unsqueeze(-1)
+                out = out.index_add(0, rows, y)
+        h = self.ln(x + out).view(idx.shape[0], idx.shape[1], -1).mean(dim=1)
+        aux = (load.mean(0) * probs.mean(0)).sum()
+        return F.cross_entropy(self.head(h).float(), targets) + aux.float()
+
+
+class AttnNet(nn.Module):
+    """One attention layer with dropout inside the fused attention (`F.scaled_dot_product_attention(dropout_p=)`)."""
+
+    def __init__(self, vocab: int = 64, d: int = 16, heads: int = 2, classes: int = 10, dropout: float = 0.1):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+        self.heads, self.p = heads, dropout
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).split(d, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0)
+        h = self.ln(x + a.transpose(1, 2).reshape(b, t, d)).mean(dim=1)
+        return F.cross_entropy(self.head(h).float(), targets)
+
+
+def train_tokens(model_cls, config_path: str, steps: int, dtype: torch.dtype, dropout: float, seed: int = 0,
+                 vocab: int = 64, classes: int = 10) -> None:
+    """Train MoE or AttnNet on random token sequences (batch 4, length 8) for `steps` steps with the agent."""
+    from npu_agent import PrecisionDebugger
+
+    torch.manual_seed(seed)
+    model = (model_cls(dropout=dropout) if model_cls is AttnNet else model_cls()).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    debugger = PrecisionDebugger(config_path=config_path)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx, targets = torch.randint(0, vocab, (4, 8), generator=g), torch.randint(0, classes, (4,), generator=g)
+        debugger.start()
+        loss = model(idx, targets)
+        loss.backward()
+        debugger.stop()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        debugger.step()
+    debugger.close()
+
+
+MODELS = ("tinylm", "convnet", "moe", "attn")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
-    p.add_argument("--model", choices=("tinylm", "convnet"), default="tinylm")
+    p.add_argument("--model", choices=MODELS, default="tinylm")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     p.add_argument("--case", choices=CASES, default=None)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--second-device", action="store_true",
+                   help="install tests/second_device.py's kernels first (also: SECOND_DEVICE=1)")
     ns = p.parse_args(argv)
     torch.set_num_threads(1)
+    if ns.second_device or os.environ.get("SECOND_DEVICE") == "1":
+        from tests import second_device
+
+        second_device.install()
     if ns.case:
         install(ns.case)
     dtype = getattr(torch, ns.dtype)
     if ns.model == "tinylm":
         from gpu_server.demo import train
 
-        train(ns.config, steps=ns.steps, dtype=dtype, dropout=ns.dropout)
+        train(ns.config, steps=ns.steps, dtype=dtype, dropout=ns.dropout, seed=ns.seed)
+    elif ns.model == "convnet":
+        train_convnet(ns.config, ns.steps, dtype, ns.dropout, seed=ns.seed)
     else:
-        train_convnet(ns.config, ns.steps, dtype, ns.dropout)
+        train_tokens(MoE if ns.model == "moe" else AttnNet, ns.config, ns.steps, dtype, ns.dropout, seed=ns.seed)
 
 
 if __name__ == "__main__":

@@ -50,11 +50,12 @@ def bit_identical(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 
 
 def judge(api_name: str, bench: Any, device: Any, same: Any = None,
-          device_metrics: OutputMetrics | None = None) -> PrecisionJudgement:
+          device_metrics: OutputMetrics | None = None, spread: list | tuple = ()) -> PrecisionJudgement:
     """SPEC §6.3 verdict of one output. bench: upcast bench output; device: device output; same: the same-dtype
     run's output on the trusted host (None when it could not run). `device_metrics`: the device output's metrics
     against the bench when the caller has them already (the two-way status computed them), so they are not
-    computed twice."""
+    computed twice. `spread`: outputs of other correct same-dtype runs (gpu_server.spread); the ratio tests judge
+    against the largest of their metrics and the host run's (docs/standards.md)."""
     from gpu_server.metrics import dtype_kind, mismatch, output_metrics, scalar_error_rate  # (import cycle)
 
     if bench is None:
@@ -82,9 +83,12 @@ def judge(api_name: str, bench: Any, device: Any, same: Any = None,
             notes.append(f"same-dtype run output ignored ({reason.replace('bench', 'same-dtype')})")
         else:
             same_metrics = output_metrics(bench, same)
-    if device_metrics is None:
+    if device_metrics is None or device_metrics.counts is None:
         device_metrics = output_metrics(bench, device)
-    result = STANDARD_REGISTRY[key].judge(StandardInput(device.dtype, device_metrics, same_metrics))
+    spread_metrics = tuple(output_metrics(bench, m) for m in spread
+                           if same_metrics is not None and isinstance(m, torch.Tensor) and not mismatch(m, device)
+                           and m.dtype == device.dtype)
+    result = STANDARD_REGISTRY[key].judge(StandardInput(device.dtype, device_metrics, same_metrics, spread_metrics))
     if result.status != PASS and bit_identical(same, device):
         result.status = PASS
         notes.append("pass: the device output is bit-identical to the same-dtype run")
