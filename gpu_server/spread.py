@@ -89,9 +89,12 @@ class StochasticRounding(TorchDispatchMode):
     def __init__(self, seed: int):
         super().__init__()
         self.gen = torch.Generator().manual_seed(seed)
+        self.random = False   # the run drew random numbers: it is no reproduction of the call, discard it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.random = True
         out = func(*args, **kwargs)
         if not _roundable(func):
             return out
@@ -130,11 +133,15 @@ def forward_members(job: Any, device: torch.device, match_threads: bool = True) 
         return []
     members = []
     for run in range(SPREAD_RUNS):
+        mode = StochasticRounding(_seed(job, run))
         try:
-            with StochasticRounding(_seed(job, run)):
-                members.append(flatten_outputs(run_forward(job, device, bench=False, match_threads=match_threads)))
+            with mode:
+                out = flatten_outputs(run_forward(job, device, bench=False, match_threads=match_threads))
         except (ReplayError, RuntimeError):
             return members
+        if mode.random:   # internal randomness (dropout inside a fused op ...): no spread from this call
+            return []
+        members.append(out)
     return members
 
 
@@ -144,11 +151,15 @@ def backward_members(fwd: Any, bwd: Any, device: torch.device, match_threads: bo
         return []
     members = []
     for run in range(SPREAD_RUNS):
+        mode = StochasticRounding(_seed(bwd, run))
         try:
-            with StochasticRounding(_seed(bwd, run)):
-                members.append(run_backward(fwd, bwd, device, bench=False, match_threads=match_threads))
+            with mode:
+                out = run_backward(fwd, bwd, device, bench=False, match_threads=match_threads)
         except (ReplayError, RuntimeError):
             return members
+        if mode.random:
+            return []
+        members.append(out)
     return members
 
 

@@ -34,7 +34,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-CASES = ("gelu_forward", "add_ulp", "addmm_bf16_acc", "gelu_backward", "layer_norm_backward")
+CASES = ("gelu_forward", "add_ulp", "addmm_bf16_acc", "gelu_backward", "layer_norm_backward", "gelu_tanh",
+         "layer_norm_no_eps", "softmax_backward_2pct", "addmm_bf16_block16", "embedding_backward_overwrite",
+         "mul_ulp_1pct")
+MUL_SHARE_PER_MILLE = 10   # 1% of the elements
+MUL_ULPS = 2
 GELU_SCALE = 1 + 2.0 ** -6
 ADD_SHARE_PER_MILLE = 30   # 3% of the elements
 ADD_ULPS = 3
@@ -127,12 +131,90 @@ def _layer_norm_backward_no_projection(grad_out, x, normalized_shape, mean, rstd
         return grad_input, grad_weight, grad_bias
 
 
+# -- (e) the faults of the second-device suite ----------------------------------------------------------------------
+def _gelu_tanh_always(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    """The tanh approximation whatever `approximate` says."""
+    with _below():
+        return _gelu_exact(_wide(x), "tanh").to(x.dtype)
+
+
+def _layer_norm_no_eps(x, normalized_shape, weight, bias, eps):
+    with _below():
+        dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+        xw = _wide(x)
+        mean = xw.mean(dim=dims, keepdim=True)
+        var = (xw - mean).square().mean(dim=dims, keepdim=True)
+        rstd = var.rsqrt()                                   # right: (var + eps).rsqrt()
+        out = (xw - mean) * rstd
+        if weight is not None:
+            out = out * _wide(weight)
+        if bias is not None:
+            out = out + _wide(bias)
+        return out.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)
+
+
+def _softmax_backward_short(grad_output, output, dim, input_dtype):
+    with _below():
+        g, y = _wide(grad_output), _wide(output)
+        # right: y * (g - sum(g * y)); 2 % of the row-sum term is missing here
+        return (y * (g - 0.98 * (g * y).sum(dim=dim, keepdim=True))).to(grad_output.dtype)
+
+
+def _addmm_bf16_block16(bias, mat1, mat2, *, beta=1, alpha=1):
+    """bfloat16 matmul whose float32 partial sum is rounded to bfloat16 after every 16 products."""
+    with _below():
+        if mat1.dtype != torch.bfloat16:
+            out = (mat1.double().unsqueeze(2) * mat2.double().unsqueeze(0)).sum(1) * alpha + bias.double() * beta
+            return out.to(torch.promote_types(mat1.dtype, bias.dtype))
+        a, b = mat1.float(), mat2.float()
+        acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
+        for s in range(0, a.shape[1], 16):
+            block = (a[:, s:s + 16].unsqueeze(2) * b[s:s + 16].unsqueeze(0)).sum(1)
+            acc = (acc + block).to(torch.bfloat16).float()
+        out = acc * alpha
+        if beta != 0:
+            out = out + bias.float() * beta
+        return out.to(torch.bfloat16)
+
+
+def _embedding_backward_overwrite(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    """Repeated indices: the last gradient row wins instead of the sum."""
+    with _below():
+        g = grad_output.reshape(-1, grad_output.shape[-1])
+        idx = indices.reshape(-1)
+        out = torch.zeros(num_weights, g.shape[-1], dtype=grad_output.dtype)
+        out.index_put_((idx,), g, accumulate=False)
+        if padding_idx >= 0:
+            out[padding_idx] = 0
+        return out
+
+
+def _mul_ulp(self: torch.Tensor, other) -> torch.Tensor:
+    """bfloat16 products MUL_ULPS ULP too large in magnitude on 1 % of the elements."""
+    with _below():
+        out = torch.div(self, torch.reciprocal(other.double()) if isinstance(other, torch.Tensor) else 1.0 / other)
+        out = out.to(torch.promote_types(self.dtype, other.dtype) if isinstance(other, torch.Tensor) else self.dtype)
+        if out.dtype != torch.bfloat16 or out.numel() == 0:
+            return out
+        out = out.contiguous()
+        index = torch.arange(out.numel(), dtype=torch.int64).reshape(out.shape)
+        chosen = (torch.remainder(index * 2654435761, 1000) < MUL_SHARE_PER_MILLE) & torch.isfinite(out) & (out != 0)
+        bits = out.view(torch.int16)
+        return torch.where(chosen, bits + MUL_ULPS, bits).view(out.dtype)
+
+
 _KERNELS = {
     "gelu_forward": ("gelu", _gelu_scaled),
     "add_ulp": ("add.Tensor", _add_ulp),
     "addmm_bf16_acc": ("addmm", _addmm_bf16_acc),
     "gelu_backward": ("gelu_backward", _gelu_backward_no_pdf_term),
     "layer_norm_backward": ("native_layer_norm_backward", _layer_norm_backward_no_projection),
+    "gelu_tanh": ("gelu", _gelu_tanh_always),
+    "layer_norm_no_eps": ("native_layer_norm", _layer_norm_no_eps),
+    "softmax_backward_2pct": ("_softmax_backward_data", _softmax_backward_short),
+    "addmm_bf16_block16": ("addmm", _addmm_bf16_block16),
+    "embedding_backward_overwrite": ("embedding_dense_backward", _embedding_backward_overwrite),
+    "mul_ulp_1pct": ("mul.Tensor", _mul_ulp),
 }
 
 

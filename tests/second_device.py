@@ -13,10 +13,11 @@ float64, which is still correct):
 - `mm`, `addmm`, `bmm`: every product exact in float32 (16-bit inputs) or rounded once in float32 (float32 inputs),
   the K products summed in float32 in blocks of `BLOCK`, the block sums added in REVERSE block order, the bias
   added in float32, one rounding to the output dtype. The host (oneDNN/MKL) sums in its own blocking.
-- `_softmax`, `_log_softmax`: max and exp in float32, the row sum over the REVERSED row accumulated in float64;
+- `_softmax`, `_log_softmax`: in float32 for 16-bit inputs (float64 for float32), the row sum over the REVERSED row
+  accumulated in float64;
   backward (`_softmax_backward_data`, `_log_softmax_backward_data`) the same, from the device's forward output.
-- `native_layer_norm`: two-pass mean and variance over the reversed row, sums in float64 (the host uses Welford);
-  `native_layer_norm_backward` in float32 with reversed reductions.
+- `native_layer_norm`: two-pass mean and variance over the reversed row, sums in float64 (the host uses Welford),
+  float32 outputs computed in float64, 16-bit ones in float32; `native_layer_norm_backward` likewise, reversed.
 - `gelu`, `gelu_backward`: computed in float64 and rounded once (correctly rounded up to double rounding).
 
 Each is at least as accurate against float64 as the host's kernel (tests/test_second_device.py measures it).
@@ -99,6 +100,11 @@ def _addmm(bias: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta=1
         return out.to(dtype)
 
 
+def _norm_acc(dtype: torch.dtype) -> torch.dtype:
+    """Normalisations and softmax: float64 for float32 (no less accurate than the host), float32 for 16-bit."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 # -- softmax family ------------------------------------------------------------------------------------------------
 def _rsum(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Row sum over the reversed row, accumulated in float64 (another order than the host's, and no less accurate),
@@ -109,7 +115,7 @@ def _rsum(x: torch.Tensor, dim: int) -> torch.Tensor:
 def _softmax(self: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     with _below():
         out_dtype = torch.float32 if half_to_float else self.dtype
-        x = self.to(_acc(self.dtype))
+        x = self.to(_norm_acc(self.dtype))
         if x.numel() == 0:
             return x.to(out_dtype)
         e = (x - x.amax(dim=dim, keepdim=True)).exp()
@@ -119,7 +125,7 @@ def _softmax(self: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
 def _log_softmax(self: torch.Tensor, dim: int, half_to_float: bool) -> torch.Tensor:
     with _below():
         out_dtype = torch.float32 if half_to_float else self.dtype
-        x = self.to(_acc(self.dtype))
+        x = self.to(_norm_acc(self.dtype))
         if x.numel() == 0:
             return x.to(out_dtype)
         shifted = x - x.amax(dim=dim, keepdim=True)
@@ -128,7 +134,7 @@ def _log_softmax(self: torch.Tensor, dim: int, half_to_float: bool) -> torch.Ten
 
 def _softmax_backward(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype) -> torch.Tensor:
     with _below():
-        acc = _acc(grad_output.dtype)
+        acc = _norm_acc(grad_output.dtype)
         g, y = grad_output.to(acc), output.to(acc)
         return (y * (g - _rsum(g * y, dim))).to(input_dtype if grad_output.dtype != input_dtype
                                                    and input_dtype.is_floating_point else grad_output.dtype)
@@ -136,7 +142,7 @@ def _softmax_backward(grad_output: torch.Tensor, output: torch.Tensor, dim: int,
 
 def _log_softmax_backward(grad_output: torch.Tensor, output: torch.Tensor, dim: int, input_dtype) -> torch.Tensor:
     with _below():
-        acc = _acc(grad_output.dtype)
+        acc = _norm_acc(grad_output.dtype)
         g, y = grad_output.to(acc), output.to(acc)
         return (g - y.exp() * _rsum(g, dim)).to(input_dtype if grad_output.dtype != input_dtype
                                                  and input_dtype.is_floating_point else grad_output.dtype)
@@ -154,7 +160,7 @@ def _rmean(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
 
 def _native_layer_norm(x: torch.Tensor, normalized_shape, weight, bias, eps: float):
     with _below():
-        acc = _acc(x.dtype)
+        acc = _norm_acc(x.dtype)
         dims = _norm_dims(x, normalized_shape)
         xw = x.to(acc)
         mean = _rmean(xw, dims)
@@ -171,7 +177,7 @@ def _native_layer_norm(x: torch.Tensor, normalized_shape, weight, bias, eps: flo
 
 def _native_layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight, bias, output_mask):
     with _below():
-        acc = _acc(x.dtype)
+        acc = _norm_acc(x.dtype)
         dims = _norm_dims(x, normalized_shape)
         outer = tuple(range(x.dim() - len(normalized_shape)))
         g, xw, mu, rs = grad_out.to(acc), x.to(acc), mean.to(acc), rstd.to(acc)
