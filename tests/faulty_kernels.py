@@ -37,8 +37,8 @@ import torch.nn.functional as F
 CASES = ("gelu_forward", "add_ulp", "addmm_bf16_acc", "gelu_backward", "layer_norm_backward", "gelu_tanh",
          "layer_norm_no_eps", "softmax_backward_2pct", "addmm_bf16_block16", "embedding_backward_overwrite",
          "mul_ulp_1pct")
-MUL_SHARE_PER_MILLE = 10   # 1% of the elements
-MUL_ULPS = 2
+MUL_SHARE_PER_MILLE = 10   # 1% of the elements (--fault-per-mille; bench/fidelity.py sweeps it)
+MUL_ULPS = 2               # (--fault-ulps)
 GELU_SCALE = 1 + 2.0 ** -6
 ADD_SHARE_PER_MILLE = 30   # 3% of the elements
 ADD_ULPS = 3
@@ -366,6 +366,8 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault-ulps", type=int, default=None, help="mul_ulp_1pct: ULPs off (default 2)")
+    p.add_argument("--fault-per-mille", type=int, default=None, help="mul_ulp_1pct: elements off per 1000 (10)")
     p.add_argument("--second-device", action="store_true",
                    help="install tests/second_device.py's kernels first (also: SECOND_DEVICE=1)")
     ns = p.parse_args(argv)
@@ -374,6 +376,9 @@ def main(argv=None) -> None:
         from tests import second_device
 
         second_device.install()
+    global MUL_ULPS, MUL_SHARE_PER_MILLE
+    MUL_ULPS = ns.fault_ulps if ns.fault_ulps is not None else MUL_ULPS
+    MUL_SHARE_PER_MILLE = ns.fault_per_mille if ns.fault_per_mille is not None else MUL_SHARE_PER_MILLE
     if ns.case:
         install(ns.case)
     dtype = getattr(torch, ns.dtype)
