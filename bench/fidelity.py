@@ -16,6 +16,7 @@ counted separately so that the figure for the rest stays readable.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import tempfile
@@ -135,11 +136,82 @@ def sweep() -> None:
               f"({time.time() - t0:.0f} s)")
 
 
+def _cast(v, dtypes):
+    for d in dtypes:
+        v = v.to(d)
+    return v
+
+
+def measure_spread(trials: int = 10) -> None:
+    """In-process: per op family and dtype, the benchmark standard's ratios of the second device against the host's
+    same-dtype run alone (msprobe) and against the spread (host + stochastic-rounding runs), worst over trials."""
+    import torch
+
+    from gpu_server.metrics import output_metrics
+    from gpu_server.spread import SPREAD_RUNS, StochasticRounding
+    from gpu_server.standards.thresholds import THRESHOLDS
+    from tests import second_device as sd
+
+    def families(x, w, g, k):
+        return {
+            "mm": (lambda t: torch.mm(t(x), t(w)), lambda t: sd._mm(t(x), t(w))),
+            "softmax fwd": (lambda t: torch.softmax(t(x), -1), lambda t: sd._softmax(t(x), -1, False)),
+            "softmax bwd": (lambda t: torch.ops.aten._softmax_backward_data(t(g), torch.softmax(t(x), -1), -1,
+                                                                            t(x).dtype),
+                            lambda t: sd._softmax_backward(t(g), sd._softmax(t(x), -1, False), -1, t(x).dtype)),
+            "layer_norm fwd": (lambda t: torch.nn.functional.layer_norm(t(x), [k]),
+                               lambda t: sd._native_layer_norm(t(x), [k], None, None, 1e-5)[0]),
+            "gelu fwd": (lambda t: torch.nn.functional.gelu(t(x)), lambda t: sd._gelu(t(x))),
+        }
+
+    keys = ("small_value_error_ratio", "rmse", "max_rel_err", "mean_rel_err")
+    limits = dict(zip(keys, THRESHOLDS.benchmark_ratio_limits.values()))
+    print(f"== spread measurements: worst ratio over {trials} random inputs (64 x 128), device = second device "
+          f"(limits {limits})")
+    print(f"  {'family':16s} {'dtype':9s} {'vs same-dtype run (msprobe)':>40s}   {'vs spread':>36s}   SR/host rmse")
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        wide = torch.float64 if dtype == torch.float32 else torch.float32
+        floor = THRESHOLDS.for_dtype(dtype).ratio_floor
+        worst: dict = {}
+        for trial in range(trials):
+            gen = torch.Generator().manual_seed(trial)
+            x = torch.randn(64, 128, generator=gen) * 2
+            w = torch.randn(128, 64, generator=gen)
+            g = torch.randn(64, 128, generator=gen)
+            for name, (host, dev) in families(x, w, g, 128).items():
+                low = functools.partial(_cast, dtypes=(dtype,))
+                up = functools.partial(_cast, dtypes=(dtype, wide))
+                bench = host(up)
+                device, same = dev(low), host(low)
+                members = []
+                for run in range(SPREAD_RUNS):
+                    with StochasticRounding(1000 * trial + run):
+                        members.append(host(low))
+                md, ms = output_metrics(bench, device), output_metrics(bench, same)
+                mm = [output_metrics(bench, m) for m in members]
+                entry = worst.setdefault(name, {"msprobe": [0.0] * 4, "spread": [0.0] * 4, "widen": 0.0})
+                for i, key in enumerate(keys):
+                    dv, sv = getattr(md, key), getattr(ms, key)
+                    ref = max([sv] + [getattr(m, key) for m in mm])
+                    entry["msprobe"][i] = max(entry["msprobe"][i], dv / max(sv, floor))
+                    entry["spread"][i] = max(entry["spread"][i], dv / max(ref, floor))
+                entry["widen"] = max(entry["widen"], max(m.rmse for m in mm) / max(ms.rmse, 1e-300))
+        for name, e in worst.items():
+            a = " ".join(f"{v:9.3g}" for v in e["msprobe"])
+            b = " ".join(f"{v:8.3g}" for v in e["spread"])
+            print(f"  {name:16s} {str(dtype)[6:]:9s} {a:>40s}   {b:>36s}   {e['widen']:.2f}")
+    print("  (columns: small-value error ratio, RMSE, max relative error, mean relative error)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--skip-sweep", action="store_true")
+    p.add_argument("--only-measure", action="store_true", help="only the in-process spread measurements")
     ns = p.parse_args()
+    measure_spread()
+    if ns.only_measure:
+        return
     clean_runs(ns.seeds)
     fault_runs()
     if not ns.skip_sweep:

@@ -144,7 +144,8 @@ class Checker:
             same_error = ""
         except ReplayError as exc:
             same, same_error = None, f"same-dtype run failed: {exc}"
-        members = spread.forward_members(job, self.device, self.match_threads) if same is not None else []
+        members = (spread.LazyRuns(lambda: spread.forward_members(job, self.device, self.match_threads))
+                   if same is not None else None)
         outcome = self._compare(rep, job, "forward", flatten_outputs(job.output), flatten_outputs(bench),
                                 flatten_outputs(same) if same is not None else None, same_error, members)
         if job.backward_expected:
@@ -186,14 +187,14 @@ class Checker:
             same, same_error = None, f"same-dtype run failed: {exc}"
         device = list(bwd.grad_input) if isinstance(bwd.grad_input, (list, tuple)) else [bwd.grad_input]
         keep = [i for i, g in enumerate(device) if g is not None]
-        members = spread.backward_members(fwd, bwd, self.device, self.match_threads) if same is not None else []
+        members = (spread.LazyRuns(lambda: [[m[i] for i in keep] for m in spread.backward_members(
+            fwd, bwd, self.device, self.match_threads)]) if same is not None else None)
         return self._compare(rep, bwd, "backward", [device[i] for i in keep], [bench[i] for i in keep],
-                             [same[i] for i in keep] if same is not None else None, same_error,
-                             [[m[i] for i in keep] for m in members])
+                             [same[i] for i in keep] if same is not None else None, same_error, members)
 
     # -- comparison rows ---------------------------------------------------------------------------------------
     def _compare(self, rep: RankReports, job: Job, direction: str, device: list, bench: list,
-                 same: list | None, same_error: str, members: list | None = None) -> Outcome:
+                 same: list | None, same_error: str, members: spread.LazyRuns | None = None) -> Outcome:
         outcome = Outcome()
         if len(bench) != len(device):
             msg = f"bench and device outputs differ in structure: {len(bench)} vs {len(device)} compared values"
@@ -205,8 +206,8 @@ class Checker:
             b_cpu = b.detach().cpu() if isinstance(b, torch.Tensor) else b
             s = same[i] if same is not None and i < len(same) else None
             s_cpu = s.detach().cpu() if isinstance(s, torch.Tensor) else s
-            others = [m[i] for m in members or () if i < len(m)]   # gpu_server.spread's correct same-dtype runs
-            cmp = compare_output(b_cpu, d, [s_cpu, *others])
+            others = members.output(i) if members is not None else ()   # gpu_server.spread's runs, lazily
+            cmp = compare_output(b_cpu, d, spread.with_host(s_cpu, others))
             rep.write_detail(row, _dtype(b), _dtype(d), _shape(d), cmp.metrics, cmp.status, cmp.message, job.step)
             outcome.statuses.append(cmp.status)
             if cmp.status in (ERROR, WARNING) and not outcome.message:

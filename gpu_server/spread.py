@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -161,6 +161,38 @@ def backward_members(fwd: Any, bwd: Any, device: torch.device, match_threads: bo
             return []
         members.append(out)
     return members
+
+
+class LazyRuns:
+    """The spread runs of one call, computed on first use: most outputs pass against the host's run alone, and the
+    spread can only make a verdict more lenient, so it is only run when some output needs it."""
+
+    def __init__(self, compute: Callable[[], list[list]]):
+        self._compute = compute
+        self._runs: list[list] | None = None
+
+    def runs(self) -> list[list]:
+        if self._runs is None:
+            self._runs = self._compute()
+        return self._runs
+
+    def output(self, i: int) -> Iterable:
+        """The i-th compared output of every run (an iterable that computes the runs when iterated)."""
+        return _Output(self, i)
+
+
+class _Output:
+    def __init__(self, runs: LazyRuns, i: int):
+        self._lazy, self._i = runs, i
+
+    def __iter__(self) -> Iterator:
+        return iter([r[self._i] for r in self._lazy.runs() if self._i < len(r)])
+
+
+def with_host(host: Any, others: Iterable) -> Iterator:
+    """The host's same-dtype output first, then the spread runs' (computed only if the caller gets that far)."""
+    yield host
+    yield from others
 
 
 # -- confidence bounds of rates on few elements ---------------------------------------------------------------------

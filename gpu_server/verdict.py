@@ -5,7 +5,7 @@ Statuses are msprobe's strings: "pass", "Warning", "error", "SKIP"; an empty lis
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -39,7 +39,7 @@ def aggregate(statuses: list[str]) -> str:
     return PASS
 
 
-def compare_output(bench: Any, device: Any, spread: list | tuple = ()) -> OutputComparison:
+def compare_output(bench: Any, device: Any, spread: Iterable = ()) -> OutputComparison:
     """SPEC §6.2 status of one output (a tensor or a Python scalar). `spread`: outputs of correct same-dtype runs
     (the host's first, then gpu_server.spread's); an error or Warning that a correct run shows as well is pass
     (docs/standards.md, deviations)."""
@@ -116,7 +116,7 @@ _SEVERITY = {PASS: 0, WARNING: 1, ERROR: 2}
 _SHARES = (("hundredth", "hundredth"), ("thousandth", "thousandth"), ("ten_thousandth", "ten_thousandth"))
 
 
-def _forgive(cmp: OutputComparison, bench: torch.Tensor, device: torch.Tensor, spread: list | tuple) -> None:
+def _forgive(cmp: OutputComparison, bench: torch.Tensor, device: torch.Tensor, spread: Iterable) -> None:
     """Turn an error/Warning into pass when a correct same-dtype run gets the same status or worse and the device is
     not significantly further out: bit-identical to the host's run, or (cosine above the gate) for each double-x share
     the device's count of elements outside no more than the member's (lower vs upper Wilson bound). Only comparable

@@ -8,7 +8,7 @@ is in thresholds.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -50,7 +50,7 @@ def bit_identical(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 
 
 def judge(api_name: str, bench: Any, device: Any, same: Any = None,
-          device_metrics: OutputMetrics | None = None, spread: list | tuple = ()) -> PrecisionJudgement:
+          device_metrics: OutputMetrics | None = None, spread: Iterable = ()) -> PrecisionJudgement:
     """SPEC §6.3 verdict of one output. bench: upcast bench output; device: device output; same: the same-dtype
     run's output on the trusted host (None when it could not run). `device_metrics`: the device output's metrics
     against the bench when the caller has them already (the two-way status computed them), so they are not
@@ -85,10 +85,14 @@ def judge(api_name: str, bench: Any, device: Any, same: Any = None,
             same_metrics = output_metrics(bench, same)
     if device_metrics is None or device_metrics.counts is None:
         device_metrics = output_metrics(bench, device)
-    spread_metrics = tuple(output_metrics(bench, m) for m in spread
-                           if same_metrics is not None and isinstance(m, torch.Tensor) and not mismatch(m, device)
-                           and m.dtype == device.dtype)
-    result = STANDARD_REGISTRY[key].judge(StandardInput(device.dtype, device_metrics, same_metrics, spread_metrics))
+    standard = STANDARD_REGISTRY[key]
+    result = standard.judge(StandardInput(device.dtype, device_metrics, same_metrics))
+    if result.status == ERROR and same_metrics is not None:
+        # more spread members only make the verdict more lenient: they are computed only for a row that fails
+        spread_metrics = tuple(output_metrics(bench, m) for m in spread if isinstance(m, torch.Tensor)
+                               and not mismatch(m, device) and m.dtype == device.dtype)
+        if spread_metrics:
+            result = standard.judge(StandardInput(device.dtype, device_metrics, same_metrics, spread_metrics))
     if result.status != PASS and bit_identical(same, device):
         result.status = PASS
         notes.append("pass: the device output is bit-identical to the same-dtype run")
