@@ -19,9 +19,22 @@ Cases (what each changes, and the API it surfaces under):
 - `gelu_backward`:  aten::gelu_backward drops the x * pdf(x) term of d gelu / dx -> Functional.gelu, backward
 - `layer_norm_backward`: aten::native_layer_norm_backward's grad_input drops the mean(g * x_hat) * x_hat term
                     (grad_weight and grad_bias stay right)                        -> Functional.layer_norm, backward
+Issue 10's faults:
+- `gelu_tanh`:      aten::gelu uses the tanh approximation whatever `approximate` says -> Functional.gelu, forward
+- `layer_norm_no_eps`: aten::native_layer_norm ignores eps (its saved rstd too)  -> Functional.layer_norm, both
+- `softmax_backward_2pct`: aten::_softmax_backward_data misses 2 % of its row-sum term -> Torch.softmax, backward
+- `addmm_bf16_block16`: bfloat16 aten::addmm rounds its float32 partial sum to bfloat16 every 16 products
+                                                                                 -> Functional.linear, forward
+- `embedding_backward_overwrite`: aten::embedding_dense_backward lets the last of repeated indices win instead of
+                    summing                                                      -> Functional.embedding, backward
+- `mul_ulp_1pct`:   bfloat16 aten::mul.Tensor `--fault-ulps` (2) ULP too large on `--fault-per-mille` (10) of 1000
+                    elements                                                     -> Tensor.mul, both (its backward
+                    uses mul)
 
 Entry point (a training subprocess): `python -c "from tests.faulty_kernels import main; main()" --config agent.json
---model tinylm|convnet --dtype bfloat16 [--case CASE] [--steps 1] [--dropout 0.1]`.
+--model tinylm|convnet|moe|attn --dtype bfloat16 [--case CASE] [--steps 1] [--dropout 0.1] [--seed 0]
+[--second-device]`. `--second-device` (or SECOND_DEVICE=1) installs tests/second_device.py's correct kernels first;
+a fault installed after them replaces its own operator only.
 """
 from __future__ import annotations
 
