@@ -1,6 +1,6 @@
 """Fidelity of the verdicts: false alarms on a correct device that rounds differently, and faults caught on it.
 
-    python bench/fidelity.py [--seeds 1] [--skip-sweep]
+    python bench/fidelity.py [--seeds 1] [--skip-sweep] [--gelu-sweep] [--only-measure]
 
 1. The second, correct device (tests/second_device.py) trains the small models (TinyLM, ConvNet, MoE router,
    attention with dropout) in float32 / bfloat16 / float16 for each seed against one real gpu-server; every
@@ -8,7 +8,8 @@
    many rows passed only by the spread rules (docs/standards.md: rows msprobe's rules alone would have failed).
 2. Every fault of tests/faulty_kernels.py on the second device's background: caught exactly when the precision
    report flags exactly its API calls and direction (test_faulty_device.py's expectations).
-3. The smallest elementwise fault still caught: bfloat16 `mul` off by k ULP on a share of elements (sweep).
+3. The smallest elementwise fault still caught: bfloat16 `mul` off by k ULP on a share of elements (sweep);
+   with --gelu-sweep also the smallest bias of F.gelu (1 + 2^-K) that the benchmark standard catches.
 
 Attention with dropout inside the fused op is SKIP only with the random-API replay (branch `replay`); its rows are
 counted separately so that the figure for the rest stays readable.
@@ -203,11 +204,26 @@ def measure_spread(trials: int = 10) -> None:
     print("  (columns: small-value error ratio, RMSE, max relative error, mean relative error)")
 
 
+def gelu_sweep() -> None:
+    """A bias everywhere, judged by the benchmark standard: F.gelu scaled by 1 + 2^-K (TinyLM)."""
+    variants = [("bfloat16", k) for k in (6, 7, 8)] + [("float32", k) for k in (12, 13, 14)]
+    t0 = time.time()
+    out = _run([["--model", "tinylm", "--dtype", dtype, "--case", "gelu_forward", "--second-device",
+                 "--gelu-scale-log2", str(k)] for dtype, k in variants])
+    for rank, (dtype, k) in enumerate(variants):
+        found = flagged(out, rank, "api_precision_compare_result")
+        hits = sorted(name for name, d in found if name.startswith("Functional.gelu.") and d == "forward")
+        others = sorted(f for f in found if not f[0].startswith("Functional.gelu."))
+        print(f"  {dtype} gelu x (1 + 2^-{k}): {len(hits)} of 2 calls caught" + (f", ALSO {others}" if others else ""))
+    print(f"== gelu bias sweep ({time.time() - t0:.0f} s)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--skip-sweep", action="store_true")
     p.add_argument("--only-measure", action="store_true", help="only the in-process spread measurements")
+    p.add_argument("--gelu-sweep", action="store_true", help="also sweep a gelu bias (benchmark standard)")
     ns = p.parse_args()
     measure_spread()
     if ns.only_measure:
@@ -216,6 +232,8 @@ def main() -> None:
     fault_runs()
     if not ns.skip_sweep:
         sweep()
+    if ns.gelu_sweep:
+        gelu_sweep()
 
 
 if __name__ == "__main__":

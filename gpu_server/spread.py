@@ -88,7 +88,8 @@ class StochasticRounding(TorchDispatchMode):
 
     def __init__(self, seed: int):
         super().__init__()
-        self.gen = torch.Generator().manual_seed(seed)
+        self.seed = seed
+        self._gens: dict[torch.device, torch.Generator] = {}
         self.random = False   # the run drew random numbers: it is no reproduction of the call, discard it
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -100,7 +101,7 @@ class StochasticRounding(TorchDispatchMode):
             return out
         outs = out if isinstance(out, (tuple, list)) else (out,)
         targets = [i for i, o in enumerate(outs) if isinstance(o, torch.Tensor) and o.dtype in _ROUNDED
-                   and o.numel() and o.device.type == "cpu"]
+                   and o.numel()]
         if not targets or "dtype" in kwargs:
             return out
         tensors = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -118,8 +119,14 @@ class StochasticRounding(TorchDispatchMode):
             o, w = outs[i], wides[i] if i < len(wides) else None
             if not isinstance(w, torch.Tensor) or w.shape != o.shape or w.dtype != _WIDE[o.dtype]:
                 continue
-            o.copy_(stochastic_round(w, o.dtype, self.gen))
+            o.copy_(stochastic_round(w, o.dtype, self._gen(o.device)))
         return out
+
+    def _gen(self, device: torch.device) -> torch.Generator:
+        gen = self._gens.get(device)
+        if gen is None:
+            gen = self._gens[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
 
 
 def _usable(job: Any) -> bool:
@@ -129,7 +136,7 @@ def _usable(job: Any) -> bool:
 
 def forward_members(job: Any, device: torch.device, match_threads: bool = True) -> list[list]:
     """Outputs of the stochastic-rounding forward runs (each flattened); [] where none can run."""
-    if device.type != "cpu" or not _usable(job):
+    if not _usable(job):
         return []
     members = []
     for run in range(SPREAD_RUNS):
@@ -147,7 +154,7 @@ def forward_members(job: Any, device: torch.device, match_threads: bool = True) 
 
 def backward_members(fwd: Any, bwd: Any, device: torch.device, match_threads: bool = True) -> list[list]:
     """Gradients of the stochastic-rounding backward runs (forward and backward both stochastically rounded)."""
-    if device.type != "cpu" or not _usable(fwd):
+    if not _usable(fwd):
         return []
     members = []
     for run in range(SPREAD_RUNS):

@@ -379,6 +379,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--dropout", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gelu-scale-log2", type=int, default=None, help="gelu_forward: scale by 1 + 2^-K (K = 6)")
     p.add_argument("--fault-ulps", type=int, default=None, help="mul_ulp_1pct: ULPs off (default 2)")
     p.add_argument("--fault-per-mille", type=int, default=None, help="mul_ulp_1pct: elements off per 1000 (10)")
     p.add_argument("--second-device", action="store_true",
@@ -389,7 +390,8 @@ def main(argv=None) -> None:
         from tests import second_device
 
         second_device.install()
-    global MUL_ULPS, MUL_SHARE_PER_MILLE
+    global MUL_ULPS, MUL_SHARE_PER_MILLE, GELU_SCALE
+    GELU_SCALE = 1 + 2.0 ** -ns.gelu_scale_log2 if ns.gelu_scale_log2 is not None else GELU_SCALE
     MUL_ULPS = ns.fault_ulps if ns.fault_ulps is not None else MUL_ULPS
     MUL_SHARE_PER_MILLE = ns.fault_per_mille if ns.fault_per_mille is not None else MUL_SHARE_PER_MILLE
     if ns.case:

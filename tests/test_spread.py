@@ -1,6 +1,7 @@
 """gpu_server/spread.py: stochastic rounding, the stochastic-rounding replay mode and the confidence bounds."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -59,3 +60,16 @@ def test_wilson_bounds():
     assert lo < hi                                             # 6/10 vs 3/10 on ten elements: not distinguishable
     assert wilson(600, 1000, upper=False) > wilson(300, 1000, upper=True)
     assert wilson(5, 0, upper=True) == 1.0 and wilson(5, 0, upper=False) == 0.0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mode_on_cuda():
+    """The mode keeps a generator per device: a CUDA bench host gets stochastic-rounding runs as well."""
+    x = torch.randn(32, 64, device="cuda", dtype=torch.bfloat16)
+    with StochasticRounding(5) as mode:
+        y = x @ x.T
+    ref = (x.float() @ x.float().T)
+    assert y.device.type == "cuda" and not mode.random
+    assert (y != ref.to(torch.bfloat16)).any()
+    _, e = torch.frexp(ref.double())
+    assert ((y.double() - ref.double()).abs() <= torch.exp2((e - 1 - 7).double()) + 1e-30).all()
