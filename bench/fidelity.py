@@ -32,7 +32,7 @@ from tests.faulty_kernels import flagged, run_trainings  # noqa: E402
 MODELS = [("tinylm", 0.0), ("convnet", 0.0), ("moe", 0.0)]
 DTYPES = ["float32", "bfloat16", "float16"]
 SPREAD_NOTES = ("against the same-dtype run only", "a correct same-dtype run", "(a share of few elements)",
-                "Wilson bounds): pass", "<= 1.0 against the spread")
+                "Wilson bounds): pass", "<= 1.0 against the spread", "elements outside (Wilson bounds")
 
 
 def _server(work: str) -> support.Server:

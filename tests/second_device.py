@@ -13,6 +13,7 @@ float64, which is still correct):
 - `mm`, `addmm`, `bmm`: every product exact in float32 (16-bit inputs) or rounded once in float32 (float32 inputs),
   the K products summed in float32 in blocks of `BLOCK`, the block sums added in REVERSE block order, the bias
   added in float32, one rounding to the output dtype. The host (oneDNN/MKL) sums in its own blocking.
+- `convolution` (2-D, ungrouped): im2col, then the matmul above (products over C*kh*kw in blocks, reversed).
 - `_softmax`, `_log_softmax`: in float32 for 16-bit inputs (float64 for float32), the row sum over the REVERSED row
   accumulated in float64;
   backward (`_softmax_backward_data`, `_log_softmax_backward_data`) the same, from the device's forward output.
@@ -103,6 +104,25 @@ def _addmm(bias: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *, beta=1
 def _norm_acc(dtype: torch.dtype) -> torch.dtype:
     """Normalisations and softmax: float64 for float32 (no less accurate than the host), float32 for 16-bit."""
     return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    """2-D, ungrouped, not transposed: im2col and the blocked matmul above; anything else: the host's kernel one
+    level down (aten::_convolution)."""
+    with _below():
+        if transposed or groups != 1 or x.dim() != 4 or not x.dtype.is_floating_point:
+            return torch.ops.aten._convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding,
+                                               groups, False, False, True, True)
+        n, _, h, w = x.shape
+        o, _, kh, kw = weight.shape
+        cols = torch.nn.functional.unfold(x, (kh, kw), dilation=dilation, padding=padding, stride=stride)
+        acc = _acc(x.dtype)
+        out = _blocked_matmul(weight.reshape(o, -1).unsqueeze(0).expand(n, -1, -1), cols, acc)   # (N, O, L)
+        if bias is not None:
+            out = out + bias.to(acc).view(1, o, 1)
+        oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+        ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+        return out.reshape(n, o, oh, ow).to(x.dtype)
 
 
 # -- softmax family ------------------------------------------------------------------------------------------------
@@ -221,6 +241,7 @@ def _gelu_backward(grad_output: torch.Tensor, self: torch.Tensor, *, approximate
 
 
 KERNELS = {
+    "convolution": _convolution,
     "mm": _mm,
     "bmm": _bmm,
     "addmm": _addmm,

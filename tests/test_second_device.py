@@ -26,6 +26,7 @@ RUNS = [
     ("tinylm", "float16", 3, 1, 0.0),
     ("convnet", "float32", 1, 1, 0.0),
     ("convnet", "float16", 2, 1, 0.0),
+    ("convnet", "bfloat16", 3, 1, 0.0),
     ("moe", "bfloat16", 1, 1, 0.0),
     ("attn", "float32", 1, 1, 0.1),
 ]
@@ -57,6 +58,7 @@ def run():
     c, d = torch.randn(3, 16, 40), torch.randn(3, 40, 8)
     x, g = torch.randn(6, 64) * 3, torch.randn(6, 64)
     w = torch.randn(64)
+    im, k, kb = torch.randn(2, 4, 8, 8), torch.randn(6, 4, 3, 3), torch.randn(6)
     cases = {
         "mm": lambda t, dt: (torch.mm(a.to(dt), b.to(dt)),),
         "addmm": lambda t, dt: (torch.addmm(bias.to(dt), a.to(dt), b.to(dt)),),
@@ -65,13 +67,16 @@ def run():
         "softmax": lambda t, dt: grads(lambda z: torch.softmax(z, -1), x.to(dt), g.to(dt)),
         "log_softmax": lambda t, dt: grads(lambda z: torch.log_softmax(z, -1), x.to(dt), g.to(dt)),
         "gelu": lambda t, dt: grads(F.gelu, x.to(dt), g.to(dt)),
+        "conv2d": lambda t, dt: (F.conv2d(im.to(dt), k.to(dt), kb.to(dt), padding=1),),
     }
     out = {}
     for name, fn in cases.items():
         for dt in (torch.float32, torch.bfloat16, torch.float16):
             ref = fn(None, torch.float64) if dt == torch.float32 else None
             # the float64 reference from the SAME rounded inputs
-            if name in ("mm", "addmm", "bmm"):
+            if name == "conv2d":
+                ref = (F.conv2d(im.to(dt).double(), k.to(dt).double(), kb.to(dt).double(), padding=1),)
+            elif name in ("mm", "addmm", "bmm"):
                 src = {"mm": lambda: (torch.mm(a.to(dt).double(), b.to(dt).double()),),
                        "addmm": lambda: (torch.addmm(bias.to(dt).double(), a.to(dt).double(), b.to(dt).double()),),
                        "bmm": lambda: (torch.bmm(c.to(dt).double(), d.to(dt).double()),)}[name]

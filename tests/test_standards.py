@@ -384,3 +384,17 @@ def test_unusable_same_dtype_run_is_ignored():
     # a same-dtype output of another shape cannot serve as the reference: benchmark has nothing to divide by -> SKIP
     r = check("tanh", torch.ones(4), torch.ones(4, dtype=F16), torch.ones(5, dtype=F16))
     assert r.status == "SKIP" and "same-dtype run output ignored" in r.message and "(5,)" in r.message
+
+
+def test_double_thousandth_judged_against_the_spread():
+    """bfloat16 rounding alone puts about half of the elements outside 0.001: a device with as many elements outside
+    as a correct same-dtype run passes; one with clearly more does not (docs/standards.md, the spread)."""
+    torch.manual_seed(0)
+    bench = torch.randn(4096) * 3
+    rounded = bench.to(torch.bfloat16)
+    assert check("conv2d", bench, rounded, rounded.clone()).status == "pass"          # bit-identical
+    other = (bench * (1 + 2.0 ** -12)).to(torch.bfloat16)                            # another correct rounding
+    r = check("conv2d", bench, other, rounded)
+    assert r.status == "pass" and r.cells["双千指标"] < 0.999 and "Wilson" in r.message
+    wrong = (bench * (1 + 2.0 ** -7)).to(torch.bfloat16)                             # 0.8 % off everywhere
+    assert check("conv2d", bench, wrong, rounded).status == "error"
