@@ -3,8 +3,8 @@
 The trainings run kernels that round differently from the server's host (matmul blocking, reduction orders, a
 correctly rounded GELU); everything they compute is right, so every `error` row would be a false alarm. Several
 seeds, dtypes and models: TinyLM (the demo LM), the ConvNet, an MoE router (topk / index_add / scatter) and an
-attention layer with dropout inside the fused attention. The last one needs the random-API replay of branch
-`replay` and is marked xfail until it is merged.
+attention layer with dropout inside the fused attention (replayed with the kernel's own keep-mask,
+gpu_server/replay.py).
 
 The kernels' accuracy is checked in-process first: each is at least as accurate against float64 as the host's.
 """
@@ -31,16 +31,7 @@ RUNS = [
     ("attn", "float32", 1, 1, 0.1),
 ]
 IDS = [f"{m}-{d}-seed{s}" for m, d, s, _, _ in RUNS]
-NEEDS_REPLAY = {"attn"}   # dropout inside F.scaled_dot_product_attention: SKIP only with branch `replay`
-
-
-def _mark(model: str):
-    if model in NEEDS_REPLAY:
-        return pytest.mark.xfail(strict=False, reason="needs random-API replay (branch replay)")
-    return ()
-
-
-PARAMS = [pytest.param(rank, marks=_mark(RUNS[rank][0]), id=IDS[rank]) for rank in range(len(RUNS))]
+PARAMS = [pytest.param(rank, id=IDS[rank]) for rank in range(len(RUNS))]
 
 ACCURACY_SCRIPT = r"""
 import torch, torch.nn.functional as F
