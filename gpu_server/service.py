@@ -18,10 +18,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gpu_server.intake import ByteBudget, FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
+from protos.contract import SERVICE_NAME
 from protos.limits import RUN_ID, Limits
 
 log = logging.getLogger("gpu_server")
-SERVICE = "online_check.v1.OnlineCheck"
+SERVICE = SERVICE_NAME
 
 
 class StreamHandler:
