@@ -4,6 +4,8 @@ Start-up with an `--out` that holds a spool (gpu_server/spool.py) resumes the ea
 keep their `{ts}` and are cut back to what the journal says is complete, the spooled records that were not
 completely reported are handed to the workers before the transport opens, and the (run, rank, seq) already accepted
 are remembered, so an agent re-sending after the restart gets DUPLICATE for them and no row is written twice.
+A spooled record that cannot be read back or decoded is quarantined with a SKIP row: one record never stops a
+restart. What a call's records may journal, on every path, is decided by gpu_server/pending.py.
 """
 from __future__ import annotations
 
@@ -12,9 +14,14 @@ import os
 import threading
 import time
 
+from gpu_server import disk
 from gpu_server.config import ServerConfig
-from gpu_server.intake import ByteBudget, Intake
-from gpu_server.spool import Spool
+from gpu_server.error_data import Evidence
+from gpu_server.intake import ByteBudget, Intake, Job
+from gpu_server.pending import PendingCalls
+from gpu_server.registry import known
+from gpu_server.reports import OPEN_FILES
+from gpu_server.spool import Entry, Spool
 from gpu_server.summary import Summary
 from gpu_server.workers import WorkerPool, bench_devices
 from protos import online_check_pb2 as pb
@@ -35,7 +42,7 @@ def default_memory_budget() -> int:
 class ServerApp:
     def __init__(self, config: ServerConfig, out_dir: str, device: str | None = None, workers: int | None = None,
                  limits: Limits = DEFAULT_LIMITS, backward_budget: int = 4 << 30, expected_ranks: int | None = None,
-                 memory_budget: int | None = None, fsync: bool = True):
+                 memory_budget: int | None = None, fsync: bool = True, error_data_max_bytes: int | None = None):
         self.config = config
         self.out_dir = out_dir
         self.limits = limits
@@ -43,16 +50,20 @@ class ServerApp:
         self.devices = bench_devices(device, workers)
         self.expected_ranks = expected_ranks
         self.done = threading.Event()
+        disk.stopping.clear()
         self._ended: set[int] = set()
         self.budget = ByteBudget(memory_budget or default_memory_budget())
         self.spool = Spool(out_dir, limits, fsync=fsync)
         self.recovery = self.spool.open(time.strftime("%Y%m%d%H%M%S"))
         self.ts = self.recovery.ts
+        self.summary.backlog = self.spool.live_records   # records/s, backlog and time to drain in the progress line
         # error_data_path: relative paths (msprobe's default "./") are taken inside --out
         error_base = os.path.join(out_dir, config.error_data_path) if config.error_data_path else None
-        self.pool = WorkerPool(self.devices, out_dir, self.ts, self.summary, backward_budget,
-                               on_complete=self.spool.complete, release=self.budget.release,
-                               error_data_base=error_base)
+        self.evidence = Evidence(error_base, self.ts, error_data_max_bytes) if error_base else None
+        # the one owner of each call's lifecycle: what waits, what is restored, what the journal says
+        self.pending = PendingCalls(backward_budget, restored=self.recovery.half)
+        self.pool = WorkerPool(self.devices, out_dir, self.ts, self.summary, self.pending,
+                               on_complete=self.spool.complete, release=self.budget.release, evidence=self.evidence)
         self.intake = Intake(config, self.pool.submit, limits, spool=self.spool, budget=self.budget)
         for run_id, rank, seq in self.spool.seen():
             self.intake.mark_seen(run_id, rank, seq)
@@ -60,6 +71,7 @@ class ServerApp:
         self.folder = None
         self.bind_target = ""
         self.replayed = 0
+        self.quarantined = 0
 
     def resume(self) -> None:
         """Hand the spooled records that were not completely reported to the workers (before any transport)."""
@@ -71,18 +83,45 @@ class ServerApp:
                      "check from the spool%s", self.ts, os.path.abspath(self.out_dir), rec.starts, rec.done_count,
                      len(rec.replay), f", {sum(rec.truncated.values())} bytes of unjournaled rows cut off"
                      if rec.truncated else "")
+        if rec.journal_damaged:
+            self.summary.set_durability(journal_damaged=rec.journal_damaged,
+                                        spool_records_found_in_reports=rec.rebuilt)
+        if rec.damage:
+            self.summary.set_durability(spool_damaged_regions=len(rec.damage),
+                                        spool_damaged_bytes=sum(d.skipped for d in rec.damage))
         for entry in rec.replay:
             self.budget.acquire(entry.payload_len)
             try:
                 record, payload = self.spool.read(entry)
             except (OSError, ValueError) as exc:
                 self.budget.release(entry.payload_len)
-                log.error("spool: cannot read record %s back (%s); it is not checked", entry.key, exc)
+                self._quarantine(entry, f"the spooled record cannot be read back ({exc})")
                 continue
-            self.intake.process(record, payload, entry.payload_len, restore=entry.key in rec.half)
+            try:
+                self.intake.process(record, payload, entry.payload_len)
+            except Exception as exc:  # noqa: BLE001 - one spooled record never stops a restart
+                self._quarantine(entry, f"the spooled record fails to load ({type(exc).__name__}: {exc})")
+                continue
             self.replayed += 1
         for end in rec.ends:
             self._apply_end(end, persist=False)
+
+    def _quarantine(self, entry: Entry, why: str) -> None:
+        """A spooled record that cannot be read back or decoded: a SKIP row says so (and its entry is done)."""
+        self.quarantined += 1
+        run_id, rank, seq = entry.key
+        name = entry.name
+        parts = name.split(".")
+        category, api = (parts[0], ".".join(parts[1:-1])) if len(parts) >= 3 else ("", "")
+        log.error("spool: %s (rank %d, step %d, seq %d) is quarantined: %s; it gets a SKIP row", name or "a record",
+                  rank, entry.step, seq, why)
+        self.summary.quarantine(rank, name, entry.step, why)
+        job = Job(run_id=run_id, rank=rank, step=entry.step, seq=seq, name=name or f"invalid.record.{seq}",
+                  category=category, api=api, direction=entry.direction or pb.FORWARD,
+                  skip_reason=f"quarantined at restart: {why}")
+        if category and known(category, api) is not None:
+            job.skip_reason += " (and the API is not replayable)"
+        self.pool.submit(job)
 
     def start(self) -> None:
         self.resume()
@@ -130,11 +169,29 @@ class ServerApp:
         for name in ("duplicates", "rejected", "filtered"):
             self.summary.count(name, getattr(self.intake, name))
         self.summary.count("spool_replayed", self.replayed)
+        self.summary.count("spool_quarantined", self.quarantined)
+        disk.stopping.set()
         self.spool.flush()
         self.pool.drain_and_stop()
         self.spool.close()
         self.summary.count("spool_left", self.spool.live_records())
+        self.summary.set_durability(
+            calls_waiting_for_backward_kept_in_spool=self.pending.waiting_count(),
+            forward_inputs_evicted=self.pending.evictions,
+            error_data_saved=self.evidence.saved if self.evidence else 0,
+            error_data_not_saved=self.evidence.skipped if self.evidence else 0,
+            disk_full_waits=disk.full_events, report_file_opens=OPEN_FILES.reopened)
         self.summary.set_memory(self.budget.limit, self.budget.peak)
         path = self.summary.write_json(self.out_dir, self.ts)
         files = [p for paths in self.summary.files.values() for p in paths]
-        return files + [path]
+        return files + [path] + self._html_report()
+
+    def _html_report(self) -> list[str]:
+        """The HTML report next to the CSVs (gpu_server/html_report.py); never fails the drain."""
+        try:
+            from gpu_server.html_report import write_html
+
+            return [write_html(self.out_dir)] if self.summary.files else []
+        except Exception as exc:  # noqa: BLE001 - the CSV reports are complete; the HTML one is a view of them
+            log.warning("the HTML report could not be written: %s", exc)
+            return []

@@ -3,12 +3,13 @@
 A forward job gives `.forward.output.i` rows; a backward job gives `.backward.output.i` rows. The result rows
 (one per API call, with both Forward and Backward Test Success) are written when the call is complete: at once
 when no backward is expected, else when its backward job has been checked (or when the rank ended without one).
+What waits, what is restored after a restart and what the journal may say is decided by gpu_server/pending.py;
+`check` returns that decision as a `Completion`.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from typing import Any
 
 import torch
@@ -16,8 +17,9 @@ import torch
 from gpu_server import error_data, standards
 from gpu_server.columns import BLANK
 from gpu_server.intake import Job
+from gpu_server.pending import Completion, PendingCalls, Waiting
 from gpu_server.replay import ReplayError, flatten_outputs, run_backward, run_forward
-from gpu_server.reports import NULL_REPORTS, RankReports
+from gpu_server.reports import NULL_REPORTS, RankReports, ReportWriteError
 from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING
 from gpu_server.summary import Summary
 from gpu_server.verdict import aggregate, compare_output
@@ -36,35 +38,6 @@ class Outcome:
     precision_message: str = ""
 
 
-class ForwardStore:
-    """Forward jobs kept for their backward check, bounded by bytes; the oldest are evicted first."""
-
-    def __init__(self, budget_bytes: int):
-        self.budget = budget_bytes
-        self.held = 0
-        self._jobs: dict[tuple, Job] = {}
-        self.evicted: set[tuple] = set()
-
-    def put(self, key: tuple, job: Job) -> None:
-        self._jobs[key] = job
-        self.held += job.nbytes
-        while self.held > self.budget and len(self._jobs) > 1:
-            old_key = next(iter(self._jobs))
-            old = self._jobs.pop(old_key)
-            self.held -= old.nbytes
-            self.evicted.add(old_key)
-
-    def take(self, key: tuple) -> Job | None:
-        job = self._jobs.pop(key, None)
-        if job is not None:
-            self.held -= job.nbytes
-        return job
-
-    def drop_run(self, run_id: str, rank: int) -> None:
-        for key in [k for k in self._jobs if k[0] == run_id and k[1] == rank]:
-            self.held -= self._jobs.pop(key).nbytes
-
-
 def _dtype(x: Any) -> str:
     return str(x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
 
@@ -76,17 +49,16 @@ def _shape(x: Any) -> str:
 class Checker:
     """Owns the report files of the ranks routed to it; called from one worker thread."""
 
-    def __init__(self, out_dir: str, ts: str, device: torch.device, summary: Summary, backward_budget: int,
-                 error_data_base: str | None = None):
+    def __init__(self, out_dir: str, ts: str, device: torch.device, summary: Summary, backward_budget: int = 4 << 30,
+                 error_data_base: str | None = None, pending: PendingCalls | None = None,
+                 evidence: error_data.Evidence | None = None):
         self.out_dir = out_dir
-        self.error_data_base = error_data_base
         self.ts = ts
         self.device = device
         self.summary = summary
-        self.store = ForwardStore(backward_budget)
+        self.pending = pending if pending is not None else PendingCalls(backward_budget)
+        self.evidence = evidence or (error_data.Evidence(error_data_base, ts) if error_data_base else None)
         self._reports: dict[int, RankReports] = {}
-        self._pending: dict[tuple, Outcome] = {}   # (run, rank, step, name) -> forward outcome awaiting backward
-        self._lock = threading.Lock()
         self._write_rows = True
         self.match_threads = True     # CPU same-dtype runs take the training's thread count (one CPU worker only)
 
@@ -100,45 +72,44 @@ class Checker:
         return rep
 
     # -- entry point -----------------------------------------------------------------------------------------
-    def check(self, job: Job, write_rows: bool = True) -> None:
-        """Check one job. `write_rows=False` (a forward restored from the spool after a restart, whose rows exist
-        already) only rebuilds the state its backward check needs."""
-        self._write_rows = write_rows
+    def check(self, job: Job) -> Completion:
+        """Check one job; returns what its records' journal lines may say. A forward record restored from the
+        spool after a restart (its detail rows exist) only rebuilds its wait for the backward record.
+        Raises ReportWriteError when rows cannot be written (its records then stay in the spool)."""
+        self._write_rows = not (job.direction != pb.BACKWARD and self.pending.is_restored(job))
         try:
-            self._check(job)
+            return self._check(job)
         finally:
             self._write_rows = True
 
-    def awaiting_backward(self, job: Job) -> bool:
-        """True while this forward call's result row waits for its backward record."""
-        with self._lock:
-            return (job.run_id, job.rank, job.step, job.name) in self._pending
-
-    def _check(self, job: Job) -> None:
+    def _check(self, job: Job) -> Completion:
+        waiting = self.pending.take(job) if job.direction == pb.BACKWARD else None
         try:
             if job.direction == pb.BACKWARD:
-                self._check_backward(job)
-            else:
-                self._check_forward(job)
+                return self._check_backward(job, waiting)
+            return self._check_forward(job)
+        except ReportWriteError:
+            raise
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the worker
             log.exception("internal error while checking %s", job.name)
-            self._finish(job, Outcome([SKIP], [SKIP], f"internal error while checking: {type(exc).__name__}: {exc}"),
-                         None)
+            why = f"internal error while checking: {type(exc).__name__}: {exc}"
+            if job.direction != pb.BACKWARD:
+                return self._forward_complete(job, Outcome([SKIP], [SKIP], why, why))
+            forward = waiting.outcome if waiting is not None else Outcome([SKIP], [SKIP], why, why)
+            self._finish(job, forward, Outcome([SKIP], [SKIP], why, why))
+            return self.pending.backward_done(job, waiting)
 
     # -- forward -----------------------------------------------------------------------------------------------
-    def _check_forward(self, job: Job) -> None:
+    def _check_forward(self, job: Job) -> Completion:
         rep = self.reports(job.rank)
-        key = (job.run_id, job.rank, job.step, job.name)
         if job.skip_reason:
             out = self._skip_rows(rep, job, "forward", job.skip_reason)
-            self._finish(job, out, None)
-            return
+            return self._forward_complete(job, out)
         try:
             bench = run_forward(job, self.device, bench=True)
         except ReplayError as exc:
             out = self._skip_rows(rep, job, "forward", str(exc))
-            self._finish(job, out, None)
-            return
+            return self._forward_complete(job, out)
         try:
             same = run_forward(job, self.device, bench=False, match_threads=self.match_threads)
             same_error = ""
@@ -147,32 +118,44 @@ class Checker:
         outcome = self._compare(rep, job, "forward", flatten_outputs(job.output), flatten_outputs(bench),
                                 flatten_outputs(same) if same is not None else None, same_error)
         if job.backward_expected:
-            self.store.put(key, job)
-            with self._lock:
-                self._pending[key] = outcome
-        else:
-            self._finish(job, outcome, None, fwd_job=job)
+            return self._hold(job, outcome)
+        self._finish(job, outcome, None, fwd_job=job)
+        return self.pending.forward_done(job)
+
+    def _forward_complete(self, job: Job, outcome: Outcome) -> Completion:
+        """A forward that gets no replay. A restored one (its SKIP or result may have differed at first) waits for
+        its backward record again all the same: its result row is not written yet."""
+        if not self._write_rows:
+            return self._hold(job, outcome)
+        self._finish(job, outcome, None)
+        return self.pending.forward_done(job)
+
+    def _hold(self, job: Job, outcome: Outcome) -> Completion:
+        done, displaced = self.pending.hold(job, outcome)
+        if displaced is not None:   # a second forward record of one call: the first one's result row now
+            why = "a second forward record of this call arrived before its backward record"
+            self._finish_waiting(job.run_id, job.rank, job.step, job.name, displaced, why)
+            done.done.append(displaced.record)
+        return done
 
     # -- backward ----------------------------------------------------------------------------------------------
-    def _check_backward(self, job: Job) -> None:
+    def _check_backward(self, job: Job, waiting: Waiting | None) -> Completion:
         rep = self.reports(job.rank)
-        key = (job.run_id, job.rank, job.step, job.name)
-        with self._lock:
-            forward = self._pending.pop(key, None)
-        fwd_job = self.store.take(key)
-        if forward is None:
-            forward = Outcome([SKIP], [SKIP], "forward record of this call was not received")
+        fwd_job = waiting.job if waiting is not None else None
+        forward = waiting.outcome if waiting is not None else Outcome(
+            [SKIP], [SKIP], "forward record of this call was not received")
         if job.skip_reason:
             bwd = self._skip_rows(rep, job, "backward", job.skip_reason)
         elif fwd_job is None:
             why = ("its forward inputs were evicted from the server's backward memory; raise --backward-memory-mb"
-                   if key in self.store.evicted else "its forward record was not received")
+                   if waiting is not None and waiting.evicted else "its forward record was not received")
             bwd = self._skip_rows(rep, job, "backward", f"backward not replayed: {why}")
         elif job.grad_input is None or not flatten_outputs(job.grad_input):
             bwd = Outcome()   # no gradient reached this call's inputs: no backward rows (" ")
         else:
             bwd = self._replay_backward(rep, fwd_job, job)
         self._finish(job, forward, bwd, fwd_job=fwd_job, bwd_job=job)
+        return self.pending.backward_done(job, waiting)
 
     def _replay_backward(self, rep: RankReports, fwd: Job, bwd: Job) -> Outcome:
         try:
@@ -243,31 +226,23 @@ class Checker:
         if not self._write_rows:
             return
         self.summary.call_done(job.rank, job.name, fwd, bwd, pfwd, pbwd, pmsg or msg)
-        if self.error_data_base and fwd_job is not None and ERROR in (fwd, bwd, pfwd, pbwd):
-            try:
-                error_data.save(self.error_data_base, self.ts, fwd_job, bwd_job, pmsg or msg)
-            except Exception as exc:  # noqa: BLE001 - saving evidence must not stop the checking
-                log.warning("could not save the error data of %s: %s", job.name, exc)
+        if self.evidence is not None and fwd_job is not None and ERROR in (fwd, bwd, pfwd, pbwd):
+            self.evidence.save(fwd_job, bwd_job, pmsg or msg)
 
-    def flush_run(self, run_id: str, rank: int, why: str) -> None:
-        """The rank ended (or the server stops): calls still waiting for a backward record get their result row."""
-        with self._lock:
-            keys = [k for k in self._pending if k[0] == run_id and k[1] == rank] if run_id else list(self._pending)
-            calls = [(k, self._pending.pop(k)) for k in keys]
-        for (rid, rk, step, name), forward in calls:
-            job = Job(run_id=rid, rank=rk, step=step, seq=0, name=name, category="", api="", direction=pb.BACKWARD)
-            self._finish(job, forward, Outcome([SKIP], [SKIP], f"backward record never arrived ({why})",
-                                                    f"backward record never arrived ({why})"))
-        if run_id:
-            self.store.drop_run(run_id, rank)
+    def _finish_waiting(self, run_id: str, rank: int, step: int, name: str, waiting: Waiting, why: str) -> None:
+        job = Job(run_id=run_id, rank=rank, step=step, seq=0, name=name, category="", api="", direction=pb.BACKWARD)
+        self._finish(job, waiting.outcome, Outcome([SKIP], [SKIP], why, why), fwd_job=waiting.job)
+
+    def flush_run(self, run_id: str, rank: int, why: str) -> Completion:
+        """The rank ended: calls still waiting for a backward record get their result row."""
+        done = Completion()
+        for (rid, rk, step, name), waiting in self.pending.rank_ended(run_id, rank):
+            self._finish_waiting(rid, rk, step, name, waiting, f"backward record never arrived ({why})")
+            done.done.append(waiting.record)
+        return done
 
     def close(self) -> None:
-        """Close the reports. Calls of ranks that have not ended and still wait for their backward record get no
-        result row now: their forward stays in the spool, and a restart with the same --out finishes them."""
-        with self._lock:
-            waiting = len(self._pending)
-        if waiting:
-            log.warning("%d calls of ranks that have not ended wait for their backward records; they are kept in the "
-                        "spool and finished after a restart with the same --out", waiting)
+        """Close the reports. Calls still waiting for their backward record get no result row: that is
+        gpu_server/pending.py's decision (they stay in the spool for a restart)."""
         for rep in self._reports.values():
             rep.close()

@@ -1,17 +1,24 @@
 """`error_data_path` online (SPEC §5.1): the inputs, outputs and gradients of each failing API call are saved as
 safetensors with a JSON description of the call and a small script that replays that one call.
 
-    error_data/{ts}/rank{r}/{Functional.linear.0}.step{s}/
+    error_data/{ts}/{run_id}/rank{r}/{Functional.linear.0}.step{s}/
         tensors.safetensors   every tensor, by key (input.3, output.0, grad_output.0, grad_input.1, mask)
         call.json             the API, the argument structure with tensor keys, autocast, what failed
         replay.py             python replay.py  -> replays the call (bench and same-dtype) and prints the metrics
 
 Loading never unpickles: safetensors holds raw buffers behind a validated header, call.json is plain JSON.
+
+Each training run (the agent's run id) has its own folder, so a second run never overwrites the first's evidence.
+The evidence is capped (`--error-data-max-mb`, `Evidence`): past the cap, and when the disk is full, a call's
+evidence is not saved (counted in the summary, said once in the log) and a folder is never left half written.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
+import threading
 from typing import Any
 
 import torch
@@ -82,9 +89,67 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in name)[:200]
 
 
+log = logging.getLogger("gpu_server")
+
+
+def folder_of(base: str, ts: str, fwd: Job) -> str:
+    return os.path.join(base, "error_data", ts, _safe(fwd.run_id) or "run", f"rank{int(fwd.rank)}",
+                        f"{_safe(fwd.name)}.step{int(fwd.step)}")
+
+
+def _du(path: str) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+class Evidence:
+    """The error data of one session, bounded by `max_bytes` (None: unbounded); shared by the workers."""
+
+    def __init__(self, base: str, ts: str, max_bytes: int | None = None):
+        self.base, self.ts, self.max_bytes = base, ts, max_bytes
+        self._lock = threading.Lock()
+        self.used = _du(os.path.join(base, "error_data", ts)) if max_bytes is not None else 0
+        self.saved = 0
+        self.skipped = 0
+        self._said = False
+
+    def save(self, fwd: Job, bwd: Job | None, reason: str) -> str | None:
+        """Save one failing call's data (never raises); the folder, or None when it was not saved."""
+        folder = folder_of(self.base, self.ts, fwd)
+        with self._lock:
+            full = self.max_bytes is not None and self.used >= self.max_bytes
+        if full:
+            return self._skip(fwd, f"--error-data-max-mb ({self.max_bytes / (1 << 20):g} MiB) is reached")
+        try:
+            save(self.base, self.ts, fwd, bwd, reason)
+        except Exception as exc:  # noqa: BLE001 - saving evidence must not stop the checking
+            shutil.rmtree(folder, ignore_errors=True)       # never half a folder
+            return self._skip(fwd, f"{type(exc).__name__}: {exc}")
+        size = _du(folder)
+        with self._lock:
+            self.used += size
+            self.saved += 1
+        return folder
+
+    def _skip(self, fwd: Job, why: str) -> None:
+        with self._lock:
+            self.skipped += 1
+            say, self._said = not self._said, True
+        if say:
+            log.warning("error data of %s (and of later failing calls, counted in the summary) not saved: %s",
+                        fwd.name, why)
+        return None
+
+
 def save(base: str, ts: str, fwd: Job, bwd: Job | None, reason: str) -> str:
     """Write one failing call's data; returns the folder."""
-    folder = os.path.join(base, "error_data", ts, f"rank{int(fwd.rank)}", f"{_safe(fwd.name)}.step{int(fwd.step)}")
+    folder = folder_of(base, ts, fwd)
     os.makedirs(folder, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     call = {

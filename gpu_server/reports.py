@@ -1,13 +1,26 @@
-"""The CSV reports of one rank (SPEC §7): msprobe's file names and headers, UTF-8 with BOM, one row at a time,
-flushed after each row. Our own columns (Step) come after msprobe's.
+"""The CSV reports of one rank (SPEC §7): msprobe's file names (gpu_server/report_files.py) and headers, UTF-8 with
+BOM, one row at a time, flushed after each row. Our own columns (Step) come after msprobe's.
+
+Open files are bounded: the report files of every rank share one `OpenFiles` cache (least recently used closed
+first, reopened in append mode), sized from the process's open-file limit, so hundreds of ranks do not exhaust
+file descriptors. A row is written whole or not at all: a failed write is cut back to the row's start. A full
+disk pauses the writer until space is freed (gpu_server/disk.py); any other failure raises `ReportWriteError`
+(the record stays in the spool, the summary and the exit status say so).
 """
 from __future__ import annotations
 
+import collections
 import csv
+import errno
+import io
+import logging
 import math
 import os
+import resource
 import threading
+import time
 
+from gpu_server import disk, report_files
 from gpu_server.columns import (
     BLANK,
     DETAILS_HEADER,
@@ -19,6 +32,63 @@ from gpu_server.columns import (
     RESULT_HEADER,
 )
 from gpu_server.metrics import OutputMetrics
+
+log = logging.getLogger("gpu_server")
+_BOM = "\ufeff".encode()
+
+
+class ReportWriteError(OSError):
+    """A report row could not be written (not for lack of space: that waits)."""
+
+
+def _default_open_limit() -> int:
+    try:
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (OSError, ValueError):
+        soft = 1024
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 16
+    return max(8, min(512, soft // 8))
+
+
+class OpenFiles:
+    """A bounded set of open report files shared by all ranks: the least recently used is closed first."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = limit or _default_open_limit()
+        self.lock = threading.Lock()
+        self._open: collections.OrderedDict[str, io.FileIO] = collections.OrderedDict()
+        self.reopened = 0
+
+    def handle(self, path: str) -> io.FileIO:
+        """The open append handle of `path` (call with `lock` held)."""
+        fh = self._open.get(path)
+        if fh is not None:
+            self._open.move_to_end(path)
+            return fh
+        while len(self._open) >= self.limit:
+            self._open.popitem(last=False)[1].close()
+        try:
+            fh = open(path, "ab", buffering=0)   # unbuffered: nothing left behind by a failed write
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE) or not self._open:
+                raise
+            while self._open:   # the process is out of descriptors: give back ours and try once more
+                self._open.popitem(last=False)[1].close()
+            self.limit = max(4, self.limit // 2)
+            fh = open(path, "ab", buffering=0)
+        self._open[path] = fh
+        self.reopened += 1
+        return fh
+
+    def close(self, path: str) -> None:
+        with self.lock:
+            fh = self._open.pop(path, None)
+            if fh is not None:
+                fh.close()
+
+
+OPEN_FILES = OpenFiles()
 
 
 def cell(value) -> str:
@@ -43,20 +113,51 @@ def clean(text: str) -> str:
 
 
 class _CsvFile:
-    def __init__(self, path: str, header: list[str]):
+    def __init__(self, path: str, header: list[str], files: OpenFiles | None = None):
         self.path = path
+        self.files = files or OPEN_FILES
+        self._buf = io.StringIO()
+        self._writer = csv.writer(self._buf)
         fresh = not os.path.exists(path) or os.path.getsize(path) == 0
-        self._fh = open(path, "a", encoding="utf-8-sig", newline="")
-        self._writer = csv.writer(self._fh)
         if fresh:
-            self.write(header)
+            self.write(header, bom=True)
 
-    def write(self, row: list) -> None:
+    def write(self, row: list, bom: bool = False) -> None:
+        self._buf.seek(0)
+        self._buf.truncate()
         self._writer.writerow(row)
-        self._fh.flush()
+        data = (_BOM if bom else b"") + self._buf.getvalue().encode("utf-8")
+        since = time.monotonic()
+        while True:
+            with self.files.lock:
+                try:
+                    fh = self.files.handle(self.path)
+                except OSError as exc:
+                    raise ReportWriteError(exc.errno, f"cannot open {self.path}: {exc.strerror or exc}") from exc
+                start = fh.seek(0, os.SEEK_END)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[fh.write(view):]
+                    return
+                except OSError as exc:
+                    _undo(fh, start)
+                    if not disk.is_full(exc):
+                        raise ReportWriteError(exc.errno, f"cannot write {self.path}: {exc.strerror or exc}") \
+                            from exc
+            if not disk.wait_for_space(self.path, since):
+                raise ReportWriteError(errno.ENOSPC, f"cannot write {self.path}: the disk stayed full")
 
     def close(self) -> None:
-        self._fh.close()
+        self.files.close(self.path)
+
+
+def _undo(fh, start: int) -> None:
+    """Cut a failed row back to its start: never a half-written row."""
+    try:
+        os.ftruncate(fh.fileno(), start)
+    except (OSError, ValueError):
+        pass
 
 
 class RankReports:
@@ -66,12 +167,14 @@ class RankReports:
         self.rank = rank
         self._lock = threading.Lock()
         extra = list(EXTRA_COLUMNS)
-        base = os.path.join(out_dir, "{}_" + f"{ts}_rank{rank}.csv")
-        self.result = _CsvFile(base.format("accuracy_checking_result"), RESULT_HEADER + extra)
-        self.details = _CsvFile(base.format("accuracy_checking_details"), DETAILS_HEADER + extra)
-        self.precision_result = _CsvFile(base.format("api_precision_compare_result"), PRECISION_RESULT_HEADER + extra)
-        self.precision_details = _CsvFile(base.format("api_precision_compare_details"),
-                                          PRECISION_DETAILS_HEADER + extra)
+
+        def csv_file(kind: str, header: list[str]) -> _CsvFile:
+            return _CsvFile(report_files.path(out_dir, kind, ts, rank), header + extra)
+
+        self.result = csv_file(report_files.RESULT, RESULT_HEADER)
+        self.details = csv_file(report_files.DETAILS, DETAILS_HEADER)
+        self.precision_result = csv_file(report_files.PRECISION_RESULT, PRECISION_RESULT_HEADER)
+        self.precision_details = csv_file(report_files.PRECISION_DETAILS, PRECISION_DETAILS_HEADER)
 
     @property
     def paths(self) -> list[str]:
@@ -116,3 +219,10 @@ class _NullReports:
 
 
 NULL_REPORTS = _NullReports()
+
+
+def load(out_dir: str, kind: str = "details"):
+    """The reports of `out_dir` as one pandas DataFrame (all ranks and steps): see gpu_server/report_frame.py."""
+    from gpu_server.report_frame import load as _load
+
+    return _load(out_dir, kind)

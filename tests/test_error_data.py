@@ -33,9 +33,9 @@ def test_failing_call_is_saved_and_replayable(tmp_path):
     results = {r["API name"]: r for r in read_csv(str(out), "accuracy_checking_result")}
     assert results["Functional.gelu.0"]["Forward Test Success"] == "error"
     assert results["Functional.linear.0"]["Forward Test Success"] == "pass"
-    folder = out / "error_data" / "20260101000000" / "rank0" / "Functional.gelu.0.step0"
+    folder = out / "error_data" / "20260101000000" / "test" / "rank0" / "Functional.gelu.0.step0"   # per run id
     assert sorted(os.listdir(folder)) == ["call.json", "replay.py", "tensors.safetensors"]
-    assert not (out / "error_data" / "20260101000000" / "rank0" / "Functional.linear.0.step0").exists()
+    assert not (out / "error_data" / "20260101000000" / "test" / "rank0" / "Functional.linear.0.step0").exists()
     fwd, bwd = load(str(folder))
     assert torch.equal(fwd.args[0], y.detach()) and bwd is not None and len(bwd.grad_input) == 1
     proc = subprocess.run([sys.executable, str(folder / "replay.py")], capture_output=True, text=True,

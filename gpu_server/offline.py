@@ -1,0 +1,358 @@
+"""`gpu-server` sub-commands that work on what a server wrote, without a training:
+
+    gpu-server report OUT [-o FILE]                       the HTML report (gpu_server/html_report.py)
+    gpu-server summary OUT [--json] [--fail-on error]     the console summary again, from the CSV reports
+    gpu-server compare -npu DETAILS.csv -gpu DETAILS.csv -o DIR
+                                                          msprobe's api_precision_compare on two machines' files
+    gpu-server recheck OUT [--device cuda] [--config server.json]
+                                                          check the records in OUT's spool again, into a new folder
+    gpu-server health --host H --port P [--tls-path DIR]  the gRPC health probe (gpu_server/health.py)
+
+Exit status: 0 done, 1 failures found where `--fail-on error` asks, 2 bad input (with a message saying what to do).
+
+`recheck` sees what the spool still holds: a server deletes a spool segment once every record in it is completely
+reported, so after a clean drain the spool is empty and only the records of a crashed or killed server (not yet
+completely reported) can be checked again.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import logging
+import os
+import shutil
+import sys
+import time
+
+log = logging.getLogger("gpu_server")
+
+
+def run_subcommand(name: str, argv: list[str]) -> int:
+    handlers = {"health": _health, "report": report_main, "summary": summary_main, "compare": compare_main,
+                "recheck": recheck_main}
+    try:
+        return handlers[name](argv)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
+        print(f"gpu-server {name}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _health(argv: list[str]) -> int:
+    from gpu_server.health import main
+
+    return main(argv)
+
+
+def _out_dir(path: str) -> str:
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: no such folder (give the --out folder of a gpu-server run)")
+    return path
+
+
+# -- report ----------------------------------------------------------------------------------------------------
+def report_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="gpu-server report", description="Write the self-contained HTML report of a "
+                                "--out folder (next to its CSV files unless -o is given).")
+    p.add_argument("out", help="the server's --out folder")
+    p.add_argument("-o", "--output", default=None, help="HTML file to write (default OUT/report_{ts}.html)")
+    ns = p.parse_args(argv)
+    from gpu_server.html_report import write_html
+
+    out = _out_dir(ns.out)
+    if not glob.glob(os.path.join(glob.escape(out), "api_precision_compare_result_*_rank*.csv")):
+        raise FileNotFoundError(f"{out}: no api_precision_compare_result_*_rank*.csv reports in it")
+    print(write_html(out, ns.output))
+    return 0
+
+
+# -- summary ---------------------------------------------------------------------------------------------------
+def summarize(out_dir: str):
+    """A gpu_server.summary.Summary rebuilt from the CSV reports of every session in `out_dir`, with the end and
+    transport counts of the sessions' summary_{ts}.json files where they exist."""
+    from gpu_server.report_frame import report_files
+    from gpu_server.summary import Summary
+
+    summary = Summary()
+    sessions = sorted({ts for _, ts, _ in report_files(out_dir, "result")})
+    if not sessions:
+        raise FileNotFoundError(f"{out_dir}: no accuracy_checking_result_*_rank*.csv reports in it")
+    for ts in sessions:
+        summary.seed_from_reports(out_dir, ts)
+        try:
+            with open(os.path.join(out_dir, f"summary_{ts}.json"), encoding="utf-8") as fh:
+                saved = json.load(fh)
+        except (OSError, ValueError):
+            continue
+        for rank, n in saved.get("records_received", {}).items():
+            summary.received[int(rank)] += int(n)
+        for end in saved.get("ranks_ended", []):
+            counts = {k: v for k, v in end.items() if k not in ("run_id", "rank")}
+            summary.rank_ended(end.get("run_id", ""), int(end.get("rank", 0)), counts)
+        for key, n in saved.get("transport", {}).items():
+            summary.count(key, int(n))
+    summary.session = {"sessions": sessions}
+    return summary
+
+
+def summary_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="gpu-server summary", description="The end-of-run summary of a --out folder, "
+                                "recomputed from its CSV reports.")
+    p.add_argument("out", help="the server's --out folder")
+    p.add_argument("--json", action="store_true", help="print JSON (for CI) instead of text")
+    p.add_argument("--fail-on", choices=("never", "error"), default="never",
+                   help="'error': exit status 1 when any API failed")
+    ns = p.parse_args(argv)
+    summary = summarize(_out_dir(ns.out))
+    if ns.json:
+        data = summary.as_dict()
+        data.pop("elapsed_s", None)
+        print(json.dumps(data, indent=2, ensure_ascii=False))
+    else:
+        print(summary.human().replace(f" ({summary.as_dict()['elapsed_s']:.1f} s)", "", 1))
+    return 1 if ns.fail_on == "error" and sum(summary.failed.values()) else 0
+
+
+# -- compare (msprobe api_precision_compare) -------------------------------------------------------------------
+_UNSUPPORTED = {"torch.float64", "torch.complex64", "torch.complex128"}
+_TOPK_NOTE = ("在npu上，topk的入参sorted=False时不生效，会返回有序tensor，而cpu上会返回无序tensor。 "
+              "如果topk精度不达标，请检查是否是该原因导致的。")
+
+
+def _metrics(row: dict):
+    """gpu_server.metrics.OutputMetrics from one accuracy_checking_details row (blank cells are None)."""
+    from gpu_server.columns import METRIC_COLUMNS
+    from gpu_server.metrics import OutputMetrics
+
+    values = {}
+    for attr, title in METRIC_COLUMNS:
+        cell = (row.get(title) or "").strip()
+        values[attr] = float(cell) if cell else None
+    return OutputMetrics(**values)
+
+
+def _dtype(text: str):
+    import torch
+
+    name = text.strip()
+    value = getattr(torch, name[len("torch."):], None) if name.startswith("torch.") else None
+    return value if isinstance(value, torch.dtype) else None
+
+
+def _read_details(path: str) -> tuple[list[str], list[dict]]:
+    from gpu_server.columns import DETAILS_HEADER
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file (give an accuracy_checking_details CSV)")
+    with open(path, encoding="utf-8-sig", newline="") as fh:
+        reader = csv.DictReader(fh)
+        header = reader.fieldnames or []
+        missing = [c for c in DETAILS_HEADER if c not in header and c != "Message"]
+        if missing:
+            raise ValueError(f"{path}: not an accuracy_checking_details file; missing columns {missing[:4]}")
+        return header, list(reader)
+
+
+def judge_pair(npu: dict, gpu: dict) -> tuple[str, dict, str, str]:
+    """One output row: (status, cells, algorithm, message) from the NPU row (the device) and the GPU row (the
+    reference machine), msprobe's api_precision_compare rule (docs/standards.md)."""
+    from gpu_server.standards import STANDARD_REGISTRY, select_standard
+    from gpu_server.standards.registry import StandardInput
+
+    dtype_text = (npu.get("DEVICE Dtype") or "").strip()
+    if not dtype_text or dtype_text in _UNSUPPORTED or (npu.get("Shape") or "").strip() == "(0,)":
+        return "SKIP", {}, " ", (npu.get("Message") or "").strip()
+    name = npu["API Name"].split(".")
+    api_name = name[1] if len(name) == 6 else ".".join(name[1:3])
+    dtype = _dtype(dtype_text)
+    key = select_standard(api_name, dtype)
+    standard = STANDARD_REGISTRY[key]
+    try:
+        result = standard.judge(StandardInput(dtype, _metrics(npu), _metrics(gpu)))
+    except (TypeError, ValueError) as exc:
+        return "SKIP", {}, standard.algorithm, f"a metric cell is blank or not a number ({exc})"
+    cells = {k: v for k, v in result.cells.items() if v is not None}
+    return result.status, cells, standard.algorithm, "".join(m if m.endswith("\n") else m + "\n"
+                                                             for m in result.messages if m).strip()
+
+
+def _api_status(statuses: list[str]) -> str:
+    if not statuses:
+        return " "
+    if all(s == "SKIP" for s in statuses):
+        return "SKIP"
+    for s in ("error", "Warning"):
+        if s in statuses:
+            return s
+    return "pass"
+
+
+def compare(npu_path: str, gpu_path: str, out_dir: str) -> tuple[str, str]:
+    """Write api_precision_compare_result_{ts}.csv and api_precision_compare_details_{ts}.csv into out_dir from two
+    details files. Rows are matched by API Name (and Step, when both files have it: ours repeat API names per
+    step). Returns the two paths."""
+    from gpu_server.columns import PRECISION_DETAILS_HEADER, PRECISION_RESULT_HEADER
+    from gpu_server.reports import cell, clean
+
+    npu_header, npu_rows = _read_details(npu_path)
+    gpu_header, gpu_rows = _read_details(gpu_path)
+    with_step = "Step" in npu_header and "Step" in gpu_header
+    key = (lambda r: (r["API Name"], r["Step"])) if with_step else (lambda r: (r["API Name"],))
+    gpu_by: dict[tuple, dict] = {}
+    for row in gpu_rows:
+        k = key(row)
+        if k in gpu_by:
+            raise ValueError(f"{gpu_path}: API Name {' step '.join(k)} appears twice; each output row must be unique"
+                             " (a file per rank and session)")
+        gpu_by[k] = row
+    os.makedirs(out_dir, exist_ok=True)
+    ts = time.strftime("%Y%m%d%H%M%S")
+    result_path = os.path.join(out_dir, f"api_precision_compare_result_{ts}.csv")
+    details_path = os.path.join(out_dir, f"api_precision_compare_details_{ts}.csv")
+    extra = ["Step"] if with_step else []
+    calls: dict[tuple, dict] = {}      # (full API, step) -> {"forward": [...], "backward": [...], "skip": msg}
+    missing = 0
+    with open(details_path, "w", encoding="utf-8-sig", newline="") as dfh, \
+            open(result_path, "w", encoding="utf-8-sig", newline="") as rfh:
+        details, results = csv.writer(dfh), csv.writer(rfh)
+        details.writerow(PRECISION_DETAILS_HEADER + extra)
+        results.writerow(PRECISION_RESULT_HEADER + extra)
+        for row in npu_rows:
+            name = row["API Name"]
+            parts = name.split(".")
+            step = [row["Step"]] if with_step else []
+            if len(parts) not in (6, 7) or parts[-3] not in ("forward", "backward") or parts[-2] != "output":
+                message = f"The API name {name} is invalid."
+                details.writerow([name] + [" "] * (len(PRECISION_DETAILS_HEADER) - 4) + ["SKIP", " ", message] + step)
+                results.writerow([name, "SKIP", "SKIP", message] + step)
+                continue
+            gpu = gpu_by.get(key(row))
+            if gpu is None:
+                missing += 1
+                log.warning("compare: %s is not in %s; the row is left out", name, gpu_path)
+                continue
+            status, cells, algorithm, message = judge_pair(row, gpu)
+            details.writerow([name] + [cell(cells.get(t)) for t in PRECISION_DETAILS_HEADER[1:-3]]
+                             + [status, algorithm or " ", clean(message) or " "] + step)
+            entry = calls.setdefault((".".join(parts[:-3]), row["Step"] if with_step else ""),
+                                     {"forward": [], "backward": [], "skip": "", "unsupported": False})
+            if (row.get("DEVICE Dtype") or "").strip() in _UNSUPPORTED:
+                entry["unsupported"] = True
+                continue
+            entry[parts[-3]].append(status)
+            if status == "SKIP" and parts[-3] == "forward":
+                entry["skip"] = message
+        for (api, step), entry in calls.items():
+            tail = [step] if with_step else []
+            fwd, bwd = _api_status(entry["forward"]), _api_status(entry["backward"])
+            if entry["unsupported"] and not entry["forward"] and not entry["backward"]:
+                results.writerow([api, "SKIP", "SKIP", "This data type does not support benchmark compare."] + tail)
+                continue
+            message = ""
+            if fwd == "error" and api.split(".")[1:2] == ["topk"]:
+                message = _TOPK_NOTE
+            elif fwd == "SKIP":
+                message = entry["skip"]
+            results.writerow([api, fwd, bwd, clean(message) or " "] + tail)
+    if missing:
+        print(f"gpu-server compare: {missing} rows of {npu_path} have no row of the same name in {gpu_path}; "
+              "they are left out", file=sys.stderr)
+    return result_path, details_path
+
+
+def compare_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="gpu-server compare", description="msprobe's api_precision_compare: judge the "
+                                "device's accuracy_checking_details against a reference machine's.")
+    p.add_argument("-npu", "--npu_csv_path", dest="npu", required=True, help="details CSV of the device under test")
+    p.add_argument("-gpu", "--gpu_csv_path", dest="gpu", required=True, help="details CSV of the reference machine")
+    p.add_argument("-o", "--out_path", dest="out", default="./", help="folder for the two output files")
+    ns = p.parse_args(argv)
+    for path in compare(ns.npu, ns.gpu, ns.out):
+        print(path)
+    return 0
+
+
+# -- recheck ---------------------------------------------------------------------------------------------------
+def copy_spooled_records(out_dir: str, new_dir: str) -> int:
+    """Put the records held in `out_dir`'s spool into a fresh spool in `new_dir` (hard links when possible, the
+    originals are never changed); the number of segment files. This is the only place that knows the spool
+    layout (gpu_server/spool.py): segments `spool/seg-*.spl`, which a new server start replays."""
+    from gpu_server.spool_segments import SEGMENT_FILE
+
+    src = os.path.join(out_dir, "spool")
+    if not os.path.isdir(src):
+        raise FileNotFoundError(f"{out_dir}: no spool/ folder; is it the --out of a gpu-server?")
+    dst = os.path.join(new_dir, "spool")
+    os.makedirs(dst, exist_ok=True)
+    n = 0
+    for name in sorted(os.listdir(src)):
+        if SEGMENT_FILE.match(name):
+            try:
+                os.link(os.path.join(src, name), os.path.join(dst, name))
+            except OSError:
+                shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+            n += 1
+    return n
+
+
+def recheck(out_dir: str, config=None, device: str | None = None, workers: int | None = None,
+            new_dir: str | None = None) -> tuple[str, list[str], object]:
+    """Check the records held in `out_dir`'s spool again with this code's standards and thresholds on `device`,
+    writing a new set of reports into `new_dir` (default `OUT/recheck_{ts}/`). Returns (new_dir, paths, summary)."""
+    new_dir = new_dir or os.path.join(out_dir, "recheck_" + time.strftime("%Y%m%d%H%M%S"))
+    if os.path.exists(os.path.join(new_dir, "spool")):
+        raise ValueError(f"{new_dir} holds a spool already; give a new folder")
+    created = not os.path.exists(new_dir)
+    segments = copy_spooled_records(out_dir, new_dir)
+    if not segments:
+        shutil.rmtree(os.path.join(new_dir, "spool"), ignore_errors=True)   # made just now, empty
+        if created:
+            try:
+                os.rmdir(new_dir)
+            except OSError:
+                pass
+        raise ValueError(f"{out_dir}/spool holds no records: a server that drained completely deleted them (only "
+                         "records not yet completely reported, after a crash or a kill, can be checked again)")
+    from gpu_server.app import ServerApp  # imports torch: after the cheap checks
+    from gpu_server.config import ServerConfig
+
+    app = ServerApp(config or ServerConfig(), new_dir, device=device, workers=workers)
+    app.resume()
+    for run_id, rank, _seq in {(k[0], k[1], 0) for k in app.spool.seen()}:
+        app.pool.end_rank(run_id, rank, "recheck: no more records")
+    paths = app.finish()
+    try:
+        from gpu_server.html_report import write_html
+
+        paths.append(write_html(new_dir))
+    except Exception as exc:  # noqa: BLE001 - the CSV reports are written; the HTML one is a convenience
+        log.warning("recheck: the HTML report could not be written (%s)", exc)
+    return new_dir, paths, app.summary
+
+
+def recheck_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="gpu-server recheck", description="Check the records kept in a --out folder's "
+                                "spool again (today's thresholds, another bench device), writing new reports beside "
+                                "the old ones.")
+    p.add_argument("out", help="the server's --out folder")
+    p.add_argument("--device", "-d", default=None, help="cpu, cuda or cuda:N (default: every GPU, else CPU)")
+    p.add_argument("--workers", type=int, default=None, help="CPU worker threads")
+    p.add_argument("--config", default=None, help="server config.json whose white/black/rank lists apply")
+    p.add_argument("-o", "--output", default=None, help="folder for the new reports (default OUT/recheck_{ts})")
+    ns = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="[gpu-server] %(levelname)s %(message)s", stream=sys.stderr)
+    config = None
+    if ns.config:
+        from gpu_server.config import ServerConfigError, load_server_config
+
+        try:
+            config = load_server_config(ns.config)
+        except ServerConfigError as exc:
+            raise ValueError(str(exc)) from None
+    new_dir, paths, summary = recheck(_out_dir(ns.out), config, ns.device, ns.workers, ns.output)
+    print(summary.human())
+    print(f"reports of the recheck in {new_dir}:")
+    for path in paths:
+        print(f"  {path}")
+    return 0

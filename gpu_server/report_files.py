@@ -1,0 +1,59 @@
+"""The one place that names the report files: msprobe's four CSV files per rank and the summary.
+
+    accuracy_checking_result_{ts}_rank{r}.csv      api_precision_compare_result_{ts}_rank{r}.csv
+    accuracy_checking_details_{ts}_rank{r}.csv     api_precision_compare_details_{ts}_rank{r}.csv
+    summary_{ts}.json
+
+`{ts}` is the session's start time (`%Y%m%d%H%M%S`, kept across restarts with the same --out).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+RESULT = "accuracy_checking_result"
+DETAILS = "accuracy_checking_details"
+PRECISION_RESULT = "api_precision_compare_result"
+PRECISION_DETAILS = "api_precision_compare_details"
+KINDS = (RESULT, DETAILS, PRECISION_RESULT, PRECISION_DETAILS)
+
+_NAME = re.compile(r"^(" + "|".join(KINDS) + r")_(\d{14})_rank(\d+)\.csv$")
+
+
+def name(kind: str, ts: str, rank: int) -> str:
+    if kind not in KINDS:
+        raise ValueError(f"unknown report kind {kind!r}")
+    return f"{kind}_{ts}_rank{int(rank)}.csv"
+
+
+def path(out_dir: str, kind: str, ts: str, rank: int) -> str:
+    return os.path.join(out_dir, name(kind, ts, rank))
+
+
+def rank_paths(out_dir: str, ts: str, rank: int) -> list[str]:
+    """The four report files of one rank, in KINDS order."""
+    return [path(out_dir, kind, ts, rank) for kind in KINDS]
+
+
+def parse(filename: str) -> tuple[str, str, int] | None:
+    """(kind, ts, rank) of a report file name, else None."""
+    m = _NAME.match(filename)
+    return (m.group(1), m.group(2), int(m.group(3))) if m else None
+
+
+def session_reports(out_dir: str, ts: str) -> dict[str, tuple[str, int]]:
+    """Report files of session `ts` in `out_dir`: file name -> (kind, rank)."""
+    out = {}
+    try:
+        names = os.listdir(out_dir)
+    except OSError:
+        return out
+    for n in names:
+        p = parse(n)
+        if p is not None and p[1] == ts:
+            out[n] = (p[0], p[2])
+    return out
+
+
+def summary_path(out_dir: str, ts: str) -> str:
+    return os.path.join(out_dir, f"summary_{ts}.json")

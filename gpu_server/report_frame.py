@@ -1,0 +1,154 @@
+"""The reports as data: `gpu_server.reports.load(OUT)` -> one pandas DataFrame over every rank and step.
+
+A `--out` folder holds, per server session `{ts}` and rank `r`, the four CSV files of gpu_server/reports.py. `load`
+reads one kind of them (all ranks, all sessions) into one frame:
+
+- msprobe's headers are kept as they are (Chinese ones included), every cell typed: metric and ratio columns are
+  floats (a blank cell, `' '`, is NaN; `nan`/`inf` are read as such), `Step` is an integer, statuses are strings;
+- each msprobe column also gets an English alias (`cosine`, `rmse_ratio`, `result`, `algorithm`, ...; see ALIASES);
+- columns of our own: `rank`, `ts` (the server session), `file`, and from the row's API name `call`
+  (`Functional.gelu.0`), `api` (`Functional.gelu`), `direction` (forward/backward) and `output` (the index) for
+  the details kinds.
+
+Kinds: "result" (accuracy_checking_result), "details" (accuracy_checking_details), "precision_result"
+(api_precision_compare_result), "precision_details" (api_precision_compare_details); msprobe's file prefixes are
+accepted too. `load_details_csv(path)` reads one details file (any msprobe details CSV, for `gpu-server compare`).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+
+import pandas as pd
+
+from gpu_server.columns import (
+    DETAILS_HEADER,
+    EXTRA_COLUMNS,
+    METRIC_COLUMNS,
+    PRECISION_DETAILS_HEADER,
+    PRECISION_RESULT_HEADER,
+    RESULT_HEADER,
+)
+
+KINDS = {
+    "result": "accuracy_checking_result",
+    "details": "accuracy_checking_details",
+    "precision_result": "api_precision_compare_result",
+    "precision_details": "api_precision_compare_details",
+}
+HEADERS = {"result": RESULT_HEADER, "details": DETAILS_HEADER, "precision_result": PRECISION_RESULT_HEADER,
+           "precision_details": PRECISION_DETAILS_HEADER}
+_FILE = re.compile(r"^(?P<kind>[a-z_]+?)_(?P<ts>\d{14})_rank(?P<rank>\d+)\.csv$")
+_ROW = re.compile(r"^(?P<call>.+)\.(?P<direction>forward|backward)\.output\.(?P<output>\d+)$")
+
+# English aliases of msprobe's columns (the metric ones by gpu_server.metrics.OutputMetrics attribute).
+_PRECISION_ALIASES = [
+    "api_name", "small_value_error_ratio_ratio", "small_value_status", "rmse_ratio", "rmse_status",
+    "max_rel_err_ratio", "max_rel_err_status", "mean_rel_err_ratio", "mean_rel_err_status", "error_balance_ratio",
+    "error_balance_status", "inf_nan_error_rate", "inf_nan_status", "rel_err_rate", "rel_err_status",
+    "abs_err_rate", "abs_err_status", "binary_error_rate", "binary_status", "ulp_mean", "ulp_over_threshold",
+    "ulp_over_threshold_ratio", "ulp_status", "thousandth", "thousandth_status", "result", "algorithm", "message",
+]
+ALIASES: dict[str, dict[str, str]] = {
+    "result": dict(zip(RESULT_HEADER, ["api_name", "forward", "backward", "message"])),
+    "precision_result": dict(zip(PRECISION_RESULT_HEADER, ["api_name", "forward", "backward", "message"])),
+    "details": dict(zip(DETAILS_HEADER, ["api_name", "bench_dtype", "device_dtype", "shape"]
+                        + [attr for attr, _ in METRIC_COLUMNS] + ["status", "message"])),
+    "precision_details": dict(zip(PRECISION_DETAILS_HEADER, _PRECISION_ALIASES)),
+}
+if len(_PRECISION_ALIASES) != len(PRECISION_DETAILS_HEADER):  # pragma: no cover - a columns.py change
+    raise RuntimeError("report_frame: api_precision_compare_details aliases out of step with gpu_server.columns")
+# numeric columns (typed as floats); every other column stays text, columns added later included
+_NUMERIC = {title for _, title in METRIC_COLUMNS} | {
+    c for c in PRECISION_DETAILS_HEADER[1:]
+    if not c.endswith("判定结果") and c not in ("比对结果", "比对算法", "Message")}
+
+
+def kind_of(kind: str) -> str:
+    """'details' for 'details' or 'accuracy_checking_details', ...; a clear error for anything else."""
+    if kind in KINDS:
+        return kind
+    for short, prefix in KINDS.items():
+        if kind == prefix:
+            return short
+    raise ValueError(f"unknown report kind {kind!r}: use one of {', '.join(KINDS)} (or msprobe's file prefixes)")
+
+
+def report_files(out_dir: str, kind: str) -> list[tuple[str, str, int]]:
+    """(path, ts, rank) of every `kind` report in `out_dir`, by session then rank."""
+    prefix = KINDS[kind_of(kind)]
+    found = []
+    for path in glob.glob(os.path.join(glob.escape(out_dir), prefix + "_*_rank*.csv")):
+        m = _FILE.match(os.path.basename(path))
+        if m and m.group("kind") == prefix:
+            found.append((path, m.group("ts"), int(m.group("rank"))))
+    return sorted(found, key=lambda f: (f[1], f[2]))
+
+
+def _typed(frame: pd.DataFrame, kind: str) -> pd.DataFrame:
+    for column in frame.columns:
+        if column == "Step":
+            frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("Int64")
+        elif column in _NUMERIC:
+            frame[column] = pd.to_numeric(frame[column].str.strip().replace("", None), errors="coerce").astype(float)
+    for chinese, english in ALIASES[kind].items():
+        if chinese in frame.columns and english not in frame.columns:
+            frame[english] = frame[chinese]
+    if "Step" in frame.columns:
+        frame["step"] = frame["Step"]
+    name = frame.columns[0]
+    if kind in ("details", "precision_details"):
+        parts = frame[name].str.extract(_ROW)
+        frame["call"] = parts["call"]
+        frame["direction"] = parts["direction"]
+        frame["output"] = pd.to_numeric(parts["output"], errors="coerce").astype("Int64")
+    else:
+        frame["call"] = frame[name]
+    frame["api"] = frame["call"].str.split(".").str[:2].str.join(".")
+    return frame
+
+
+def read_csv(path: str, kind: str) -> pd.DataFrame:
+    """One report file, typed, with the English aliases (no rank/ts columns)."""
+    kind = kind_of(kind)
+    try:
+        frame = pd.read_csv(path, encoding="utf-8-sig", dtype=str, keep_default_na=False)
+    except (OSError, UnicodeDecodeError, pd.errors.ParserError) as exc:
+        raise ValueError(f"{path}: not a readable CSV report ({exc})") from None
+    missing = [c for c in HEADERS[kind][:1] if c not in frame.columns]
+    if missing:
+        raise ValueError(f"{path}: no {missing[0]!r} column; is it an {KINDS[kind]} file?")
+    return _typed(frame, kind)
+
+
+def load_details_csv(path: str) -> pd.DataFrame:
+    """An accuracy_checking_details CSV from any machine (msprobe's or ours), typed, with English aliases."""
+    return read_csv(path, "details")
+
+
+def load(out_dir: str, kind: str = "details") -> pd.DataFrame:
+    """Every `kind` report in `out_dir` (all ranks and sessions) as one frame: msprobe's columns, typed, plus English
+    aliases and `rank`, `ts`, `file`, `call`, `api` (and `direction`, `output` for the details kinds)."""
+    kind = kind_of(kind)
+    if not os.path.isdir(out_dir):
+        raise FileNotFoundError(f"{out_dir}: no such folder (give the server's --out)")
+    frames = []
+    for path, ts, rank in report_files(out_dir, kind):
+        frame = read_csv(path, kind)
+        frame.insert(0, "rank", rank)
+        frame.insert(1, "ts", ts)
+        frame["file"] = os.path.basename(path)
+        frames.append(frame)
+    if not frames:
+        frame = _typed(pd.DataFrame({c: pd.Series(dtype=str) for c in HEADERS[kind] + list(EXTRA_COLUMNS)}), kind)
+        frame.insert(0, "rank", pd.Series(dtype=int))
+        frame.insert(1, "ts", pd.Series(dtype=str))
+        frame["file"] = pd.Series(dtype=str)
+        return frame
+    return pd.concat(frames, ignore_index=True)
+
+
+def load_all(out_dir: str) -> dict[str, pd.DataFrame]:
+    """The four kinds at once, by short kind name."""
+    return {kind: load(out_dir, kind) for kind in KINDS}
