@@ -166,3 +166,14 @@ def test_every_name_that_parses_is_rebuilt_exactly(run, rank, seq):
     assert folder_record_name(*parse_record_name(record)) == record
     assert folder_end_name(*parse_end_name(end)) == end
     assert parse_rank_dir(rank_dir_name(rank)) == rank
+
+
+@pytest.mark.parametrize("run", [RUN, "a", "A_b-9", "x" * 64, "x" * 65, "", "a.b", "a b", "a\n", "r\u00e9n", "a/b",
+                                 "\u0661"])
+def test_a_run_id_is_valid_in_a_file_name_exactly_when_the_intake_accepts_it(run):
+    import re
+
+    from protos.limits import RUN_ID
+
+    in_name = parse_record_name(folder_record_name(run, 0, 0)) == (run, 0, 0)
+    assert in_name == bool(re.fullmatch(folder_format.RUN_ID_PATTERN, run, re.ASCII)) == bool(RUN_ID.match(run))
