@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_server.demo import TinyLM, batches, train_step  # noqa: E402
+from examples.demo import TinyLM, batches, train_step  # noqa: E402
 from npu_agent import PrecisionDebugger  # noqa: E402
 from npu_agent.backward import BackwardTaps  # noqa: E402
 from npu_agent.capture import CaptureMode, Capturer  # noqa: E402

@@ -11,7 +11,6 @@ crash, a kill or a stop) resumes: same report files, spooled records checked fir
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import logging
 import os
 import signal
@@ -21,6 +20,7 @@ import time
 
 from gpu_server.config import ServerConfigError, load_server_config
 from protos.limits import DEFAULT_LIMITS, MiB
+from protos.net import is_loopback
 
 log = logging.getLogger("gpu_server")
 SUBCOMMANDS = ("health", "report", "compare", "recheck", "summary")
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     if config.nfs_path:
         log.info("watching shared folder %s; reports in %s", config.nfs_path, os.path.abspath(ns.out))
     else:
-        if not config.tls_path and not _loopback(config.host):
+        if not config.tls_path and not is_loopback(config.host):
             log.warning("serving plaintext on %s: training data crosses the network unencrypted; set run_ut.tls_path "
                         "for mutual TLS (certs/README.md)", config.host)
         log.info("listening on %s (%s); reports in %s", app.bind_target, "mutual TLS" if config.tls_path else
@@ -153,13 +153,6 @@ def main(argv=None) -> int:
         return 3
     failed = sum(app.summary.failed.values())
     return 1 if ns.fail_on == "error" and failed else 0
-
-
-def _loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 if __name__ == "__main__":

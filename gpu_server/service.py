@@ -35,10 +35,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gpu_server.intake import ByteBudget, FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
+from protos.contract import SERVICE_NAME
 from protos.limits import RUN_ID, Limits, log_text
 
 log = logging.getLogger("gpu_server")
-SERVICE = "online_check.v1.OnlineCheck"
+SERVICE = SERVICE_NAME
 _ACK_QUEUE = 256          # acknowledgements waiting to be sent on one stream; then the stream stops reading
 _INLINE_BYTES = 256 << 10  # records in one message up to this size are validated on the event loop, larger ones
 #                            on the intake threads (decoding is bounded by the size: at most ~0.1 s of loop time)

@@ -14,6 +14,8 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
+from protos.net import is_loopback
+
 log = logging.getLogger("npu_agent")
 
 POLICIES = ("block", "drop")
@@ -44,12 +46,7 @@ class Endpoint:
 
     @property
     def is_loopback(self) -> bool:
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return False
+        return is_loopback(self.host)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,7 @@ import ssl
 import grpc
 
 from npu_agent.transport import Refusal
+from protos.contract import PACKAGE
 from protos.tls import ONLINE_CHECK_KEY_PASSPHRASE
 
 MAKE_CERTS = "certs/make_certs.py (see certs/README.md)"
@@ -56,7 +57,7 @@ def classify(code: grpc.StatusCode | None, detail: str, tls_dir: str, host: str,
                        "use a client certificate issued by the server's CA that is not revoked (a new one: "
                        f"{MAKE_CERTS} --client NAME), in tensor.tls_path")
     if stream and code == grpc.StatusCode.UNIMPLEMENTED:
-        return Refusal(f"it does not serve this agent's protocol online_check.v1 ({detail or code.name}); it is "
+        return Refusal(f"it does not serve this agent's protocol {PACKAGE} ({detail or code.name}); it is "
                        "another version of gpu-server, or not gpu-server",
                        "run gpu-server and npu_agent of the same release")
     if stream and code == grpc.StatusCode.FAILED_PRECONDITION:

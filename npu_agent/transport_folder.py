@@ -6,8 +6,9 @@ Layout under `tensor.nfs_path` (the server reads the same folder as `run_ut.nfs_
     rank{r}/{run_id}.rank{r}.end                end of stream: one End Frame with the counts
     rank{r}/.{final name}.{pid}.{random}.tmp    being written (hidden: the server never reads it)
 
-File format (`protos.codec`, shared with `gpu_server/folder.py`): the 8 bytes `FOLDER_MAGIC`, then frames, each as
-a 4-byte little-endian length followed by one serialized `Frame` (the same bytes `protos.codec.encode_frames` yields).
+File format and names (`protos.folder_format`, shared with `gpu_server/folder.py`): the 8 bytes `FOLDER_MAGIC`, then
+frames, each as a 4-byte little-endian length followed by one serialized `Frame` (the same bytes
+`protos.codec.encode_frames` yields).
 
 Publishing a file: write it under the temporary name, fsync it, rename it to the final name (atomic within a
 folder), fsync the folder. Only then is the record acknowledged to the Sender: an acknowledged record is on disk
@@ -27,18 +28,17 @@ import logging
 import os
 import secrets
 import stat
-import struct
 import threading
 from collections.abc import Callable, Iterable
 
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
-from protos.codec import FOLDER_MAGIC, encode_frames, folder_end_name, folder_record_name
+from protos.codec import encode_frames
+from protos.folder_format import file_chunks, folder_end_name, folder_record_name, rank_dir_name
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
 
-_LEN = struct.Struct("<I")
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _FILE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
 
@@ -48,7 +48,7 @@ class SymlinkRefused(OSError):
 
 
 def rank_dir(nfs_path: str, rank: int) -> str:
-    return os.path.join(nfs_path, f"rank{rank}")
+    return os.path.join(nfs_path, rank_dir_name(rank))
 
 
 def open_rank_dir(folder: str) -> int:
@@ -79,12 +79,9 @@ def publish(dir_fd: int, name: str, frames: Iterable[bytes]) -> int:
     written = 0
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(FOLDER_MAGIC)
-            written += len(FOLDER_MAGIC)
-            for frame in frames:
-                fh.write(_LEN.pack(len(frame)))
-                fh.write(frame)
-                written += _LEN.size + len(frame)
+            for piece in file_chunks(frames):
+                fh.write(piece)
+                written += len(piece)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)

@@ -23,11 +23,12 @@ from npu_agent.refusal import classify, client_certificate_refusal, plaintext_re
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos import online_check_pb2 as pb
 from protos.codec import encode_frames
+from protos.contract import STREAM_METHOD
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
 
-METHOD = "/online_check.v1.OnlineCheck/Stream"
+METHOD = STREAM_METHOD
 HEALTH = "/grpc.health.v1.Health/Check"
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_send_message_length", -1),

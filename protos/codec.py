@@ -392,15 +392,8 @@ def _varint(n: int) -> bytes:
             return bytes(out)
 
 
-# -- the shared-folder transport's files (npu_agent/transport_folder.py writes them, gpu_server/folder.py reads) --
-# A file is FOLDER_MAGIC, then frames, each a 4-byte little-endian length and one serialized Frame (the same bytes
-# as on the gRPC stream). Names carry the run id, rank and sequence number; nothing in a file names a path.
-FOLDER_MAGIC = b"OCFRAME1"
-
-
-def folder_record_name(run_id: str, rank: int, seq: int) -> str:
-    return f"{run_id}.rank{rank}.{seq:012d}.rec"
-
-
-def folder_end_name(run_id: str, rank: int) -> str:
-    return f"{run_id}.rank{rank}.end"
+# The shared-folder transport's names and layout moved to protos/folder_format.py; re-exported here until every
+# importer uses that module.
+from protos.folder_format import FOLDER_MAGIC as FOLDER_MAGIC  # noqa: E402
+from protos.folder_format import folder_end_name as folder_end_name  # noqa: E402
+from protos.folder_format import folder_record_name as folder_record_name  # noqa: E402

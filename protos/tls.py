@@ -40,7 +40,6 @@ What is enforced, and by whom:
 from __future__ import annotations
 
 import datetime as _dt
-import ipaddress
 import logging
 import os
 import socket
@@ -59,6 +58,8 @@ from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.types import PrivateKeyTypes, PublicKeyTypes
 from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from protos.net import is_loopback, strip_brackets
 
 __all__ = [
     "ONLINE_CHECK_KEY_PASSPHRASE",
@@ -286,7 +287,7 @@ def channel_options(server_name: str | None = None) -> list[tuple[str, str]]:
     dialled host (for example dialling an IP address whose certificate names only a host name)."""
     if not server_name:
         return []
-    return [("grpc.ssl_target_name_override", _strip_brackets(server_name))]
+    return [("grpc.ssl_target_name_override", strip_brackets(server_name))]
 
 
 # ----------------------------------------------------------------------------------------------- CRL
@@ -455,11 +456,6 @@ class RevocationInterceptor(grpc.ServerInterceptor):
 # ----------------------------------------------------------------------------------------------- client-side check
 
 
-def _strip_brackets(host: str) -> str:
-    host = host.strip()
-    return host[1:-1] if host.startswith("[") and host.endswith("]") else host
-
-
 def check_server_not_revoked(host: str, port: int, tls_dir: str | os.PathLike[str], server_name: str | None = None,
                              timeout: float = 10.0) -> None:
     """Refuse a server whose certificate is revoked by the client's ``tls_dir/crl.pem``.
@@ -477,7 +473,7 @@ def check_server_not_revoked(host: str, port: int, tls_dir: str | os.PathLike[st
     if revoked is None:
         return
     material = load_client_material(tls_dir)
-    name = _strip_brackets(server_name or host)
+    name = strip_brackets(server_name or host)
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     ctx.verify_mode = ssl.CERT_REQUIRED
@@ -490,7 +486,7 @@ def check_server_not_revoked(host: str, port: int, tls_dir: str | os.PathLike[st
         ctx.set_alpn_protocols(["h2"])
     except NotImplementedError:
         pass
-    addr = _strip_brackets(host)
+    addr = strip_brackets(host)
     where = f"{host}:{port}"
     with socket.create_connection((addr, int(port)), timeout=timeout) as sock:
         try:
@@ -508,14 +504,3 @@ def check_server_not_revoked(host: str, port: int, tls_dir: str | os.PathLike[st
         raise TlsConfigError(f"the server at {where} presents certificate {cert.subject.rfc4514_string()} "
                              f"(serial {cert.serial_number:x}), which is revoked by {folder / CRL_FILE}; refusing "
                              f"to send to it")
-
-
-def is_loopback(host: str) -> bool:
-    """True for 'localhost' and loopback IP addresses (plaintext there needs no warning)."""
-    name = _strip_brackets(host)
-    if name.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False

@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m gpu_server.demo "$@"
+exec .venv/bin/python -m examples.demo "$@"

@@ -398,7 +398,7 @@ def main(argv=None) -> None:
         install(ns.case)
     dtype = getattr(torch, ns.dtype)
     if ns.model == "tinylm":
-        from gpu_server.demo import train
+        from examples.demo import train
 
         train(ns.config, steps=ns.steps, dtype=dtype, dropout=ns.dropout, seed=ns.seed)
     elif ns.model == "convnet":

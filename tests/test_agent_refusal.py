@@ -75,7 +75,9 @@ health_pb2_grpc.add_HealthServicer_to_server(h, server)
 def refuse(requests, context):
     next(requests, None)
     context.abort(grpc.StatusCode.FAILED_PRECONDITION, "agent protocol 0.1.0 is not supported; this server needs 2.x")
-service = "online_check.v2.OnlineCheck" if mode == "v2" else "online_check.v1.OnlineCheck"
+from protos.contract import SERVICE_NAME   # this release's service; "v2" stands for a later release
+service = SERVICE_NAME.replace(".v1.", ".v2.") if mode == "v2" else SERVICE_NAME
+assert mode != "v2" or service != SERVICE_NAME
 server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {
     "Stream": grpc.stream_stream_rpc_method_handler(refuse)}),))
 if len(sys.argv) > 3:   # mutual TLS with the files of a run_ut.tls_path folder (not checked: may be expired)

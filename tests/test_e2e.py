@@ -12,11 +12,12 @@ from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import encode_frames
+from protos.contract import STREAM_METHOD
 from tests.support import Server, agent_config, by_name, read_csv, read_header, run_training
 
 TRAIN = r"""
 import json, sys, torch
-from gpu_server.demo import train
+from examples.demo import train
 _, losses, counts = train(sys.argv[1], steps=2, dtype=getattr(torch, sys.argv[2]), dropout=float(sys.argv[3]))
 print("COUNTS " + json.dumps(counts))
 """
@@ -115,7 +116,7 @@ def _raw_record(name: str, seq: int, tensors=(), corrupt=False) -> list[bytes]:
 def test_malformed_record_and_unknown_api_get_an_error_answer_and_a_skip_row(tmp_path):
     with Server(str(tmp_path)) as srv:
         channel = grpc.insecure_channel(f"127.0.0.1:{srv.port}")
-        stream = channel.stream_stream("/online_check.v1.OnlineCheck/Stream", request_serializer=None,
+        stream = channel.stream_stream(STREAM_METHOD, request_serializer=None,
                                        response_deserializer=pb.Ack.FromString)
         x = torch.randn(3, 4)
         frames = (_raw_record("Torch.definitely_not_an_api.0", 0, [x])

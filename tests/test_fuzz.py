@@ -20,12 +20,13 @@ from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import RecordDecoder, WireError, encode_frames
+from protos.contract import STREAM_METHOD
 from protos.limits import Limits, MiB
 from tests import support
 
 LIMITS = Limits(max_frame_bytes=1 * MiB, max_record_bytes=1 * MiB, max_tensors=64, max_numel=1 << 20,
                 max_values=10_000, max_depth=16)
-METHOD = "/online_check.v1.OnlineCheck/Stream"
+METHOD = STREAM_METHOD
 FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.too_slow], database=None)
 
 

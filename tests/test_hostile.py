@@ -19,10 +19,11 @@ from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import encode_frames
+from protos.contract import STREAM_METHOD
 from protos.limits import API_NAME, RUN_ID, log_text, valid_call_name
 from tests import support
 
-METHOD = "/online_check.v1.OnlineCheck/Stream"
+METHOD = STREAM_METHOD
 MiB = 1 << 20
 
 TRAIN = r'''

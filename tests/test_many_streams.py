@@ -16,9 +16,10 @@ from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import encode_frames
+from protos.contract import STREAM_METHOD
 from tests import support
 
-METHOD = "/online_check.v1.OnlineCheck/Stream"
+METHOD = STREAM_METHOD
 STREAMS = 1024
 PER_CONNECTION = 64
 

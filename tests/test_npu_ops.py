@@ -29,6 +29,7 @@ from npu_agent.records import BACKWARD, PendingRecord, encode_record
 from npu_agent.snapshot import iter_tensors, snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import encode_frames
+from protos.contract import STREAM_METHOD
 from tests.support import Server, agent_config, by_name, capture, read_csv, run_training
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -198,7 +199,7 @@ def send_raw(port: int, recs: list[PendingRecord]) -> list:
         frames += list(encode_frames(record, enc.buffers, enc.size, 1 << 20))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        stream = channel.stream_stream("/online_check.v1.OnlineCheck/Stream", request_serializer=None,
+        stream = channel.stream_stream(STREAM_METHOD, request_serializer=None,
                                        response_deserializer=pb.Ack.FromString)
         return list(stream(iter(frames), timeout=60))
     finally:

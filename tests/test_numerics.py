@@ -7,7 +7,7 @@ from tests.support import Server, agent_config, read_csv, run_training
 
 SAME_PARAMS = r"""
 import sys, torch, torch.nn as nn, torch.nn.functional as F, torch.utils.checkpoint as ckpt
-from gpu_server.demo import TinyLM, batches
+from examples.demo import TinyLM, batches
 from npu_agent import PrecisionDebugger
 
 class CkptLM(TinyLM):

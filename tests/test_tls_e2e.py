@@ -18,11 +18,12 @@ import pytest
 
 from npu_agent.config import ConfigError, parse_config
 from protos import online_check_pb2 as pb
+from protos.contract import STREAM_METHOD
 from tests import support
 
 MAKE = os.path.join(support.ROOT, "certs", "make_certs.py")
 REVOKE = os.path.join(support.ROOT, "certs", "revoke_cert.py")
-METHOD = "/online_check.v1.OnlineCheck/Stream"
+METHOD = STREAM_METHOD
 
 TRAIN = r'''
 import logging, sys, torch, torch.nn as nn, torch.nn.functional as F

@@ -1,4 +1,4 @@
-"""The main job in one command: `python -m gpu_server.demo`.
+"""The main job in one command: `python -m examples.demo` from the repository root (`bash scripts/demo.sh`).
 
 Starts `gpu-server` in its own process on a free loopback port, trains a small transformer language model on the
 CPU in bfloat16 with the agent for a few steps, stops the server (SIGTERM: it drains and flushes) and prints the

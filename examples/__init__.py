@@ -1,0 +1,1 @@
+"""Runnable examples that drive both the agent and the server (not installed; run from the repository root)."""
