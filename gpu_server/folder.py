@@ -31,7 +31,6 @@ import logging
 import os
 import re
 import stat
-import struct
 import threading
 import time
 from typing import Callable
@@ -40,16 +39,14 @@ from google.protobuf.message import DecodeError
 
 from gpu_server.intake import FrameAssembler, Intake
 from protos import online_check_pb2 as pb
-from protos.codec import FOLDER_MAGIC, WireError
+from protos.codec import WireError
+from protos.folder_format import END_FILE, FOLDER_MAGIC, FRAME_LENGTH, RANK_DIR, RECORD_FILE
 from protos.limits import DEFAULT_LIMITS, Limits, log_text
 
 log = logging.getLogger("gpu_server")
 
-_LEN = struct.Struct("<I")
+_LEN = FRAME_LENGTH
 _SAFE = re.compile(r"[^A-Za-z0-9._-]", re.ASCII)
-RANK_DIR = re.compile(r"^rank([0-9]{1,9})\Z", re.ASCII)
-RECORD_FILE = re.compile(r"^([A-Za-z0-9_-]{1,64})\.rank([0-9]{1,9})\.([0-9]{12})\.rec\Z", re.ASCII)
-END_FILE = re.compile(r"^([A-Za-z0-9_-]{1,64})\.rank([0-9]{1,9})\.end\Z", re.ASCII)
 REJECTED_DIR = "rejected"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from protos import apis
+from protos.torch_compat import dispatcher_op_names
 
 _SUBMODULES = (("linalg_", torch.linalg), ("fft_", torch.fft), ("special_", torch.special))
 
@@ -36,7 +37,7 @@ def _aten_fn(api: str) -> Callable | None:
     """`torch.ops.aten.<api>` when the operator is registered on this host (looked up once, by set membership)."""
     global _ATEN_NAMES
     if _ATEN_NAMES is None:
-        _ATEN_NAMES = frozenset(n[len("aten::"):].split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names()
+        _ATEN_NAMES = frozenset(n[len("aten::"):].split(".", 1)[0] for n in dispatcher_op_names()
                                 if n.startswith("aten::"))
     return getattr(torch.ops.aten, api) if api in _ATEN_NAMES else None
 
