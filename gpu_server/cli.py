@@ -6,7 +6,8 @@ could not be written: those records stay in the spool for a restart).
 
 Every acknowledged record is in `--out/spool/` until its rows are written; a restart with the same `--out` (after a
 crash, a kill or a stop) resumes: same report files, spooled records checked first, nothing written twice
-(gpu_server/spool.py). Use a new `--out` for a new session.
+(gpu_server/spool.py). Use a new `--out` for a new session. `--keep-records` moves reported records into
+`--out/spool/kept/` instead of deleting them, so that `gpu-server recheck OUT` can check the whole run again.
 """
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ def _args(argv):
     p.add_argument("--error-data-max-mb", type=float, default=None,
                    help="cap on the evidence saved under error_data_path (default: no cap); past it, failing calls "
                         "are still reported, only their tensors are not saved")
+    p.add_argument("--keep-records", action="store_true",
+                   help="keep every record after it is reported (in OUT/spool/kept/, for `gpu-server recheck`) "
+                        "instead of deleting it; costs as much disk as the training sends (off by default)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     return p.parse_args(argv)
 
@@ -88,7 +92,8 @@ def main(argv=None) -> int:
                         backward_budget=int(ns.backward_memory_mb * MiB),
                         expected_ranks=expected if ns.exit_when_done else None,
                         memory_budget=int(ns.memory_mb * MiB) if ns.memory_mb else None,
-                        error_data_max_bytes=None if ns.error_data_max_mb is None else int(ns.error_data_max_mb * MiB))
+                        error_data_max_bytes=None if ns.error_data_max_mb is None else int(ns.error_data_max_mb * MiB),
+                        keep_records=ns.keep_records)
         app.start()
     except (ValueError, OSError, SpoolError) as exc:
         print(f"gpu-server: {exc}", file=sys.stderr)
