@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gpu_server import error_data, standards
+from gpu_server import error_data, spread, standards
 from gpu_server.columns import BLANK
 from gpu_server.intake import Job
 from gpu_server.pending import Completion, PendingCalls, Waiting
@@ -115,8 +115,10 @@ class Checker:
             same_error = ""
         except ReplayError as exc:
             same, same_error = None, f"same-dtype run failed: {exc}"
+        members = (spread.LazyRuns(lambda: spread.forward_members(job, self.device, self.match_threads))
+                   if same is not None else None)
         outcome = self._compare(rep, job, "forward", flatten_outputs(job.output), flatten_outputs(bench),
-                                flatten_outputs(same) if same is not None else None, same_error)
+                                flatten_outputs(same) if same is not None else None, same_error, members)
         if job.backward_expected:
             return self._hold(job, outcome)
         self._finish(job, outcome, None, fwd_job=job)
@@ -168,12 +170,14 @@ class Checker:
             same, same_error = None, f"same-dtype run failed: {exc}"
         device = list(bwd.grad_input) if isinstance(bwd.grad_input, (list, tuple)) else [bwd.grad_input]
         keep = [i for i, g in enumerate(device) if g is not None]
+        members = (spread.LazyRuns(lambda: [[m[i] for i in keep] for m in spread.backward_members(
+            fwd, bwd, self.device, self.match_threads)]) if same is not None else None)
         return self._compare(rep, bwd, "backward", [device[i] for i in keep], [bench[i] for i in keep],
-                             [same[i] for i in keep] if same is not None else None, same_error)
+                             [same[i] for i in keep] if same is not None else None, same_error, members)
 
     # -- comparison rows ---------------------------------------------------------------------------------------
     def _compare(self, rep: RankReports, job: Job, direction: str, device: list, bench: list,
-                 same: list | None, same_error: str) -> Outcome:
+                 same: list | None, same_error: str, members: spread.LazyRuns | None = None) -> Outcome:
         outcome = Outcome()
         if len(bench) != len(device):
             msg = f"bench and device outputs differ in structure: {len(bench)} vs {len(device)} compared values"
@@ -185,17 +189,13 @@ class Checker:
             b_cpu = b.detach().cpu() if isinstance(b, torch.Tensor) else b
             s = same[i] if same is not None and i < len(same) else None
             s_cpu = s.detach().cpu() if isinstance(s, torch.Tensor) else s
-            cmp = compare_output(b_cpu, d)
-            if cmp.status in (ERROR, WARNING) and isinstance(d, torch.Tensor) and standards.bit_identical(s_cpu, d):
-                # The device did exactly what the trusted host does in the same precision: that is the
-                # precision's own rounding, not a device fault (SPEC §6.3, applied to the two-way status too).
-                cmp.status, cmp.message = PASS, ("bit-identical to the same-dtype run on the bench device; against "
-                                                 f"the upcast bench: {cmp.message}")
+            others = members.output(i) if members is not None else ()   # gpu_server.spread's runs, lazily
+            cmp = compare_output(b_cpu, d, spread.with_host(s_cpu, others))
             rep.write_detail(row, _dtype(b), _dtype(d), _shape(d), cmp.metrics, cmp.status, cmp.message, job.step)
             outcome.statuses.append(cmp.status)
             if cmp.status in (ERROR, WARNING) and not outcome.message:
                 outcome.message = f"{row}: {cmp.message}"
-            verdict = standards.judge(job.api, b_cpu, d, s_cpu, device_metrics=cmp.metrics)
+            verdict = standards.judge(job.api, b_cpu, d, s_cpu, device_metrics=cmp.metrics, spread=others)
             message = "; ".join(m for m in (verdict.message, same_error) if m)
             rep.write_precision_detail(row, verdict.cells, verdict.status, verdict.algorithm, message, job.step)
             if self._write_rows:

@@ -40,14 +40,21 @@ def _args(argv):
                    help="'error': exit status 1 when any API failed (for CI)")
     p.add_argument("--backward-memory-mb", type=float, default=4096,
                    help="memory for forward inputs kept until their backward check (default 4096)")
-    p.add_argument("--max-record-mb", type=float, default=DEFAULT_LIMITS.max_record_bytes / MiB,
-                   help="largest record accepted")
+    p.add_argument("--max-record-mb", type=float, default=None,
+                   help="largest record accepted (default: half of --memory-mb; at most --memory-mb): a larger one "
+                        "is refused at its header with a message naming these options")
     p.add_argument("--memory-mb", type=float, default=None,
                    help="payload bytes held at once: being received, spooled, waiting for a worker (default: a "
                         "quarter of the host's memory, at least 1024); a full budget slows the agents down")
     p.add_argument("--error-data-max-mb", type=float, default=None,
                    help="cap on the evidence saved under error_data_path (default: no cap); past it, failing calls "
                         "are still reported, only their tensors are not saved")
+    p.add_argument("--max-streams", type=int, default=DEFAULT_LIMITS.max_streams,
+                   help=f"agent streams served at once (default {DEFAULT_LIMITS.max_streams}); one more is refused "
+                        "with a message the agent logs")
+    p.add_argument("--record-timeout-s", type=float, default=DEFAULT_LIMITS.record_timeout_s,
+                   help="a record half received is cut (its memory released) when its next frame takes longer "
+                        f"(default {DEFAULT_LIMITS.record_timeout_s:g}; plus 1 s per MiB for the whole record)")
     p.add_argument("--keep-records", action="store_true",
                    help="keep every record after it is reported (in OUT/spool/kept/, for `gpu-server recheck`) "
                         "instead of deleting it; costs as much disk as the training sends (off by default)")
@@ -68,7 +75,7 @@ def main(argv=None) -> int:
     except ServerConfigError as exc:
         print(f"gpu-server: {exc}", file=sys.stderr)
         return 2
-    from gpu_server.app import ServerApp  # imports torch: after the cheap checks
+    from gpu_server.app import ServerApp, default_memory_budget  # imports torch: after the cheap checks
     from gpu_server.spool import SpoolError
 
     if ns.error_data_max_mb is not None and ns.error_data_max_mb < 0:
@@ -82,7 +89,18 @@ def main(argv=None) -> int:
         print(f"gpu-server: --out {ns.out}: cannot create or write this folder ({exc.strerror or exc}); choose a "
               "folder this user may write", file=sys.stderr)
         return 2
-    limits = DEFAULT_LIMITS.replace(max_record_bytes=int(ns.max_record_mb * MiB))
+    memory = int(ns.memory_mb * MiB) if ns.memory_mb else default_memory_budget()
+    max_record = int(ns.max_record_mb * MiB) if ns.max_record_mb else memory // 2
+    if max_record > memory:
+        print(f"gpu-server: --max-record-mb {max_record / MiB:g} is more than the memory budget ({memory / MiB:g} "
+              "MiB, --memory-mb): such a record could not be held; raise --memory-mb or lower --max-record-mb",
+              file=sys.stderr)
+        return 2
+    if ns.max_streams < 1 or ns.record_timeout_s <= 0:
+        print("gpu-server: --max-streams must be at least 1 and --record-timeout-s positive", file=sys.stderr)
+        return 2
+    limits = DEFAULT_LIMITS.replace(max_record_bytes=max_record, max_streams=ns.max_streams,
+                                    record_timeout_s=ns.record_timeout_s)
     expected = ns.world_size or (len(config.rank_list) if config.rank_list else None)
     if ns.exit_when_done and not expected:
         print("gpu-server: --exit-when-done needs --world-size N (or a non-empty rank_list)", file=sys.stderr)
@@ -91,7 +109,7 @@ def main(argv=None) -> int:
         app = ServerApp(config, ns.out, device=ns.device, workers=ns.workers, limits=limits,
                         backward_budget=int(ns.backward_memory_mb * MiB),
                         expected_ranks=expected if ns.exit_when_done else None,
-                        memory_budget=int(ns.memory_mb * MiB) if ns.memory_mb else None,
+                        memory_budget=memory,
                         error_data_max_bytes=None if ns.error_data_max_mb is None else int(ns.error_data_max_mb * MiB),
                         keep_records=ns.keep_records)
         app.start()

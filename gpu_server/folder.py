@@ -14,6 +14,14 @@ Rules:
   the folder is read again (the intake drops duplicates within a run).
 * Sizes are checked against the limits before anything is allocated: a frame is at most `max_frame_bytes`, a
   record's payload at most `max_record_bytes` and never more than the file holds.
+* Symbolic links are never followed, anywhere below `nfs_path` (docs/security.md): each `rank{r}/` is opened once
+  per pass with O_NOFOLLOW | O_DIRECTORY and every later open, unlink and rename is relative to that descriptor, so
+  a folder swapped for a link meanwhile is not entered; record files are opened with O_NOFOLLOW | O_NONBLOCK and
+  must be regular files; files are moved aside only into a `rejected/` that is a real directory owned by the
+  server's user (created by it), opened the same way. A link planted anywhere is moved aside itself (rename never
+  follows it) or left alone.
+* An end marker counts only for a run and rank whose records reached the server (`Intake.end_backed`).
+* Every file name that reaches the log is escaped (`protos.limits.log_text`).
 """
 from __future__ import annotations
 
@@ -33,15 +41,30 @@ from google.protobuf.message import DecodeError
 from gpu_server.intake import FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import FOLDER_MAGIC, WireError
-from protos.limits import DEFAULT_LIMITS, Limits
+from protos.limits import DEFAULT_LIMITS, Limits, log_text
 
 log = logging.getLogger("gpu_server")
 
 _LEN = struct.Struct("<I")
-RANK_DIR = re.compile(r"^rank(\d{1,9})$")
-RECORD_FILE = re.compile(r"^([A-Za-z0-9_-]{1,64})\.rank(\d{1,9})\.(\d{12})\.rec$")
-END_FILE = re.compile(r"^([A-Za-z0-9_-]{1,64})\.rank(\d{1,9})\.end$")
+_SAFE = re.compile(r"[^A-Za-z0-9._-]", re.ASCII)
+RANK_DIR = re.compile(r"^rank([0-9]{1,9})\Z", re.ASCII)
+RECORD_FILE = re.compile(r"^([A-Za-z0-9_-]{1,64})\.rank([0-9]{1,9})\.([0-9]{12})\.rec\Z", re.ASCII)
+END_FILE = re.compile(r"^([A-Za-z0-9_-]{1,64})\.rank([0-9]{1,9})\.end\Z", re.ASCII)
 REJECTED_DIR = "rejected"
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+_FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+class _Dir:
+    """A `rank{r}/` folder opened without following links: `fd` for every operation inside, `path` for messages."""
+
+    __slots__ = ("path", "fd", "name")
+
+    def __init__(self, path: str, fd: int, name: str):
+        self.path, self.fd, self.name = path, fd, name
+
+    def join(self, name: str) -> str:
+        return os.path.join(self.path, name)
 
 
 class BadFile(Exception):
@@ -115,15 +138,32 @@ class FolderReader:
             return False
         for entry in sorted(entries, key=lambda e: e.name):
             m = RANK_DIR.match(entry.name)
-            if m and entry.is_dir(follow_symlinks=False):
-                busy |= self._poll_rank(entry.path, int(m.group(1)))
+            if m:
+                folder = self._open_dir(entry.name)
+                if folder is not None:
+                    try:
+                        busy |= self._poll_rank(folder, int(m.group(1)))
+                    finally:
+                        os.close(folder.fd)
             if self._stop.is_set():
                 break
         return busy
 
-    def _poll_rank(self, folder: str, rank: int) -> bool:
+    def _open_dir(self, name: str) -> _Dir | None:
+        """`nfs_path/name` opened as a real directory (never through a link), or None (reported once)."""
+        path = os.path.join(self.nfs_path, name)
         try:
-            names = os.listdir(folder)
+            fd = os.open(path, _DIR_FLAGS)
+        except OSError as exc:
+            if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                self._report_once(f"dir:{path}", "shared folder: %s is not a directory (a symbolic link or a file); "
+                                                 "it is ignored", path)
+            return None
+        return _Dir(path, fd, name)
+
+    def _poll_rank(self, folder: _Dir, rank: int) -> bool:
+        try:
+            names = os.listdir(folder.fd)
         except OSError:
             return False
         records: dict[str, dict[int, str]] = {}
@@ -148,7 +188,7 @@ class FolderReader:
             busy |= self._poll_stream(folder, run_id, rank, records.get(run_id, {}), ends.get(run_id))
         return busy
 
-    def _poll_stream(self, folder: str, run_id: str, rank: int, files: dict[int, str], end: str | None) -> bool:
+    def _poll_stream(self, folder: _Dir, run_id: str, rank: int, files: dict[int, str], end: str | None) -> bool:
         st = self._streams.setdefault((run_id, rank), _Stream())
         if st.ended and not files and end is None:
             return False
@@ -176,8 +216,8 @@ class FolderReader:
                     elif now - st.gap_since > 30 and not st.gap_reported:
                         st.gap_reported = True
                         log.warning("shared folder: run %s rank %d: waiting for record %d (%s) before %d", run_id,
-                                    rank, st.next_seq, os.path.join(folder, f"{run_id}.rank{rank}."
-                                                                            f"{st.next_seq:012d}.rec"), seq)
+                                    rank, st.next_seq, log_text(folder.join(
+                                        f"{run_id}.rank{rank}.{st.next_seq:012d}.rec"), 300), seq)
                     return busy  # wait for the gap to fill
                 log.warning("shared folder: run %s rank %d: records %d..%d never arrived (the agent ended without "
                             "them); going on with %d", run_id, rank, st.next_seq, seq - 1, seq)
@@ -192,7 +232,7 @@ class FolderReader:
             # Every record the agent wrote was published before its end marker; a listing taken before the marker
             # appeared may still miss the last ones, so look once more before ending the stream.
             try:
-                later = [n for n in os.listdir(folder) if (m := RECORD_FILE.match(n)) and m.group(1) == run_id
+                later = [n for n in os.listdir(folder.fd) if (m := RECORD_FILE.match(n)) and m.group(1) == run_id
                          and int(m.group(2)) == rank and int(m.group(3)) >= (st.next_seq or 0)
                          and n not in handled]
             except OSError:
@@ -204,11 +244,11 @@ class FolderReader:
         return busy
 
     # -- files ---------------------------------------------------------------------------------------------
-    def _read_frames(self, path: str):
+    def _read_frames(self, folder: _Dir, name: str):
         """Yield (frame, bytes) of a published file, checking every size before reading it."""
-        # O_NOFOLLOW | O_NONBLOCK: a symlink or a FIFO planted under a record's name is refused, never followed
-        # or waited on.
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        # O_NOFOLLOW | O_NONBLOCK, relative to the folder opened without following links: a symlink or a FIFO
+        # planted under a record's name is refused, never followed or waited on.
+        fd = os.open(name, _FILE_FLAGS, dir_fd=folder.fd)
         with os.fdopen(fd, "rb") as fh:
             st = os.fstat(fh.fileno())
             if not stat.S_ISREG(st.st_mode):
@@ -238,10 +278,10 @@ class FolderReader:
                     raise BadFile(f"the {n}-byte frame at byte {pos - n} is not a valid Frame") from None
                 yield frame, size - pos
 
-    def _load_record(self, path: str, run_id: str, rank: int, seq: int) -> tuple[pb.Record, bytearray]:
+    def _load_record(self, folder: _Dir, name: str, run_id: str, rank: int, seq: int) -> tuple[pb.Record, bytearray]:
         asm = FrameAssembler(self.limits)
         done = None
-        for frame, remaining in self._read_frames(path):
+        for frame, remaining in self._read_frames(folder, name):
             if done is not None:
                 raise BadFile("more frames follow the complete record")
             body = frame.WhichOneof("body")
@@ -265,11 +305,11 @@ class FolderReader:
             raise BadFile("the file ends before the record is complete")
         return done
 
-    def _process_record(self, folder: str, name: str, run_id: str, rank: int, seq: int) -> bool:
+    def _process_record(self, folder: _Dir, name: str, run_id: str, rank: int, seq: int) -> bool:
         """Handle one record file. False when it could not be read now (retry later, keep the order)."""
-        path = os.path.join(folder, name)
+        path = folder.join(name)
         try:
-            record, payload = self._load_record(path, run_id, rank, seq)
+            record, payload = self._load_record(folder, name, run_id, rank, seq)
         except FileNotFoundError:
             return True  # removed meanwhile (another reader of the same folder); nothing to do
         except OSError as exc:
@@ -289,13 +329,13 @@ class FolderReader:
         if status == pb.Ack.REJECTED:
             log.warning("shared folder: %s rejected: %s", name, reason)
         self.processed += 1
-        self._remove(path)
+        self._remove(folder, name)
         return True
 
-    def _process_end(self, folder: str, name: str, run_id: str, rank: int, st: _Stream) -> None:
-        path = os.path.join(folder, name)
+    def _process_end(self, folder: _Dir, name: str, run_id: str, rank: int, st: _Stream) -> None:
+        path = folder.join(name)
         try:
-            frames = list(self._read_frames(path))
+            frames = list(self._read_frames(folder, name))
             if len(frames) != 1 or frames[0][0].WhichOneof("body") != "end":
                 raise BadFile("an end marker must hold exactly one End frame")
             end = frames[0][0].end
@@ -314,43 +354,85 @@ class FolderReader:
             return
         if not st.ended:
             st.ended = True
-            self.on_end(end)
-        self._remove(path)
+            why = self.intake.end_backed(end)
+            if why:
+                log.warning("shared folder: %s: %s", log_text(path, 300), why)
+            else:
+                self.on_end(end)
+        self._remove(folder, name)
         st.end_seen_at = None
 
-    def _remove(self, path: str) -> None:
+    def _remove(self, folder: _Dir, name: str) -> None:
         try:
-            os.unlink(path)
+            os.unlink(name, dir_fd=folder.fd)
         except FileNotFoundError:
             pass
         except OSError as exc:
+            path = folder.join(name)
             self._report_once(path, "shared folder: cannot delete %s after processing it (%s); it will be read again "
                                     "and dropped as a duplicate", path, exc)
 
-    def _move_aside(self, folder: str, name: str, why: str) -> None:
-        src = os.path.join(folder, name)
+    def _move_aside(self, folder: _Dir, name: str, why: str) -> None:
+        src = folder.join(name)
         if src in self._reported:
             return
         self.moved_aside += 1
-        dest_dir = os.path.join(self.nfs_path, REJECTED_DIR)
-        dest = os.path.join(dest_dir, f"{os.path.basename(folder)}_{name}")
-        try:
-            os.makedirs(dest_dir, exist_ok=True)
-            n = 1
-            while os.path.exists(dest):
-                dest = os.path.join(dest_dir, f"{os.path.basename(folder)}_{name}.{n}")
-                n += 1
-            os.replace(src, dest)
-            where = f"moved to {dest}"
-        except FileNotFoundError:
-            return
-        except OSError as exc:
+        base = f"{folder.name}_{_SAFE.sub('_', name)[:200]}"
+        rejected = self._rejected_dir()
+        if rejected is None:
             self._reported.add(src)
-            where = f"left in place (cannot move it: {exc})"
-        log.warning("shared folder: %s is not a valid record file: %s; %s", src, why, where)
+            where = (f"left in place ({os.path.join(self.nfs_path, REJECTED_DIR)} is not a real directory owned by "
+                     "this server's user, so nothing is moved into it)")
+        else:
+            try:
+                dest, n = base, 1
+                while _exists(dest, rejected):
+                    dest, n = f"{base}.{n}", n + 1
+                # rename never follows a link: neither the file (a planted link is moved as a link) nor, being
+                # relative to descriptors of real directories, any folder on the way
+                os.rename(name, dest, src_dir_fd=folder.fd, dst_dir_fd=rejected)
+                where = f"moved to {os.path.join(self.nfs_path, REJECTED_DIR, dest)}"
+            except FileNotFoundError:
+                return
+            except OSError as exc:
+                self._reported.add(src)
+                where = f"left in place (cannot move it: {exc})"
+            finally:
+                os.close(rejected)
+        log.warning("shared folder: %s is not a valid record file: %s; %s", log_text(src, 300), why,
+                    log_text(where, 400))
+
+    def _rejected_dir(self) -> int | None:
+        """A descriptor of `nfs_path/rejected/`, created by the server (mode 0700) if missing; None when that name
+        is anything but a real directory owned by the server's user (a planted link, a file, another user's)."""
+        path = os.path.join(self.nfs_path, REJECTED_DIR)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError:
+            return None
+        try:
+            fd = os.open(path, _DIR_FLAGS)
+        except OSError:
+            return None
+        st = os.fstat(fd)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            os.close(fd)
+            return None
+        return fd
 
     def _report_once(self, key: str, msg: str, *args) -> None:
+        args = tuple(a if isinstance(a, int) else log_text(str(a), 300) for a in args)
         if key in self._reported:
             return
         self._reported.add(key)
         log.warning(msg, *args)
+
+
+def _exists(name: str, dir_fd: int) -> bool:
+    try:
+        os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False

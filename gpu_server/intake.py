@@ -1,26 +1,34 @@
-"""Accepting records, whatever transport brought them (SPEC §4, §5.1).
+"""Accepting records, whatever transport brought them (docs/security.md, "Who can reach the port or the folder").
 
 `FrameAssembler` joins one stream's frames into (Record, payload), reserving the payload's bytes from the server's
-memory budget first (`ByteBudget`). `Intake.submit` drops duplicates (same run, rank, seq), applies the rank and API
-filters, writes the record to the durable spool (gpu_server/spool.py), validates the whole record (header, names,
-tensor table, values) and hands a decoded `Job` to the workers; it returns a `Ticket` that holds the acknowledgement
-once the record is durable. `Intake.accept` is the same, waiting for the ticket. Every outcome is an
-acknowledgement status and, for bad records, a SKIP row.
+memory budget first (`ByteBudget`, after `admit` refused a record above `Limits.max_record_bytes`). `Intake.submit`
+drops duplicates (same run, rank, seq), applies the rank and API filters, validates the whole record (header, strict
+names, tensor table, every value decoded, the replay registry) and only then writes it to the durable spool
+(gpu_server/spool.py) and hands the decoded `Job` to the workers; it returns a `Ticket` that holds the
+acknowledgement once the record is durable. A record that fails validation is answered REJECTED at once with the
+reason and a SKIP row, and is never spooled. `Intake.accept` is the same, waiting for the ticket. `Intake.end_backed`
+says whether an end message may count (its run and rank sent records).
 """
 from __future__ import annotations
 
+import asyncio
+import collections
 import dataclasses
+import logging
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from gpu_server.config import ServerConfig
-from gpu_server.registry import known
+from gpu_server.registry import replayable
 from gpu_server.seqset import SeqSet
 from protos import online_check_pb2 as pb
 from protos.codec import RecordDecoder, WireError
-from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, valid_call_name
+from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, MiB, log_text, valid_call_name
+
+log = logging.getLogger("gpu_server")
 
 if TYPE_CHECKING:
     from gpu_server.spool import Spool, Ticket
@@ -61,34 +69,124 @@ class Job:
 class ByteBudget:
     """Bytes of record payloads the server holds at once (assembling, spooling, queued for the workers).
 
-    `acquire` waits until the bytes fit; one record larger than the whole budget is let through alone.
+    Waiters (threads with `acquire`, event-loop coroutines with `acquire_async`) are granted in arrival order as
+    soon as their bytes fit; a later, smaller request may pass one that does not fit yet, unless that one has waited
+    longer than `AGING_S` (then everything queues behind it, so a large record is never starved). A request larger
+    than the whole budget is let through alone (only a restart with a smaller `--memory-mb` meets one: the
+    transports refuse records above `--max-record-mb`, which is at most the budget).
     """
+
+    AGING_S = 1.0
 
     def __init__(self, limit: int):
         self.limit = limit
         self.held = 0
         self.peak = 0
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+
+    def _fits(self, n: int) -> bool:
+        return self.held + n <= self.limit or not self.held
+
+    def _take(self, n: int) -> None:
+        self.held += n
+        self.peak = max(self.peak, self.held)
+
+    def _enter(self, waiter: _Waiter) -> bool:
+        """Under the lock: take the bytes now (True) or queue the waiter."""
+        if self._fits(waiter.n) and (not self._waiters or waiter.since - self._waiters[0].since <= self.AGING_S):
+            self._take(waiter.n)
+            return True
+        self._waiters.append(waiter)
+        return False
+
+    def _leave(self, waiter: _Waiter) -> bool:
+        """Under the lock: withdraw a waiter that gives up; True when it was granted meanwhile."""
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            return waiter.granted
+        self._grant_locked()
+        return False
 
     def acquire(self, n: int, cancelled: Callable[[], bool] = lambda: False) -> bool:
-        with self._cv:
-            while self.held and self.held + n > self.limit:
-                if cancelled():
-                    return False
-                self._cv.wait(0.5)
-            self.held += n
-            self.peak = max(self.peak, self.held)
-            return True
+        waiter = _Waiter(n, event=threading.Event())
+        with self._lock:
+            if self._enter(waiter):
+                return True
+        while not waiter.event.wait(0.5):
+            if cancelled():
+                with self._lock:
+                    if not self._leave(waiter):
+                        return False
+                return True
+        return True
+
+    async def acquire_async(self, n: int) -> None:
+        """Wait (without holding a thread) until `n` bytes are granted. Cancelling the wait gives nothing back
+        that was not granted, and gives back what was."""
+        loop = asyncio.get_running_loop()
+        waiter = _Waiter(n, future=loop.create_future(), loop=loop)
+        with self._lock:
+            if self._enter(waiter):
+                return
+        try:
+            await waiter.future
+        except asyncio.CancelledError:
+            with self._lock:
+                granted = self._leave(waiter)
+            if granted:
+                self.release(n)
+            raise
 
     def release(self, n: int) -> None:
         if n:
-            with self._cv:
+            with self._lock:
                 self.held -= n
-                self._cv.notify_all()
+                self._grant_locked()
+
+    def _grant_locked(self) -> None:
+        now = time.monotonic()
+        for waiter in list(self._waiters):
+            if self._fits(waiter.n):
+                self._waiters.remove(waiter)
+                self._take(waiter.n)
+                waiter.grant()
+            elif now - waiter.since > self.AGING_S:
+                break   # it waited long enough: nobody passes it any more
+
+
+class _Waiter:
+    __slots__ = ("n", "event", "future", "loop", "since", "granted")
+
+    def __init__(self, n: int, event: threading.Event | None = None, future=None, loop=None):
+        self.n, self.event, self.future, self.loop = n, event, future, loop
+        self.since = time.monotonic()
+        self.granted = False
+
+    def grant(self) -> None:
+        self.granted = True
+        if self.event is not None:
+            self.event.set()
+            return
+        try:
+            self.loop.call_soon_threadsafe(_resolve, self.future)
+        except RuntimeError:  # the event loop is closed (server stopped): nobody waits any more
+            pass
+
+
+def _resolve(future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class FrameAssembler:
-    """One stream's frames -> complete records. Frames of one record are contiguous and in offset order."""
+    """One stream's frames -> complete records. Frames of one record are contiguous and in offset order.
+
+    The payload's bytes are reserved from the memory budget once the record header is admitted (`admit`, then
+    `feed(frame, reserved=n)` when the caller waited for the bytes itself; or `feed` alone, which waits here). The
+    chunks of a record that was refused are dropped without an answer each (the record got one REJECTED).
+    """
 
     def __init__(self, limits: Limits = DEFAULT_LIMITS, budget: ByteBudget | None = None,
                  cancelled: Callable[[], bool] = lambda: False):
@@ -99,23 +197,51 @@ class FrameAssembler:
         self.payload: list[bytes] | None = None   # the chunks of a multi-frame record
         self.filled = 0
         self.reserved = 0          # budget bytes held by the record being assembled (handed over when complete)
+        self.started = 0.0         # monotonic time the record being assembled was admitted
+        self.last = 0.0            # ... and its latest frame arrived
+        self.refused_seq: int | None = None  # chunks of this record are dropped silently
 
-    def feed(self, frame: pb.Frame) -> tuple[pb.Record, bytes] | None:
+    def admit(self, frame: pb.Frame) -> int:
+        """Check a record header before anything is reserved for it: the payload bytes to reserve."""
+        if self.record is not None:
+            seq, filled = self.record.header.seq, self.filled
+            self.reset()
+            raise WireError(f"record {seq} was cut off by the next record after {filled} bytes")
+        rec = frame.record
+        self.refused_seq = None
+        if rec.payload_bytes > self.limits.max_record_bytes:
+            self.refused_seq = rec.header.seq
+            raise WireError(f"record {rec.header.seq} announces {rec.payload_bytes} payload bytes "
+                            f"({rec.payload_bytes / MiB:.1f} MiB), above the limit of {self.limits.max_record_bytes} "
+                            f"({self.limits.max_record_bytes / MiB:.1f} MiB) of what this server can hold (gpu-server "
+                            f"--max-record-mb, by default half of --memory-mb: raise them on the server, or capture "
+                            f"fewer or smaller tensors with tensor.list / tensor.scope)")
+        return rec.payload_bytes
+
+    def completes(self, frame: pb.Frame) -> bool:
+        """True when this chunk frame would complete the record being assembled (the caller may join off-loop)."""
+        return (self.record is not None and frame.WhichOneof("body") == "chunk"
+                and self.filled + len(frame.data) == self.record.payload_bytes)
+
+    def deadline(self) -> float | None:
+        """Monotonic time by which the record being assembled must get its next frame; None when none is."""
+        if self.record is None:
+            return None
+        timeout = self.limits.record_timeout_s
+        return min(self.last + timeout, self.started + timeout + self.record.payload_bytes / MiB)
+
+    def feed(self, frame: pb.Frame, reserved: int | None = None) -> tuple[pb.Record, bytes] | None:
         body = frame.WhichOneof("body")
         data = frame.data
         if body == "record":
-            if self.record is not None:
-                seq = self.record.header.seq
-                self.reset()
-                raise WireError(f"record {seq} was cut off by the next record after {self.filled} bytes")
+            if reserved is None:
+                n = self.admit(frame)
+                if self.budget is not None and not self.budget.acquire(n, self.cancelled):
+                    raise WireError(f"record {frame.record.header.seq}: the stream closed while waiting for server "
+                                    "memory")
+                reserved = n if self.budget is not None else 0
+            self.reserved = reserved
             rec = frame.record
-            if rec.payload_bytes > self.limits.max_record_bytes:
-                raise WireError(f"record {rec.header.seq} announces {rec.payload_bytes} payload bytes, above the "
-                                f"limit of {self.limits.max_record_bytes}")
-            if self.budget is not None:
-                if not self.budget.acquire(rec.payload_bytes, self.cancelled):
-                    raise WireError(f"record {rec.header.seq}: the stream closed while waiting for server memory")
-                self.reserved = rec.payload_bytes
             if len(data) == rec.payload_bytes:
                 # The whole payload rode on this frame (records up to one chunk: the common case): use its bytes
                 # as they are, without a second copy. Decoded tensors are read-only views; replay copies them.
@@ -124,11 +250,15 @@ class FrameAssembler:
             # The chunks are kept as they arrive and joined once, at the end: a header alone, whatever it
             # announces, costs nothing, and each byte is copied once more only.
             self.record, self.filled, self.payload = rec, 0, []
+            self.started = self.last = time.monotonic()
             offset = 0
         elif body == "chunk":
+            if self.record is None and frame.chunk.seq == self.refused_seq:
+                return None   # the rest of a refused record: it was answered once
             if self.record is None or frame.chunk.seq != self.record.header.seq:
                 raise WireError(f"chunk of record {frame.chunk.seq} without its record header")
             offset = frame.chunk.offset
+            self.last = time.monotonic()
         else:
             raise WireError(f"unexpected {body or 'empty'} frame inside a record")
         expected = self.record.payload_bytes
@@ -195,7 +325,10 @@ class Intake:
     def submit(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0) -> Ticket:
         """Take one complete record; the returned ticket holds the acknowledgement once the record is durable.
 
-        `reserved`: bytes of `self.budget` the payload holds (released here or once the workers checked it).
+        The record is validated completely (header, name, tensor table, every value decoded) before it is spooled:
+        a record that would fail to decode is answered REJECTED at once with the reason, gets its SKIP row, and is
+        never spooled (so a restart never meets it). `reserved`: bytes of `self.budget` the payload holds
+        (released here or once the workers checked it).
         """
         from gpu_server.spool import Ticket
 
@@ -204,8 +337,8 @@ class Intake:
         if not RUN_ID.match(h.run_id):
             self.rejected += 1
             self._release(reserved)
-            return Ticket(h.seq, REJECTED, f"record {h.seq}: run id {h.run_id[:80]!r} is not 1-64 letters, digits, "
-                                           "'-' or '_'")
+            return Ticket(h.seq, REJECTED, f"record {h.seq}: run id '{log_text(h.run_id)}' is not 1-64 letters, "
+                                           "digits, '-' or '_'")
         if not self.mark_seen(h.run_id, h.rank, h.seq):
             self.duplicates += 1
             self._release(reserved)
@@ -217,50 +350,74 @@ class Intake:
             self.filtered += 1
             self._release(reserved)
             return Ticket(h.seq, ACCEPTED)
+        job, reason = self.validate(record, payload)
+        if reason:
+            self._reject_row(h, h.name if match else f"invalid.record.{h.seq}", reason, job, reserved=reserved)
+            return Ticket(h.seq, REJECTED, reason)
         ticket = self.spool.append(record, payload) if self.spool is not None else None
-        status, reason = self.process(record, payload, reserved)
-        if ticket is None:
-            return Ticket(h.seq, status, reason)
-        if status != ACCEPTED:  # its SKIP row is on the way; answer the rejection once the record is durable
-            return Ticket(h.seq, status, reason, after=ticket)
-        return ticket
+        job.reserved = reserved
+        self.dispatch(job)
+        return ticket if ticket is not None else Ticket(h.seq, ACCEPTED)
 
-    def process(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0) -> tuple[int, str]:
-        """Validate a record that is new (or replayed from the spool) and hand its job (or SKIP row) to the workers.
+    def validate(self, record: pb.Record, payload: bytes | bytearray) -> tuple[Job | None, str]:
+        """(the decoded job, "") for a valid record; else (the job when it decoded, or None, why it is rejected).
+
+        Never raises: a record that breaks the decoder in a way the wire checks did not foresee is rejected too.
         """
         h = record.header
         match = valid_call_name(h.name)
         if match is None:
             self.rejected += 1
-            reason = f"record {h.seq}: API name {h.name[:80]!r} is not Category.api.n with a known category"
-            self._reject_row(h, f"invalid.record.{h.seq}", reason, reserved=reserved)
-            return REJECTED, reason
-        category, api = match.group(1), match.group(2)
-        if not self.config.wants_rank(h.rank) or not self.config.wants(api):
-            self.filtered += 1
-            self._reject_row(h, h.name, "", reserved=reserved, filtered=True)
-            return ACCEPTED, ""
+            return None, f"record {h.seq}: API name '{log_text(h.name)}' is not Category.api.n with a known category"
         if h.direction not in (pb.FORWARD, pb.BACKWARD):
             self.rejected += 1
-            reason = f"{h.name}: direction {h.direction} is neither forward nor backward"
-            self._reject_row(h, h.name, reason, reserved=reserved)
-            return REJECTED, reason
+            return None, f"{h.name}: direction {h.direction} is neither forward nor backward"
         try:
             job = decode_job(record, payload, self.limits)
         except WireError as exc:
             self.rejected += 1
-            reason = f"{h.name}: malformed record: {exc}"
-            self._reject_row(h, h.name, reason, reserved=reserved)
-            return REJECTED, reason
+            return None, f"{h.name}: malformed record: {exc}"
+        except Exception as exc:  # noqa: BLE001 - a decoder bug must cost one record, never the stream or a restart
+            self.rejected += 1
+            log.error("%s (run %s rank %d seq %d): the decoder failed (%s: %s); the record is rejected", h.name,
+                      log_text(h.run_id), h.rank, h.seq, type(exc).__name__, log_text(str(exc), 200))
+            return None, f"{h.name}: the record cannot be decoded ({type(exc).__name__})"
         if not job.skip_reason:
-            why = known(category, api)
+            why = replayable(match.group(1), match.group(2), job.args, job.kwargs)
             if why is not None:
                 self.rejected += 1
-                self._reject_row(h, h.name, why, job, reserved=reserved)
-                return REJECTED, f"{h.name}: {why}"
+                return job, f"{h.name}: {why}"
+        return job, ""
+
+    def process(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0) -> tuple[int, str]:
+        """Validate a record replayed from the spool and hand its job (or SKIP row) to the workers.
+
+        A spooled record that no longer validates is quarantined: a SKIP row, never fatal.
+        """
+        h = record.header
+        match = valid_call_name(h.name)
+        if match is not None and (not self.config.wants_rank(h.rank) or not self.config.wants(match.group(2))):
+            self.filtered += 1
+            self._reject_row(h, h.name, "", reserved=reserved, filtered=True)
+            return ACCEPTED, ""
+        job, reason = self.validate(record, payload)
+        if reason:
+            self._reject_row(h, h.name if match else f"invalid.record.{h.seq}", reason, job, reserved=reserved)
+            return REJECTED, reason
         job.reserved = reserved
         self.dispatch(job)
         return ACCEPTED, ""
+
+    def end_backed(self, end: pb.End) -> str:
+        """'' when this end message may count (its run and rank sent records to this server); else why not.
+
+        An end for a (run, rank) that never sent a record is acknowledged but not counted: it must not end a rank
+        nor make `--exit-when-done` stop the server."""
+        with self._lock:
+            if self._seen.get((end.run_id, end.rank)):
+                return ""
+        return (f"no record of run '{log_text(end.run_id)}' rank {end.rank} reached this server; the end message is "
+                "not counted")
 
     def _release(self, n: int) -> None:
         if self.budget is not None and n:

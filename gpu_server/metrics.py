@@ -26,7 +26,8 @@ Conventions (where SPEC and msprobe are silent):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Mapping
 
 import torch
 
@@ -54,6 +55,9 @@ class OutputMetrics:
     ulp_max: float | None = None
     ulp_mean: float | None = None
     ulp_over_threshold: float | None = None
+    # Element counts behind the shares and rates (not a report column): numel, small, small_bad, ulp_over,
+    # hundredth, thousandth, ten_thousandth. The verdict's confidence bounds need them (gpu_server.spread.wilson).
+    counts: Mapping[str, int] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -283,4 +287,6 @@ class _Accumulator:
             ulp_max=float(self.maxima["ulp"]),
             ulp_mean=float(self.sums["ulp"]) / numel,
             ulp_over_threshold=c["ulp_over"] / numel,
+            counts={"numel": numel, **{k: c[k] for k in ("small", "small_bad", "ulp_over", "hundredth", "thousandth",
+                                                         "ten_thousandth")}},
         )

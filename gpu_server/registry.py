@@ -1,55 +1,51 @@
-"""Name -> callable, built once from torch and the fused-op references (SPEC §5.2).
+"""Name -> callable, for the APIs of the explicit allowlist only (protos/apis.py, docs/security.md).
 
-Only names in these tables can be replayed: a record's API name is looked up here and nowhere else (no eval, no
-getattr on strings outside the tables). Unknown names are SKIP with the reason.
+A record's API name is looked up in the allowlist of its category first; only a listed name is then resolved, with
+a fixed attribute lookup in its own namespace (torch.nn.functional, torch and its linalg/fft/special submodules,
+torch.Tensor, torch.ops.aten) or in the fused-operator references. No eval, no import, no attribute lookup of an
+unlisted string. `replayable()` is what intake calls: the name and every argument are checked before a record is
+acknowledged, and a call that fails gets a SKIP row "not replayable: <why>".
 """
 from __future__ import annotations
 
-import functools
-import types
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
+from protos import apis
 
-def _callables(namespace, prefix: str = "") -> dict[str, Callable]:
-    out = {}
-    for name, obj in vars(namespace).items():
-        if name.startswith("_") or isinstance(obj, (type, types.ModuleType)) or not callable(obj):
-            continue
-        out[prefix + name] = obj
-    return out
-
-
-@functools.lru_cache(maxsize=1)
-def _tables() -> dict[str, dict[str, Callable]]:
-    torch_fns = _callables(torch)
-    for ns, prefix in ((torch.linalg, "linalg_"), (torch.fft, "fft_"), (torch.special, "special_")):
-        torch_fns.update(_callables(ns, prefix))
-    for name in dir(torch):
-        if name.startswith(("_foreach_", "_fused_")):
-            torch_fns[name] = getattr(torch, name)
-    tensor_fns = {}
-    for name in dir(torch.Tensor):
-        if name.startswith("_") and not name.startswith("__"):
-            continue
-        obj = getattr(torch.Tensor, name, None)
-        if callable(obj) and not isinstance(obj, (type, property)):
-            tensor_fns[name] = obj
-    aten_ops = {n.split("::", 1)[1].split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names()
-                if n.startswith("aten::")}
-    return {"Functional": _callables(F), "Torch": torch_fns, "Tensor": tensor_fns, "Aten": dict.fromkeys(aten_ops)}
+_SUBMODULES = (("linalg_", torch.linalg), ("fft_", torch.fft), ("special_", torch.special))
 
 
 class UnknownApi(LookupError):
     pass
 
 
+def _torch_fn(api: str) -> Callable | None:
+    for prefix, module in _SUBMODULES:
+        if api.startswith(prefix) and hasattr(module, api[len(prefix):]):
+            return getattr(module, api[len(prefix):])
+    return getattr(torch, api, None)
+
+
+_ATEN_NAMES: frozenset[str] | None = None
+
+
+def _aten_fn(api: str) -> Callable | None:
+    """`torch.ops.aten.<api>` when the operator is registered on this host (looked up once, by set membership)."""
+    global _ATEN_NAMES
+    if _ATEN_NAMES is None:
+        _ATEN_NAMES = frozenset(n[len("aten::"):].split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names()
+                                if n.startswith("aten::"))
+    return getattr(torch.ops.aten, api) if api in _ATEN_NAMES else None
+
+
 def resolve(category: str, api: str) -> Callable:
-    """The callable for `Category.api`, or UnknownApi with the reason."""
-    if category == "Distributed":
-        raise UnknownApi("collective communication is not replayed on the benchmark host")
+    """The callable for `Category.api` of the allowlist, or UnknownApi with the reason."""
+    why = apis.replayable(category, api)
+    if why is not None:
+        raise UnknownApi(why)
     if category == "NPU":
         from gpu_server.fused import get_reference
 
@@ -57,20 +53,40 @@ def resolve(category: str, api: str) -> Callable:
         if fn is None:
             raise UnknownApi(f"no reference implementation for the fused operator {api} (see docs/fused_ops.md)")
         return fn
-    table = _tables().get(category)
-    if table is None:
-        raise UnknownApi(f"unknown API category {category!r}")
-    if api not in table:
+    if category == "Functional":
+        fn = getattr(F, api, None)
+    elif category == "Torch":
+        fn = _torch_fn(api)
+    elif category == "Tensor":
+        fn = getattr(torch.Tensor, api, None)
+    else:  # Aten
+        fn = _aten_fn(api)
+    if fn is None or not callable(fn):
         raise UnknownApi(f"{category}.{api} is not an API of torch {torch.__version__} on this host")
-    if category == "Aten":
-        return getattr(torch.ops.aten, api)  # api is in the set of registered aten operator names
-    return table[api]
+    return fn
+
+
+def replayable(category: str, api: str, args: tuple = (), kwargs: dict | None = None) -> str | None:
+    """None if `Category.api(*args, **kwargs)` may be replayed here, else the reason for its SKIP row."""
+    why = apis.replayable(category, api, args, kwargs)
+    if why is not None:
+        return why
+    return known(category, api)
 
 
 def known(category: str, api: str) -> str | None:
-    """None if `Category.api` can be replayed here, else the reason it cannot."""
+    """None if `Category.api` can be resolved here, else the reason it cannot (arguments not looked at)."""
     try:
         resolve(category, api)
         return None
     except UnknownApi as exc:
         return str(exc)
+
+
+def call_names() -> dict[str, frozenset[str]]:
+    """The allowlist by category (for tests and docs)."""
+    return dict(apis.ALLOWLIST)
+
+
+def is_device_string(api: str, value: Any) -> bool:
+    return apis.is_device_string(api, value)

@@ -4,22 +4,39 @@
   float16/bfloat16 with float32 runs all of them in float32), never under autocast;
 - same-dtype run: the inputs in their recorded dtypes, under the recorded autocast state (the noise floor);
 - a call recorded under autocast is replayed so the bench sees the inputs the device computed with;
-- dropout is replayed with the recorded keep-mask, other random APIs with the recorded generator state on the same
-  device type only; in-place APIs act on private copies (every replay gets its own copies).
+- random APIs (protos/apis.py): dropout is replayed with the recorded keep-mask; random draws (rand, bernoulli,
+  normal_, ...) in the recorded dtype only, from the recorded generator state, and that replay is also the bench
+  (a float64 run draws another stream); computations with noise inside (rrelu, alpha_dropout, ...) from the
+  recorded generator state in both precisions on a CPU bench (the noise does not depend on the dtype there,
+  measured), else against the same-dtype replay; `scaled_dot_product_attention` with dropout recovers the kernel's
+  keep-mask from same-dtype replays and computes the bench with it. Always on the recorded device type only;
+- uninitialised outputs (`empty`, `empty_like`, ...) are never compared: SKIP;
+- in-place APIs act on private copies (every replay gets its own copies);
+- every replay runs inside `global_state_guard`: a call that changed torch's global state (default dtype or device,
+  grad mode, threads, deterministic flags, the default generator, ...) is SKIP and the state is put back.
 
 `ReplayError` carries the reason a call cannot be replayed; it becomes a SKIP row.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+import functools
+import math
+import threading
+from typing import Any, Callable
 
 import torch
 
 from gpu_server.intake import Job
-from gpu_server.registry import UnknownApi, resolve
+from gpu_server.registry import UnknownApi, is_device_string, resolve
+from protos import apis
 from protos.codec import Opaque, dtype_from_name
 from protos.trees import iter_leaves, map_leaves
+
+# Held while a replay reads or temporarily sets process-wide torch state (the default generator): CPU workers share
+# it, so a random replay and another worker's state check never interleave.
+STATE_LOCK = threading.RLock()
+_SDPA_MAX_PROBES = 256
 
 LOW = (torch.float16, torch.bfloat16)
 
@@ -95,6 +112,8 @@ def prepare_inputs(job: Job, device: torch.device, bench: bool, requires_grad: b
             return t
         if isinstance(leaf, torch.device) or (isinstance(leaf, Opaque) and leaf.type_name.startswith("device ")):
             return device
+        if is_device_string(job.api, leaf):
+            return device
         return leaf
 
     args = map_leaves(job.args, move)
@@ -102,26 +121,59 @@ def prepare_inputs(job: Job, device: torch.device, bench: bool, requires_grad: b
     return args, kwargs, leaves
 
 
+def _rng_access(device: torch.device) -> tuple[Callable, Callable]:
+    if device.type == "cpu":
+        return torch.get_rng_state, torch.set_rng_state
+    module = getattr(torch, device.type)
+    return (lambda: module.get_rng_state(device)), (lambda state: module.set_rng_state(state, device))
+
+
 @contextlib.contextmanager
 def _rng(job: Job, device: torch.device):
-    """Replay a random API from its recorded generator state, on the same device type only."""
-    if not job.rng_state or job.mask is not None:
-        yield
-        return
-    if job.rng_device != device.type:
-        raise ReplayError(f"random API recorded on {job.rng_device}; its generator state can be replayed only on the "
-                          f"same device type, and this bench device is {device.type}")
+    """Run with the default generator of `device` set to the recorded state, then put the server's state back."""
     state = torch.frombuffer(bytearray(job.rng_state), dtype=torch.uint8)
-    saved = torch.get_rng_state() if device.type == "cpu" else getattr(torch, device.type).get_rng_state()
-    setter = torch.set_rng_state if device.type == "cpu" else getattr(torch, device.type).set_rng_state
-    try:
-        setter(state)
-    except RuntimeError as exc:
-        raise ReplayError(f"the recorded generator state does not fit this host's generator: {exc}") from None
-    try:
-        yield
-    finally:
-        setter(saved)
+    getter, setter = _rng_access(device)
+    with STATE_LOCK:
+        saved = getter()
+        try:
+            setter(state)
+        except RuntimeError as exc:
+            raise ReplayError(f"the recorded generator state does not fit this host's generator: {exc}") from None
+        try:
+            yield
+        finally:
+            setter(saved)
+
+
+_RANDOM_ADVICE = ("to check this call, run the server on the training's device type, or make the checked steps "
+                  "deterministic (seed_all(rm_dropout=True), dropout p=0, model.eval())")
+
+
+def random_plan(job: Job, device: torch.device) -> str | None:
+    """How a random call is replayed: None (not random, or dropout with its recorded keep-mask), "draw" (the
+    recorded dtype only), "inside" (both precisions from the generator state), "same" (the bench is the same-dtype
+    replay) or "sdpa" (keep-mask recovered from the kernel). ReplayError when the stream cannot be reproduced."""
+    kind = apis.random_kind(job.category, job.api, job.args, job.kwargs)
+    if kind is None or job.mask is not None:
+        return None
+    what = f"{job.category}.{job.api} draws random numbers"
+    if job.category == "NPU":
+        keep = apis.random_arg(job.args, job.kwargs, 9, "keep_prob", 1.0)
+        raise ReplayError(f"{job.category}.{job.api} with keep_prob={keep} applies a random dropout mask inside the "
+                          "fused NPU kernel (its Philox mask is not recorded and cannot be regenerated on the bench "
+                          f"host); {_RANDOM_ADVICE.replace('dropout p=0', 'keep_prob=1')}")
+    if not job.rng_state:
+        raise ReplayError(f"{what} and its record carries no generator state (the device's generator cannot be read "
+                          f"by the agent); {_RANDOM_ADVICE}")
+    if job.rng_device != device.type:
+        raise ReplayError(f"{what}; its generator state, recorded on {job.rng_device[:32] or 'an unknown device'}, "
+                          f"reproduces the stream only on the same device type and this bench device is "
+                          f"{device.type}; {_RANDOM_ADVICE}")
+    if kind == "draw":
+        return "draw"
+    if job.api == "scaled_dot_product_attention":
+        return "sdpa"
+    return "inside" if device.type == "cpu" else "same"
 
 
 def _masked_dropout(job: Job, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -142,14 +194,19 @@ def _masked_dropout(job: Job, args: tuple, kwargs: dict) -> torch.Tensor:
     return x * scale
 
 
-def call_api(job: Job, args: tuple, kwargs: dict, device: torch.device) -> Any:
+def call_api(job: Job, args: tuple, kwargs: dict, device: torch.device, plan: str | None = None,
+             keep: torch.Tensor | None = None) -> Any:
+    """Call the API on prepared inputs. `plan` (random_plan) says whether to run from the recorded generator state;
+    `keep` is the recovered keep-mask of a scaled_dot_product_attention bench run."""
     if job.mask is not None:
         return _masked_dropout(job, args, kwargs)
+    if keep is not None:
+        return sdpa_reference(*_sdpa_args(args, kwargs), keep=keep)
     try:
         fn = resolve(job.category, job.api)
     except UnknownApi as exc:
         raise ReplayError(str(exc)) from None
-    with _rng(job, device):
+    with _rng(job, device) if plan else contextlib.nullcontext():
         out = fn(*args, **kwargs)
     if out is None and job.inplace and args and isinstance(args[0], torch.Tensor):
         return args[0]  # `x[i] = v`: what the call produced is the new x
@@ -175,15 +232,57 @@ def _threads(job: Job, device: torch.device, bench: bool, match: bool = True):
 def run_forward(job: Job, device: torch.device, bench: bool, match_threads: bool = True) -> Any:
     """One forward replay: the bench run (bench=True) or the same-dtype run. Exceptions -> ReplayError.
     `match_threads=False`: never change torch's thread count (several CPU workers share it)."""
-    args, kwargs, _ = prepare_inputs(job, device, bench)
-    ac = None if bench else _autocast_dtype(job)
+    with global_state_guard(device, f"{job.category}.{job.api}"):
+        _uninitialised_check(job)
+        plan = random_plan(job, device)
+        if bench:
+            allocation_check(job)
+        if plan in ("draw", "same"):
+            bench = False   # the stream is reproduced in the recorded dtype only: that replay is the bench too
+        args, kwargs, _ = prepare_inputs(job, device, bench)
+        ac = None if bench else _autocast_dtype(job)
+        try:
+            keep = sdpa_keep_mask(job, device, match_threads) if plan == "sdpa" and bench else None
+            with torch.no_grad(), _threads(job, device, bench, match_threads), _autocast(device, ac):
+                return call_api(job, args, kwargs, device, plan, keep)
+        except ReplayError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the replay failing is a reported outcome, not a crash
+            raise ReplayError(f"replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def allocation_check(job: Job, slack: int = 1 << 16) -> None:
+    """Refuse a call whose outputs would be far larger than what the device produced (`zeros(1 << 40)`, a huge
+    `repeat` or `scale_factor`): the call is first run on the meta device, which computes shapes and allocates
+    nothing. Calls without a meta kernel (data-dependent shapes) are left to the real replay."""
+    if job.mask is not None:
+        return
+    recorded = sum(t.numel() for t in iter_leaves(job.output) if isinstance(t, torch.Tensor))
+    meta = torch.device("meta")
+
+    def to_meta(leaf):
+        if isinstance(leaf, torch.Tensor):
+            return leaf.to(meta)
+        if isinstance(leaf, torch.device) or (isinstance(leaf, Opaque) and leaf.type_name.startswith("device ")):
+            return meta
+        return meta if is_device_string(job.api, leaf) else leaf
+
     try:
-        with torch.no_grad(), _threads(job, device, bench, match_threads), _autocast(device, ac):
-            return call_api(job, args, kwargs, device)
-    except ReplayError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the replay failing is a reported outcome, not a crash
-        raise ReplayError(f"replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
+        fn = resolve(job.category, job.api)
+        with torch.no_grad(), meta:
+            out = fn(*map_leaves(job.args, to_meta), **map_leaves(job.kwargs, to_meta))
+    except Exception:  # noqa: BLE001 - no meta kernel, or the call fails anyway: the real replay reports it
+        return
+    produced = sum(t.numel() for t in iter_leaves(out) if isinstance(t, torch.Tensor))
+    if produced > 2 * recorded + slack:
+        raise ReplayError(f"not replayable: replaying {job.category}.{job.api} would produce {produced} elements "
+                          f"where the device produced {recorded}")
+
+
+def _uninitialised_check(job: Job) -> None:
+    if apis.uninitialised(job.api):
+        raise ReplayError(f"uninitialised output: {job.category}.{job.api} returns memory it did not write; its "
+                          "values are whatever was there and are never compared")
 
 
 @contextlib.contextmanager
@@ -204,25 +303,33 @@ def _autocast(device: torch.device, dtype: torch.dtype | None):
 def run_backward(fwd: Job, bwd: Job, device: torch.device, bench: bool, match_threads: bool = True) -> list:
     """Replay the call with autograd and feed the recorded grad_output (upcast for the bench run) into
     `torch.autograd.backward`. Returns one gradient (or None) per entry of the backward record's grad_input."""
-    args, kwargs, leaves = prepare_inputs(fwd, device, bench, requires_grad=True)
-    if not leaves:
-        raise ReplayError("no input of this call required grad on the bench host")
-    if fwd.inplace:  # an in-place op cannot act on a leaf that requires grad: give it a differentiable copy
-        index = {id(t): t for t in leaves.values()}
-        args = map_leaves(args, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in index else v)
-    ac = None if bench else _autocast_dtype(fwd)
-    try:
-        with _threads(fwd, device, bench, match_threads):
-            return _backward(fwd, bwd, args, kwargs, leaves, device, ac)
-    except ReplayError:
-        raise
-    except Exception as exc:  # noqa: BLE001
-        raise ReplayError(f"backward replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
+    with global_state_guard(device, f"{fwd.category}.{fwd.api}"):
+        _uninitialised_check(fwd)
+        plan = random_plan(fwd, device)
+        if bench:
+            allocation_check(fwd)
+        if plan in ("draw", "same"):
+            bench = False
+        args, kwargs, leaves = prepare_inputs(fwd, device, bench, requires_grad=True)
+        if not leaves:
+            raise ReplayError("no input of this call required grad on the bench host")
+        if fwd.inplace:  # an in-place op cannot act on a leaf that requires grad: give it a differentiable copy
+            index = {id(t): t for t in leaves.values()}
+            args = map_leaves(args, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in index else v)
+        ac = None if bench else _autocast_dtype(fwd)
+        try:
+            keep = sdpa_keep_mask(fwd, device, match_threads) if plan == "sdpa" and bench else None
+            with _threads(fwd, device, bench, match_threads):
+                return _backward(fwd, bwd, args, kwargs, leaves, device, ac, plan, keep)
+        except ReplayError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise ReplayError(f"backward replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
-def _backward(fwd: Job, bwd: Job, args, kwargs, leaves: dict, device: torch.device, ac) -> list:
+def _backward(fwd: Job, bwd: Job, args, kwargs, leaves: dict, device: torch.device, ac, plan, keep) -> list:
     with torch.enable_grad(), _autocast(device, ac):
-        out = call_api(fwd, args, kwargs, device)
+        out = call_api(fwd, args, kwargs, device, plan, keep)
     outs = [t for t in iter_leaves(out) if isinstance(t, torch.Tensor)]
     grads = list(bwd.grad_output) if isinstance(bwd.grad_output, (list, tuple)) else [bwd.grad_output]
     if len(grads) != len(outs):
@@ -240,3 +347,163 @@ def _backward(fwd: Job, bwd: Job, args, kwargs, leaves: dict, device: torch.devi
         leaf = leaves.get(pos)
         result.append(None if leaf is None or leaf.grad is None else leaf.grad.detach())
     return result
+
+
+# -- scaled_dot_product_attention with dropout ----------------------------------------------------------------------
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_SDPA_DEFAULTS = (None, None, None, None, 0.0, False, None, False)
+
+
+def _sdpa_args(args: tuple, kwargs: dict) -> tuple:
+    if len(args) > len(_SDPA_PARAMS) or set(kwargs) - set(_SDPA_PARAMS):
+        raise ReplayError("scaled_dot_product_attention called with arguments it does not document")
+    return tuple(kwargs.get(n, args[i] if i < len(args) else d) for i, (n, d) in enumerate(zip(_SDPA_PARAMS,
+                                                                                                  _SDPA_DEFAULTS)))
+
+
+def sdpa_keep_mask(job: Job, device: torch.device, match_threads: bool = True) -> torch.Tensor:
+    """The keep-mask (True = kept) the device's kernel drew, shaped (..., L, S), recovered from same-dtype replays.
+
+    Each replay starts from the recorded generator state and calls the kernel with the call's own shapes and dtypes,
+    with `value` replaced by one-hot columns: the output is then the dropped-out attention matrix, block by block,
+    zero exactly where an entry was dropped. (Entries whose attention weight is itself zero in the device's dtype
+    count as kept: they contribute nothing either way.)"""
+    args, kwargs, _ = prepare_inputs(job, device, bench=False)
+    q, k, v, attn_mask, p, is_causal, scale, gqa = _sdpa_args(args, kwargs)
+    s_len, ev = k.shape[-2], v.shape[-1]
+    probes = math.ceil(s_len / max(ev, 1))
+    if probes > _SDPA_MAX_PROBES:
+        raise ReplayError(f"scaled_dot_product_attention with dropout: recovering its keep-mask would take {probes} "
+                          f"kernel calls (key length {s_len}, value width {ev}); {_RANDOM_ADVICE}")
+    fn = resolve(job.category, job.api)
+    blocks = []
+    with torch.no_grad(), _threads(job, device, False, match_threads), _autocast(device, _autocast_dtype(job)):
+        for b in range(probes):
+            width = min(ev, s_len - b * ev)
+            probe = torch.zeros_like(v)
+            idx = torch.arange(width, device=device)
+            probe[..., b * ev + idx, idx] = 1
+            with _rng(job, device):
+                out = fn(q, k, probe, attn_mask=attn_mask, dropout_p=p, is_causal=is_causal, scale=scale,
+                         enable_gqa=gqa)
+            blocks.append(out[..., :width] != 0)
+    dropped_or_zero = ~torch.cat(blocks, dim=-1)
+    # where the weight is zero anyway, call it kept: the same-dtype weights without dropout tell which those are
+    with torch.no_grad(), _autocast(device, _autocast_dtype(job)):
+        weights = _sdpa_weights(q, k, attn_mask, is_causal, scale, gqa)
+    return ~(dropped_or_zero & (weights.to(torch.float32) != 0))
+
+
+def _sdpa_weights(q, k, attn_mask, is_causal, scale, gqa) -> torch.Tensor:
+    l_len, s_len = q.shape[-2], k.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if gqa and k.dim() >= 3 and q.shape[-3] != k.shape[-3]:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scores = (q @ k.transpose(-2, -1)) * scale
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(l_len, s_len, dtype=torch.bool, device=q.device).tril(), -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, -math.inf)
+        else:
+            scores = scores + attn_mask
+    return torch.softmax(scores, dim=-1)
+
+
+def sdpa_reference(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+                   keep: torch.Tensor) -> torch.Tensor:
+    """softmax(q kᵀ·scale + mask) with the given keep-mask and 1/(1-p) scaling, times v: the math torch documents
+    for scaled_dot_product_attention, differentiable, in the inputs' (bench) precision."""
+    weights = _sdpa_weights(q, k, attn_mask, is_causal, scale, enable_gqa)
+    weights = weights * keep.to(device=weights.device, dtype=weights.dtype) / (1.0 - dropout_p)
+    if enable_gqa and v.dim() >= 3 and q.shape[-3] != v.shape[-3]:
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    return weights @ v
+
+
+# -- global torch state ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=16)
+def _state_items(device: torch.device) -> list[tuple[str, Callable[[], Any], Callable[[Any], None]]]:
+    """(name, read, restore) for every piece of process-wide torch state a replay must leave as it found it."""
+    cudnn, matmul = torch.backends.cudnn, torch.backends.cuda.matmul
+    items = [
+        ("default dtype", torch.get_default_dtype, torch.set_default_dtype),
+        ("default device", lambda: str(torch.empty(0).device),   # what a factory creates (52 us -> 2 us)
+         lambda v: torch.set_default_device(None if v == "cpu" else v)),
+        ("grad mode", torch.is_grad_enabled, torch.set_grad_enabled),
+        ("anomaly detection", torch.is_anomaly_enabled, torch.set_anomaly_enabled),
+        ("intra-op thread count", torch.get_num_threads, torch.set_num_threads),
+        ("deterministic algorithms",
+         lambda: (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()),
+         lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
+        ("float32 matmul precision", torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        ("oneDNN", lambda: torch.backends.mkldnn.enabled, lambda v: setattr(torch.backends.mkldnn, "enabled", v)),
+        ("default generator of the CPU", torch.get_rng_state, torch.set_rng_state),
+    ]
+    if device.type == "cuda":   # flags only a CUDA bench reads (reading them costs microseconds each)
+        items += [
+            ("cuDNN flags", lambda: (cudnn.enabled, cudnn.deterministic, cudnn.benchmark, cudnn.allow_tf32),
+             lambda v: _set_attrs(cudnn, ("enabled", "deterministic", "benchmark", "allow_tf32"), v)),
+            ("CUDA matmul flags", lambda: (matmul.allow_tf32, matmul.allow_fp16_reduced_precision_reduction,
+                                           matmul.allow_bf16_reduced_precision_reduction),
+             lambda v: _set_attrs(matmul, ("allow_tf32", "allow_fp16_reduced_precision_reduction",
+                                           "allow_bf16_reduced_precision_reduction"), v)),
+        ]
+    if device.type != "cpu":
+        getter, setter = _rng_access(device)
+        items.append((f"default generator of {device}", getter, setter))
+    return items
+
+
+def _set_attrs(obj, names, values) -> None:
+    for name, value in zip(names, values):
+        setattr(obj, name, value)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+@contextlib.contextmanager
+def global_state_guard(device: torch.device, what: str):
+    """Check torch's global state before and after the body. A body that changed it raises ReplayError (a SKIP row
+    naming what changed) after the state has been put back, whatever else the body raised."""
+    items = _state_items(device)
+    with STATE_LOCK:
+        before = [read() for _, read, _ in items]
+    failure: BaseException | None = None
+    try:
+        yield
+    except BaseException as exc:  # noqa: BLE001 - re-raised below unless the state check has the better reason
+        failure = exc
+    changed = []
+    with STATE_LOCK:
+        for (name, read, restore), old in zip(items, before):
+            try:
+                now = read()
+                if not _same(now, old):
+                    changed.append(name)
+                    restore(old)
+            except Exception as exc:  # noqa: BLE001 - a state we cannot read back or restore is reported too
+                changed.append(f"{name} ({type(exc).__name__})")
+    if changed:
+        raise ReplayError(f"not replayable: replaying {what} changed the server's global torch state ("
+                          f"{', '.join(changed)}); the state was restored") from None
+    if failure is not None:
+        raise failure
+
+
+# -- loading torch's meta kernels ahead of the first dry run --------------------------------------------------------
+def _warm_up() -> None:
+    try:
+        torch.mm(torch.empty(2, 2, device="meta"), torch.empty(2, 2, device="meta")).add_(1)
+    except Exception:  # noqa: BLE001 - the dry run then loads them itself (or finds no meta kernel)
+        pass
+
+
+# The first meta operation of a process imports torch's Python meta registrations (sympy and friends: about 1.5 s
+# on an idle core). Done in the background as soon as the replay module is loaded (at server start), so that the
+# first job does not wait for it.
+threading.Thread(target=_warm_up, name="gpu-server-meta-warm-up", daemon=True).start()

@@ -1,13 +1,30 @@
-"""The gRPC side of the server: one bidirectional stream per agent connection (SPEC §4).
+"""The gRPC side of the server: one bidirectional stream per agent connection (docs/security.md, "Who can reach
+the port or the folder").
 
-Frames come in as raw bytes and are parsed here (never unpickled); records are assembled, validated and handed to
-the intake; every record gets an acknowledgement, bad ones a REJECTED with the reason, and the stream goes on.
+The server is `grpc.aio`: every stream is a coroutine on one event-loop thread, so an idle agent costs a socket and
+a few kilobytes, not a thread, and thousands of agents share one server. At most `Limits.max_streams`
+(`--max-streams`) streams are served at once; one more is refused with RESOURCE_EXHAUSTED and a message naming the
+limit and the fix (the agent logs it), and the server logs the refusal.
+
+Frames come in as raw bytes and are parsed here (never unpickled); records are assembled, reserved against the
+memory budget (a record announcing more than `--max-record-mb` is refused at its header, before anything is held),
+validated completely and handed to the intake off the event loop; every record gets an acknowledgement, bad ones a
+REJECTED with the reason, and the stream goes on. A record half received must get its next frame within
+`--record-timeout-s` (and be complete within that plus 1 s per MiB): a stalled or half-open stream is cut, its
+reservation released, so it never holds the budget for the others. End messages count only for a (run, rank) that
+sent records. Every wire string that reaches the log is escaped (`protos.limits.log_text`).
+
+With mutual TLS, a client whose certificate is in the server's `crl.pem` (re-read when it changes) is refused with
+UNAUTHENTICATED on every RPC before any handler runs, as `protos.tls.RevocationInterceptor` does for a synchronous
+server.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
-import queue
+import resource
 import threading
+import time
 from concurrent import futures
 from typing import Callable
 
@@ -18,109 +35,357 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gpu_server.intake import ByteBudget, FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
-from protos.limits import RUN_ID, Limits
+from protos.limits import RUN_ID, Limits, log_text
 
 log = logging.getLogger("gpu_server")
 SERVICE = "online_check.v1.OnlineCheck"
+_ACK_QUEUE = 256          # acknowledgements waiting to be sent on one stream; then the stream stops reading
+_INLINE_BYTES = 256 << 10  # records in one message up to this size are validated on the event loop, larger ones
+#                            on the intake threads (decoding is bounded by the size: at most ~0.1 s of loop time)
+_TICKET_SLICE_S = 0.25    # a thread waits this long at most for one ticket before giving its place to another
+
+
+class _Cut:
+    """The reader's verdict that the stream must be closed with `code` and `reason` (after the acks before it)."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str):
+        self.code, self.reason = code, reason
 
 
 class StreamHandler:
-    """One stream: a reader thread assembles and submits records while this thread answers with acknowledgements,
-    each once its record is durable, in arrival order. Records arriving together share one spool commit."""
+    """Serves the agent streams: a reader task per stream assembles and submits records while the stream's
+    coroutine answers with acknowledgements, each once its record is durable, in arrival order. Records arriving
+    together share one spool commit."""
 
     def __init__(self, intake: Intake, limits: Limits, on_end: Callable[[pb.End], None],
-                 budget: ByteBudget | None = None):
+                 budget: ByteBudget | None = None, intake_threads: int = 8, ack_threads: int = 16):
         self.intake = intake
         self.limits = limits
         self.on_end = on_end
         self.budget = budget
+        self.active = 0             # streams being served (event-loop thread only)
+        self.peak = 0
+        self.refused = 0
+        self.cut = 0
+        self._refusal_logged = 0.0
+        self._refusals_unlogged = 0
+        self._work = futures.ThreadPoolExecutor(intake_threads, thread_name_prefix="gpu-server-intake")
+        self._waits = futures.ThreadPoolExecutor(ack_threads, thread_name_prefix="gpu-server-ack")
 
-    def stream(self, request_iterator, context):
-        acks: queue.Queue = queue.Queue()
-        reader = threading.Thread(target=self._read, args=(request_iterator, context, acks),
-                                  name="gpu-server-stream", daemon=True)
-        reader.start()
-        while True:
-            item = acks.get()
-            if item is None:
-                return
-            if isinstance(item, pb.Ack):
-                yield item
-                continue
-            status, reason = item.wait()
-            yield pb.Ack(seq=item.seq, status=status, reason=reason)
+    def close(self) -> None:
+        self._work.shutdown(wait=False, cancel_futures=True)
+        self._waits.shutdown(wait=False, cancel_futures=True)
 
-    def _read(self, request_iterator, context, acks: queue.Queue) -> None:
-        asm = FrameAssembler(self.limits, self.budget, cancelled=lambda: not context.is_active())
-        peer = context.peer()
+    # -- one stream ----------------------------------------------------------------------------------------------
+    async def stream(self, request_iterator, context):
+        peer = log_text(context.peer(), 120)
+        if self.active >= self.limits.max_streams:
+            self._refuse(peer)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"this gpu-server already serves {self.active} agent streams, its limit "
+                                f"(--max-streams {self.limits.max_streams}); restart it with a larger --max-streams "
+                                "(and open-file limit), or spread the ranks over several servers (tensor.host as a "
+                                "list of host:port). The agent retries.")
+        self.active += 1
+        self.peak = max(self.peak, self.active)
+        acks: asyncio.Queue = asyncio.Queue(maxsize=_ACK_QUEUE)
+        reader = asyncio.get_running_loop().create_task(self._read(request_iterator, acks, peer))
         try:
-            for raw in request_iterator:
-                ack = self._frame(raw, asm, peer)
-                if ack is not None:
-                    acks.put(ack)
+            while True:
+                item = await acks.get()
+                if item is None:
+                    return
+                if isinstance(item, _Cut):
+                    await context.abort(item.code, item.reason)
+                if isinstance(item, pb.Ack):
+                    yield item
+                    continue
+                status, reason = await self._ticket(item)
+                yield pb.Ack(seq=item.seq, status=status, reason=reason)
+        finally:
+            self.active -= 1
+            reader.cancel()
+
+    def _refuse(self, peer: str) -> None:
+        self.refused += 1
+        now = time.monotonic()
+        if now - self._refusal_logged < 10:
+            self._refusals_unlogged += 1
+            return
+        more = f" ({self._refusals_unlogged} more refused since the last line)" if self._refusals_unlogged else ""
+        self._refusal_logged, self._refusals_unlogged = now, 0
+        log.warning("refused a stream from %s: %d agent streams are open, the limit (--max-streams) is %d%s", peer,
+                    self.active, self.limits.max_streams, more)
+
+    async def _ticket(self, ticket) -> tuple[int, str]:
+        loop = asyncio.get_running_loop()
+        while not ticket.ready():
+            await loop.run_in_executor(self._waits, ticket.wait, _TICKET_SLICE_S)
+        return ticket.status, ticket.reason
+
+    async def _read(self, request_iterator, acks: asyncio.Queue, peer: str) -> None:
+        asm = FrameAssembler(self.limits, self.budget)
+        messages = request_iterator.__aiter__()
+        cut = False
+        try:
+            while True:
+                deadline = asm.deadline()
+                try:
+                    if deadline is None:
+                        raw = await messages.__anext__()
+                    else:
+                        raw = await asyncio.wait_for(messages.__anext__(), max(0.0, deadline - time.monotonic()))
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    cut = True
+                    self._cut(asm, acks, peer, "then nothing")
+                    return
+                for ack in await self._frame(raw, asm, peer):
+                    deadline = asm.deadline()
+                    if deadline is None:
+                        await acks.put(ack)
+                        continue
+                    try:   # a client that reads no answers must not keep a half-received record forever either
+                        await asyncio.wait_for(acks.put(ack), max(0.0, deadline - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        cut = True
+                        self._cut(asm, acks, peer, "then the client read no answers")
+                        return
+        except asyncio.CancelledError:
+            raise
         except grpc.RpcError:
             pass  # the agent went away; what it did not get acknowledged it re-sends
         except Exception:  # noqa: BLE001
             log.exception("stream from %s: internal error", peer)
         finally:
             asm.reset()
-            acks.put(None)
+            if not cut:
+                _put_last(acks, None)
 
-    def _frame(self, raw: bytes, asm: FrameAssembler, peer: str):
+    def _cut(self, asm: FrameAssembler, acks: asyncio.Queue, peer: str, what: str) -> None:
+        """Close a stream whose half-received record ran past its deadline, releasing the record's memory now."""
+        self.cut += 1
+        rec = asm.record
+        reason = (f"record {rec.header.seq}: {asm.filled} of {rec.payload_bytes} payload bytes arrived, {what} "
+                  f"for {self.limits.record_timeout_s:g} s (gpu-server --record-timeout-s): the stream is closed and "
+                  "the record's memory released; the agent re-sends it")
+        log.warning("stream from %s: %s", peer, reason)
+        asm.reset()
+        _put_last(acks, _Cut(grpc.StatusCode.DEADLINE_EXCEEDED, reason))
+
+    async def _frame(self, raw: bytes, asm: FrameAssembler, peer: str) -> list:
+        """The answers to one message: acknowledgements and tickets, in order (usually one or none)."""
+        loop = asyncio.get_running_loop()
         try:
             frame = pb.Frame.FromString(raw)
         except DecodeError:
             asm.reset()
             self.intake.rejected += 1
-            return pb.Ack(status=pb.Ack.REJECTED, reason=f"a {len(raw)}-byte message is not a valid Frame; "
-                                                         "this server speaks online_check.v1 protobuf only")
+            return [pb.Ack(status=pb.Ack.REJECTED, reason=f"a {len(raw)}-byte message is not a valid Frame; "
+                                                          "this server speaks online_check.v1 protobuf only")]
+        size = len(raw)
+        del raw
         body = frame.WhichOneof("body")
         if body == "hello":
-            log.info("agent connected from %s: run %s rank %d", peer, frame.hello.run_id[:64], frame.hello.rank)
-            return None
+            h = frame.hello
+            log.info("agent connected from %s: run %s rank %d of %d (agent %s)", peer, log_text(h.run_id, 64), h.rank,
+                     h.world_size, log_text(h.agent_version, 32))
+            return []
         if body == "end":
             end = frame.end
             if not RUN_ID.match(end.run_id):
-                return pb.Ack(status=pb.Ack.REJECTED, reason="end message with an invalid run id")
-            self.on_end(end)
-            return pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED)
+                return [pb.Ack(status=pb.Ack.REJECTED, reason="end message with an invalid run id")]
+            why = self.intake.end_backed(end)
+            if why:
+                log.warning("stream from %s: end message of run %s rank %d not counted: no record of it reached "
+                            "this server", peer, log_text(end.run_id, 64), end.rank)
+                return [pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED, reason=why)]
+            await loop.run_in_executor(self._work, self.on_end, end)   # durable before END_ACCEPTED
+            return [pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED)]
+        out = []
+        if body == "record" and asm.record is not None:   # the record before was cut off: refuse it, go on
+            cut, filled = asm.record.header.seq, asm.filled
+            asm.reset()
+            self.intake.rejected += 1
+            out.append(pb.Ack(seq=cut, status=pb.Ack.REJECTED,
+                              reason=f"record {cut} was cut off by the next record after {filled} bytes"))
+        seq = frame.record.header.seq if body == "record" else frame.chunk.seq if body == "chunk" else 0
         try:
-            done = asm.feed(frame)
+            if body == "record":
+                n = asm.admit(frame)
+                if self.budget is not None:
+                    await self.budget.acquire_async(n)   # a stream waiting here reads nothing: back-pressure
+                else:
+                    n = 0
+                done = asm.feed(frame, reserved=n)
+            elif asm.completes(frame):
+                done = await loop.run_in_executor(self._work, asm.feed, frame)   # the join copies the payload
+            else:
+                done = asm.feed(frame)
         except WireError as exc:
             self.intake.rejected += 1
-            seq = frame.record.header.seq if body == "record" else frame.chunk.seq if body == "chunk" else 0
-            return pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc))
+            return out + [pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc))]
         del frame
         if done is None:
-            return None
+            return out
         record, payload = done
-        return self.intake.submit(record, payload, asm.take_reserved())
+        if size <= _INLINE_BYTES:   # a small record: validating it costs less than a thread hop
+            return out + [self.intake.submit(record, payload, asm.take_reserved())]
+        return out + [await loop.run_in_executor(self._work, self.intake.submit, record, payload,
+                                                 asm.take_reserved())]
 
 
-def make_server(handler: StreamHandler, bind: str, limits: Limits, tls_path: str = "") -> tuple[grpc.Server, int]:
-    """A gRPC server bound to `bind` only, with the health service. Returns (server, port)."""
-    options = [("grpc.max_receive_message_length", limits.max_frame_bytes),
-               ("grpc.max_send_message_length", 16 << 20),
-               ("grpc.so_reuseport", 0),
-               ("grpc.keepalive_permit_without_calls", 1),
-               ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
-    interceptors = []
-    creds = None
-    if tls_path:
+def _put_last(acks: asyncio.Queue, item) -> None:
+    """Queue the stream's last item without waiting; a client that reads no answers loses the ones still queued
+    (what they acknowledged it re-sends, and gets DUPLICATE)."""
+    try:
+        acks.put_nowait(item)
+    except asyncio.QueueFull:
+        while not acks.empty():
+            acks.get_nowait()
+        acks.put_nowait(item)
+
+
+class _RevocationCheck(grpc.aio.ServerInterceptor):
+    """Refuses every RPC of a client whose certificate is revoked, before its handler runs (aio server)."""
+
+    def __init__(self, current_revoked: Callable):
+        self._current = current_revoked
+
+    def _reason(self, context) -> str | None:
         from protos import tls
 
-        creds = tls.server_credentials(tls_path)
-        interceptors.append(tls.RevocationInterceptor(tls.CrlReloader(tls_path)))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="gpu-server-rpc"),
-                         options=options, interceptors=interceptors, maximum_concurrent_rpcs=1024)
-    rpc = grpc.stream_stream_rpc_method_handler(handler.stream, request_deserializer=None,
-                                                response_serializer=pb.Ack.SerializeToString)
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Stream": rpc}),))
-    health_servicer = health.HealthServicer()
-    health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_secure_port(bind, creds) if creds else server.add_insecure_port(bind)
-    if port == 0:
-        raise OSError(f"cannot bind {bind}: the address is in use or not available on this host")
-    return server, port
+        return tls.peer_certificate_revoked(context.auth_context(), self._current())
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        kw = {"request_deserializer": handler.request_deserializer,
+              "response_serializer": handler.response_serializer}
+        check = self._reason
+
+        async def refuse(context) -> None:
+            reason = check(context)
+            if reason is not None:
+                log.warning("refused %s: %s", log_text(context.peer(), 120), reason)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, reason)
+
+        if handler.unary_unary is not None:
+            inner = handler.unary_unary
+
+            async def unary(request, context):
+                await refuse(context)
+                return await inner(request, context)
+
+            return grpc.unary_unary_rpc_method_handler(unary, **kw)
+        behavior = handler.stream_stream or handler.unary_stream
+        if behavior is not None:
+            async def streaming(request, context):
+                await refuse(context)
+                async for item in behavior(request, context):
+                    yield item
+
+            make = (grpc.stream_stream_rpc_method_handler if handler.stream_stream is not None
+                    else grpc.unary_stream_rpc_method_handler)
+            return make(streaming, **kw)
+        return handler
+
+
+class GrpcServer:
+    """The `grpc.aio` server on its own event-loop thread, driven from ordinary threads: `start()`, and
+    `stop(grace)` returning an event that is set once every stream is closed."""
+
+    def __init__(self, handler: StreamHandler, bind: str, limits: Limits, tls_path: str = ""):
+        self.handler = handler
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="gpu-server-grpc", daemon=True)
+        self._thread.start()
+        self._stopped = threading.Event()
+        try:
+            self.port = self._call(self._build(bind, limits, tls_path))
+        except BaseException:
+            self._close_loop()
+            raise
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    async def _build(self, bind: str, limits: Limits, tls_path: str) -> int:
+        options = [("grpc.max_receive_message_length", limits.max_frame_bytes),
+                   ("grpc.max_send_message_length", 16 << 20),
+                   ("grpc.so_reuseport", 0),
+                   ("grpc.keepalive_permit_without_calls", 1),
+                   # ping idle agents: a connection gone half-open frees its stream slot within ~80 s
+                   ("grpc.keepalive_time_ms", 60_000),
+                   ("grpc.keepalive_timeout_ms", 20_000),
+                   ("grpc.http2.min_ping_interval_without_data_ms", 5000)]
+        interceptors = []
+        creds = None
+        if tls_path:
+            from protos import tls
+
+            creds = tls.server_credentials(tls_path)
+            interceptors.append(_RevocationCheck(tls.CrlReloader(tls_path)))
+        self._server = grpc.aio.server(options=options, interceptors=interceptors)
+        rpc = grpc.stream_stream_rpc_method_handler(self.handler.stream, request_deserializer=None,
+                                                    response_serializer=pb.Ack.SerializeToString)
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Stream": rpc}),))
+        health_servicer = health.aio.HealthServicer()
+        await health_servicer.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, self._server)
+        try:
+            port = self._server.add_secure_port(bind, creds) if creds else self._server.add_insecure_port(bind)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise OSError(f"cannot bind {bind}: the address is in use or not available on this host")
+        return port
+
+    def start(self) -> None:
+        self._call(self._server.start())
+
+    def stop(self, grace: float | None = None) -> threading.Event:
+        if not self._stopped.is_set():
+            try:
+                self._call(self._server.stop(grace))
+            finally:
+                self.handler.close()
+                self._close_loop()
+            h = self.handler
+            log.info("agent streams: at most %d at once (--max-streams %d), %d refused above the limit, %d cut for a "
+                     "stalled record", h.peak, h.limits.max_streams, h.refused, h.cut)
+        return self._stopped
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+        self._stopped.set()
+
+
+def raise_open_file_limit(streams: int) -> None:
+    """Each stream holds a socket: lift the soft open-file limit towards the hard one, and say so when the hard
+    limit is too low for `streams` (reports, spool and the interpreter need some too)."""
+    want = streams + 512
+    try:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < want:
+            new = want if hard == resource.RLIM_INFINITY else min(hard, want)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+    except (ValueError, OSError):
+        return
+    if soft != resource.RLIM_INFINITY and soft < want:
+        log.warning("the open-file limit is %d: fewer than --max-streams %d agents may connect; raise it "
+                    "(ulimit -n) or lower --max-streams", soft, streams)
+
+
+def make_server(handler: StreamHandler, bind: str, limits: Limits, tls_path: str = "") -> tuple[GrpcServer, int]:
+    """A gRPC server bound to `bind` only, with the health service. Returns (server, port); `server.start()`."""
+    raise_open_file_limit(limits.max_streams)
+    server = GrpcServer(handler, bind, limits, tls_path)
+    return server, server.port

@@ -13,6 +13,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from protos import apis
+
 # Tensor methods and torch functions that read metadata, move no numbers, or drive autograd: never records.
 _NOT_APIS = frozenset("""
 dim size numel nelement stride is_contiguous data_ptr element_size storage_offset untyped_storage storage _typed_storage
@@ -29,16 +31,9 @@ autograd_backward grad new_tensor __get__ __set__ __delete__ data_ptr _version _
 _SKIP_NAMESPACES = frozenset({"profiler", "prim", "prims", "debugprims", "_c10d_functional", "c10d",
                               "_dtensor", "_c10d_functional_autograd", "_quantized", "higher_order"})
 
-_RANDOM = frozenset("""
-dropout dropout_ dropout1d dropout2d dropout3d alpha_dropout alpha_dropout_ feature_alpha_dropout
-feature_alpha_dropout_ feature_dropout feature_dropout_ rrelu rrelu_ gumbel_softmax rand rand_like randn randn_like
-randint randint_like randperm bernoulli bernoulli_ multinomial normal normal_ uniform_ exponential_ geometric_
-log_normal_ cauchy_ random_ native_dropout fused_dropout poisson
-""".split())
-
-# Dropout-family APIs whose keep-mask the agent rebuilds so that the replay is exact in any precision.
-DROPOUT_MASKED = frozenset({"dropout", "dropout_", "dropout1d", "dropout2d", "dropout3d", "feature_dropout",
-                            "feature_dropout_"})
+# Which APIs draw random numbers (their generator state is recorded) and which dropout calls carry their keep-mask:
+# the lists are shared with the server (protos/apis.py).
+DROPOUT_MASKED = apis.DROPOUT_MASKED
 
 
 def _public_callables(namespace: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
@@ -147,7 +142,7 @@ def register_npu_namespace(module: types.ModuleType) -> int:
 
 
 def is_random(api: str) -> bool:
-    return api in _RANDOM
+    return apis.is_random(api)
 
 
 def is_inplace(api: str, kwargs: dict[str, Any]) -> bool:

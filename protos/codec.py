@@ -210,8 +210,9 @@ class RecordDecoder:
                 raise WireError(f"tensor {i}: {len(meta.stride)} strides for {len(meta.shape)} dimensions")
             if numel and any(s < 0 for s in meta.stride):
                 raise WireError(f"tensor {i}: negative stride in {list(meta.stride)}")
-            if numel and _span(meta.shape, meta.stride) > numel:
-                raise WireError(f"tensor {i}: strides {list(meta.stride)} are not dense for shape {list(meta.shape)}")
+            if numel and not _dense(meta.shape, meta.stride):
+                raise WireError(f"tensor {i}: strides {list(meta.stride)} do not describe a dense, non-overlapping "
+                                f"layout of shape {list(meta.shape)} (the payload holds each element once)")
         if len(meta.device) > lim.max_string_len:
             raise WireError(f"tensor {i}: device name longer than {lim.max_string_len}")
 
@@ -221,7 +222,17 @@ class RecordDecoder:
         cached = self._tensors.get(index)
         if cached is not None:
             return cached
-        meta = self.record.tensors[index]
+        try:
+            t = self._build(self.record.tensors[index])
+        except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
+            if isinstance(exc, WireError):
+                raise
+            # every meta was validated in __init__; this is a safety net, so no record can escape as a crash
+            raise WireError(f"tensor {index} cannot be rebuilt from its meta: {str(exc)[:200]}") from None
+        self._tensors[index] = t
+        return t
+
+    def _build(self, meta: pb.TensorMeta) -> torch.Tensor:
         dtype = dtype_from_name(meta.dtype)
         shape = tuple(meta.shape)
         if meta.nbytes == 0:
@@ -237,7 +248,6 @@ class RecordDecoder:
             strided = torch.empty_strided(shape, tuple(meta.stride), dtype=dtype)
             strided.copy_(t)
             t = strided
-        self._tensors[index] = t
         return t
 
     def meta(self, index: int) -> pb.TensorMeta:
@@ -313,8 +323,16 @@ class RecordDecoder:
             return Opaque(f"device {name}")
 
 
-def _span(shape: Sequence[int], stride: Sequence[int]) -> int:
-    return 1 + sum((d - 1) * s for d, s in zip(shape, stride) if d > 0)
+def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """True when `stride` lays out every element of `shape` exactly once, with no gap and no overlap: a
+    permutation of contiguous strides (dimensions of size 1 may have any stride). Zero or repeated strides (an
+    expanded tensor) would make several elements share one memory location, which the decoder cannot fill."""
+    expected = 1
+    for size, st in sorted(((d, s) for d, s in zip(shape, stride) if d != 1), key=lambda ds: (ds[1], ds[0])):
+        if st != expected:
+            return False
+        expected *= size
+    return True
 
 
 def encode_frames(record: pb.Record, buffers: list[tuple[int, memoryview]], payload_bytes: int,

@@ -16,9 +16,11 @@ GiB = 1 << 30
 CHUNK_BYTES = 4 * MiB
 
 CATEGORIES = ("Functional", "Tensor", "Torch", "NPU", "Aten", "Distributed")
-API_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-CALL_NAME = re.compile(r"^(" + "|".join(CATEGORIES) + r")\.([A-Za-z_][A-Za-z0-9_]{0,127})\.(\d{1,9})$")
-RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# Strict names: ASCII only, anchored with \Z (`$` would accept a trailing newline), digits spelled [0-9] (`\d`
+# would accept any Unicode digit). `.match` on these is a full match.
+API_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z", re.ASCII)
+CALL_NAME = re.compile(r"^(" + "|".join(CATEGORIES) + r")\.([A-Za-z_][A-Za-z0-9_]{0,127})\.([0-9]{1,9})\Z", re.ASCII)
+RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z", re.ASCII)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +35,26 @@ class Limits:
     max_depth: int = 32                            # nesting of tuples/lists/dicts
     max_values: int = 1_000_000                    # Values in one record
     max_pending_records: int = 1 << 20             # records being assembled per stream
+    # the gRPC transport (gpu_server/service.py)
+    max_streams: int = 1024                        # agent streams served at once; more are refused with a reason
+    record_timeout_s: float = 60.0                 # a record half received waits at most this long for its next
+    #                                                frame (and, in all, this plus 1 s per MiB) before its stream
+    #                                                is cut and its memory released
 
     def replace(self, **changes: Any) -> "Limits":
         return dataclasses.replace(self, **changes)
 
 
 DEFAULT_LIMITS = Limits()
+
+
+def log_text(value: object, limit: int = 80) -> str:
+    """A wire string made safe for one log line: at most `limit` characters, anything that is not printable ASCII
+    (newlines, carriage returns, escape sequences, Unicode look-alikes) escaped, so no field can forge a log line."""
+    s = value if isinstance(value, str) else str(value)
+    cut = len(s) > limit
+    out = ascii(s[:limit])[1:-1]
+    return out + "..." if cut else out
 
 
 def valid_call_name(name: str) -> re.Match[str] | None:

@@ -19,21 +19,39 @@ Cases (what each changes, and the API it surfaces under):
 - `gelu_backward`:  aten::gelu_backward drops the x * pdf(x) term of d gelu / dx -> Functional.gelu, backward
 - `layer_norm_backward`: aten::native_layer_norm_backward's grad_input drops the mean(g * x_hat) * x_hat term
                     (grad_weight and grad_bias stay right)                        -> Functional.layer_norm, backward
+Issue 10's faults:
+- `gelu_tanh`:      aten::gelu uses the tanh approximation whatever `approximate` says -> Functional.gelu, forward
+- `layer_norm_no_eps`: aten::native_layer_norm ignores eps (its saved rstd too)  -> Functional.layer_norm, both
+- `softmax_backward_2pct`: aten::_softmax_backward_data misses 2 % of its row-sum term -> Torch.softmax, backward
+- `addmm_bf16_block16`: bfloat16 aten::addmm rounds its float32 partial sum to bfloat16 every 16 products
+                                                                                 -> Functional.linear, forward
+- `embedding_backward_overwrite`: aten::embedding_dense_backward lets the last of repeated indices win instead of
+                    summing                                                      -> Functional.embedding, backward
+- `mul_ulp_1pct`:   bfloat16 aten::mul.Tensor `--fault-ulps` (2) ULP too large on `--fault-per-mille` (10) of 1000
+                    elements                                                     -> Tensor.mul, both (its backward
+                    uses mul)
 
 Entry point (a training subprocess): `python -c "from tests.faulty_kernels import main; main()" --config agent.json
---model tinylm|convnet --dtype bfloat16 [--case CASE] [--steps 1] [--dropout 0.1]`.
+--model tinylm|convnet|moe|attn --dtype bfloat16 [--case CASE] [--steps 1] [--dropout 0.1] [--seed 0]
+[--second-device]`. `--second-device` (or SECOND_DEVICE=1) installs tests/second_device.py's correct kernels first;
+a fault installed after them replaces its own operator only.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import math
+import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-CASES = ("gelu_forward", "add_ulp", "addmm_bf16_acc", "gelu_backward", "layer_norm_backward")
+CASES = ("gelu_forward", "add_ulp", "addmm_bf16_acc", "gelu_backward", "layer_norm_backward", "gelu_tanh",
+         "layer_norm_no_eps", "softmax_backward_2pct", "addmm_bf16_block16", "embedding_backward_overwrite",
+         "mul_ulp_1pct")
+MUL_SHARE_PER_MILLE = 10   # 1% of the elements (--fault-per-mille; bench/fidelity.py sweeps it)
+MUL_ULPS = 2               # (--fault-ulps)
 GELU_SCALE = 1 + 2.0 ** -6
 ADD_SHARE_PER_MILLE = 30   # 3% of the elements
 ADD_ULPS = 3
@@ -126,12 +144,90 @@ def _layer_norm_backward_no_projection(grad_out, x, normalized_shape, mean, rstd
         return grad_input, grad_weight, grad_bias
 
 
+# -- (e) the faults of the second-device suite ----------------------------------------------------------------------
+def _gelu_tanh_always(x: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    """The tanh approximation whatever `approximate` says."""
+    with _below():
+        return _gelu_exact(_wide(x), "tanh").to(x.dtype)
+
+
+def _layer_norm_no_eps(x, normalized_shape, weight, bias, eps):
+    with _below():
+        dims = tuple(range(x.dim() - len(normalized_shape), x.dim()))
+        xw = _wide(x)
+        mean = xw.mean(dim=dims, keepdim=True)
+        var = (xw - mean).square().mean(dim=dims, keepdim=True)
+        rstd = var.rsqrt()                                   # right: (var + eps).rsqrt()
+        out = (xw - mean) * rstd
+        if weight is not None:
+            out = out * _wide(weight)
+        if bias is not None:
+            out = out + _wide(bias)
+        return out.to(x.dtype), mean.to(x.dtype), rstd.to(x.dtype)
+
+
+def _softmax_backward_short(grad_output, output, dim, input_dtype):
+    with _below():
+        g, y = _wide(grad_output), _wide(output)
+        # right: y * (g - sum(g * y)); 2 % of the row-sum term is missing here
+        return (y * (g - 0.98 * (g * y).sum(dim=dim, keepdim=True))).to(grad_output.dtype)
+
+
+def _addmm_bf16_block16(bias, mat1, mat2, *, beta=1, alpha=1):
+    """bfloat16 matmul whose float32 partial sum is rounded to bfloat16 after every 16 products."""
+    with _below():
+        if mat1.dtype != torch.bfloat16:
+            out = (mat1.double().unsqueeze(2) * mat2.double().unsqueeze(0)).sum(1) * alpha + bias.double() * beta
+            return out.to(torch.promote_types(mat1.dtype, bias.dtype))
+        a, b = mat1.float(), mat2.float()
+        acc = torch.zeros(a.shape[0], b.shape[1], dtype=torch.float32)
+        for s in range(0, a.shape[1], 16):
+            block = (a[:, s:s + 16].unsqueeze(2) * b[s:s + 16].unsqueeze(0)).sum(1)
+            acc = (acc + block).to(torch.bfloat16).float()
+        out = acc * alpha
+        if beta != 0:
+            out = out + bias.float() * beta
+        return out.to(torch.bfloat16)
+
+
+def _embedding_backward_overwrite(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    """Repeated indices: the last gradient row wins instead of the sum."""
+    with _below():
+        g = grad_output.reshape(-1, grad_output.shape[-1])
+        idx = indices.reshape(-1)
+        out = torch.zeros(num_weights, g.shape[-1], dtype=grad_output.dtype)
+        out.index_put_((idx,), g, accumulate=False)
+        if padding_idx >= 0:
+            out[padding_idx] = 0
+        return out
+
+
+def _mul_ulp(self: torch.Tensor, other) -> torch.Tensor:
+    """bfloat16 products MUL_ULPS ULP too large in magnitude on 1 % of the elements."""
+    with _below():
+        out = torch.div(self, torch.reciprocal(other.double()) if isinstance(other, torch.Tensor) else 1.0 / other)
+        out = out.to(torch.promote_types(self.dtype, other.dtype) if isinstance(other, torch.Tensor) else self.dtype)
+        if out.dtype != torch.bfloat16 or out.numel() == 0:
+            return out
+        out = out.contiguous()
+        index = torch.arange(out.numel(), dtype=torch.int64).reshape(out.shape)
+        chosen = (torch.remainder(index * 2654435761, 1000) < MUL_SHARE_PER_MILLE) & torch.isfinite(out) & (out != 0)
+        bits = out.view(torch.int16)
+        return torch.where(chosen, bits + MUL_ULPS, bits).view(out.dtype)
+
+
 _KERNELS = {
     "gelu_forward": ("gelu", _gelu_scaled),
     "add_ulp": ("add.Tensor", _add_ulp),
     "addmm_bf16_acc": ("addmm", _addmm_bf16_acc),
     "gelu_backward": ("gelu_backward", _gelu_backward_no_pdf_term),
     "layer_norm_backward": ("native_layer_norm_backward", _layer_norm_backward_no_projection),
+    "gelu_tanh": ("gelu", _gelu_tanh_always),
+    "layer_norm_no_eps": ("native_layer_norm", _layer_norm_no_eps),
+    "softmax_backward_2pct": ("_softmax_backward_data", _softmax_backward_short),
+    "addmm_bf16_block16": ("addmm", _addmm_bf16_block16),
+    "embedding_backward_overwrite": ("embedding_dense_backward", _embedding_backward_overwrite),
+    "mul_ulp_1pct": ("mul.Tensor", _mul_ulp),
 }
 
 
@@ -199,25 +295,116 @@ def train_convnet(config_path: str, steps: int, dtype: torch.dtype, dropout: flo
     debugger.close()
 
 
+class MoE(nn.Module):
+    """A mixture-of-experts layer over token embeddings: a softmax router picks the top-2 experts per token
+    (`topk`), each expert's tokens are gathered, transformed and added back with `index_add`; a load-balancing
+    mask is built with `scatter`."""
+
+    def __init__(self, vocab: int = 64, d: int = 16, experts: int = 4, classes: int = 10):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.router = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+                                     for _ in range(experts))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx).flatten(0, 1)                                  # (N, d)
+        probs = torch.softmax(self.router(x), dim=-1)
+        weights, chosen = torch.topk(probs, 2, dim=-1)                   # (N, 2)
+        load = torch.zeros_like(probs).scatter(1, chosen, 1.0)           # (N, E) one-hot of the chosen experts
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.nonzero(chosen == e, as_tuple=True)
+            if rows.numel():
+                y = expert(x.index_select(0, rows)) * weights[rows, slot].unsqueeze(-1)
+                out = out.index_add(0, rows, y)
+        h = self.ln(x + out).view(idx.shape[0], idx.shape[1], -1).mean(dim=1)
+        aux = (load.mean(0) * probs.mean(0)).sum()
+        return F.cross_entropy(self.head(h).float(), targets) + aux.float()
+
+
+class AttnNet(nn.Module):
+    """One attention layer with dropout inside the fused attention (`F.scaled_dot_product_attention(dropout_p=)`)."""
+
+    def __init__(self, vocab: int = 64, d: int = 16, heads: int = 2, classes: int = 10, dropout: float = 0.1):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, classes)
+        self.heads, self.p = heads, dropout
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in self.qkv(x).split(d, dim=2))
+        a = F.scaled_dot_product_attention(q, k, v, dropout_p=self.p if self.training else 0.0)
+        h = self.ln(x + a.transpose(1, 2).reshape(b, t, d)).mean(dim=1)
+        return F.cross_entropy(self.head(h).float(), targets)
+
+
+def train_tokens(model_cls, config_path: str, steps: int, dtype: torch.dtype, dropout: float, seed: int = 0,
+                 vocab: int = 64, classes: int = 10) -> None:
+    """Train MoE or AttnNet on random token sequences (batch 4, length 8) for `steps` steps with the agent."""
+    from npu_agent import PrecisionDebugger
+
+    torch.manual_seed(seed)
+    model = (model_cls(dropout=dropout) if model_cls is AttnNet else model_cls()).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    debugger = PrecisionDebugger(config_path=config_path)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        idx, targets = torch.randint(0, vocab, (4, 8), generator=g), torch.randint(0, classes, (4,), generator=g)
+        debugger.start()
+        loss = model(idx, targets)
+        loss.backward()
+        debugger.stop()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        debugger.step()
+    debugger.close()
+
+
+MODELS = ("tinylm", "convnet", "moe", "attn")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--config", required=True)
-    p.add_argument("--model", choices=("tinylm", "convnet"), default="tinylm")
+    p.add_argument("--model", choices=MODELS, default="tinylm")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     p.add_argument("--case", choices=CASES, default=None)
     p.add_argument("--steps", type=int, default=1)
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gelu-scale-log2", type=int, default=None, help="gelu_forward: scale by 1 + 2^-K (K = 6)")
+    p.add_argument("--fault-ulps", type=int, default=None, help="mul_ulp_1pct: ULPs off (default 2)")
+    p.add_argument("--fault-per-mille", type=int, default=None, help="mul_ulp_1pct: elements off per 1000 (10)")
+    p.add_argument("--second-device", action="store_true",
+                   help="install tests/second_device.py's kernels first (also: SECOND_DEVICE=1)")
     ns = p.parse_args(argv)
     torch.set_num_threads(1)
+    if ns.second_device or os.environ.get("SECOND_DEVICE") == "1":
+        from tests import second_device
+
+        second_device.install()
+    global MUL_ULPS, MUL_SHARE_PER_MILLE, GELU_SCALE
+    GELU_SCALE = 1 + 2.0 ** -ns.gelu_scale_log2 if ns.gelu_scale_log2 is not None else GELU_SCALE
+    MUL_ULPS = ns.fault_ulps if ns.fault_ulps is not None else MUL_ULPS
+    MUL_SHARE_PER_MILLE = ns.fault_per_mille if ns.fault_per_mille is not None else MUL_SHARE_PER_MILLE
     if ns.case:
         install(ns.case)
     dtype = getattr(torch, ns.dtype)
     if ns.model == "tinylm":
         from gpu_server.demo import train
 
-        train(ns.config, steps=ns.steps, dtype=dtype, dropout=ns.dropout)
+        train(ns.config, steps=ns.steps, dtype=dtype, dropout=ns.dropout, seed=ns.seed)
+    elif ns.model == "convnet":
+        train_convnet(ns.config, ns.steps, dtype, ns.dropout, seed=ns.seed)
     else:
-        train_convnet(ns.config, ns.steps, dtype, ns.dropout)
+        train_tokens(MoE if ns.model == "moe" else AttnNet, ns.config, ns.steps, dtype, ns.dropout, seed=ns.seed)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
 """The simulated faulty device (SPEC §8): real trainings whose process has one aten kernel replaced by a subtly
 wrong one (tests/faulty_kernels.py), one real gpu-server for the module, one rank per case. The reports must flag
 exactly the API whose kernel is wrong, in the direction that is wrong (forward or backward), and nothing else.
+Every case runs on the background of the second, correct device (tests/second_device.py): matmul, softmax,
+layer_norm and gelu round differently from the server's host, so the faults must stand out from legitimate
+rounding differences, not from a bit-identical replay.
 
 The server replays every call from its recorded inputs (and its recorded grad_output), so what a wrong kernel
 does to later calls' inputs cannot make those calls fail: a wrong gelu output feeds the next linear, whose replay
@@ -53,12 +56,31 @@ CASES = {
                       {(f"Functional.gelu.{i}", "backward") for i in range(2)}),
     "layer_norm_backward": (["--model", "convnet", "--dtype", "float32"],
                             {(f"Functional.layer_norm.{i}", "backward") for i in range(2)}),
+    # issue 10's faults (on the second-device background like every case here)
+    "gelu_tanh": (["--model", "convnet", "--dtype", "float32"],
+                  {(f"Functional.gelu.{i}", "forward") for i in range(2)}),
+    # the backward uses the forward's saved rstd (without eps): both directions of layer_norm are wrong
+    "layer_norm_no_eps": (["--model", "tinylm", "--dtype", "float32"],
+                          {(f"Functional.layer_norm.{i}", d) for i in range(5) for d in ("forward", "backward")}),
+    "softmax_backward_2pct": (["--model", "convnet", "--dtype", "float32"], {("Torch.softmax.0", "backward")}),
+    "addmm_bf16_block16": (["--model", "tinylm", "--dtype", "bfloat16"],
+                           {(f"Functional.linear.{i}", "forward") for i in (0, 2, 3, 4, 6, 7)}),
+    "embedding_backward_overwrite": (["--model", "tinylm", "--dtype", "float32"],   # pos indices never repeat
+                                     {("Functional.embedding.0", "backward")}),
+    "mul_ulp_1pct": (["--model", "convnet", "--dtype", "bfloat16"],   # mul's backward uses mul: both directions
+                     {("Tensor.mul.0", "forward"), ("Tensor.mul.0", "backward")}),
 }
+# Calls that may be flagged besides the required ones (same API and direction): with K = 32 and two blocks of 16,
+# the attention projections (.1, .5) get one intermediate rounding only and are caught or not by chance.
+MAY_ALSO = {"addmm_bf16_block16": {("Functional.linear.1", "forward"), ("Functional.linear.5", "forward")}}
 RANKS = {case: rank for rank, case in enumerate(CASES)}
 
 # The algorithm (比对算法) that must have caught each case.
 ALGORITHM = {"gelu_forward": "标杆比对法", "add_ulp": "绝对阈值法", "addmm_bf16_acc": "ULP误差比对法",
-             "gelu_backward": "标杆比对法", "layer_norm_backward": "标杆比对法"}
+             "gelu_backward": "标杆比对法", "layer_norm_backward": "标杆比对法", "gelu_tanh": "标杆比对法",
+             "layer_norm_no_eps": "标杆比对法", "softmax_backward_2pct": "标杆比对法",
+             "addmm_bf16_block16": "ULP误差比对法", "embedding_backward_overwrite": "标杆比对法",
+             "mul_ulp_1pct": "绝对阈值法"}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +91,9 @@ def out_dir(tmp_path_factory) -> str:
         server = support.Server(work).start()
     try:
         config = support.agent_config(os.path.join(work, "agent.json"), server.port)
-        run_trainings(config, [CASES[case][0] + ["--case", case] for case in CASES])
+        # every fault sits on the second device's background (tests/second_device.py): a correct device that
+        # rounds differently from the host in matmul, softmax, layer_norm and gelu
+        run_trainings(config, [CASES[case][0] + ["--case", case, "--second-device"] for case in CASES])
     finally:
         code = server.stop()
     assert code == 0, server.log()
@@ -85,15 +109,17 @@ def test_precision_standards_flag_exactly_the_faulty_api(out_dir, case):
     rank, expected = RANKS[case], CASES[case][1]
     rows = support.read_csv(out_dir, PRECISION, rank)
     assert len(rows) > 20, f"rank {rank} has only {len(rows)} result rows"
-    assert flagged(out_dir, rank, PRECISION) == expected
+    allowed = expected | MAY_ALSO.get(case, set())
+    found = flagged(out_dir, rank, PRECISION)
+    assert expected <= found <= allowed, (found - allowed, expected - found)
     details = _details(out_dir, rank, "api_precision_compare_details")
     for name, direction in expected:
-        row = details[f"{name}.{direction}.output.0"]
-        assert row["比对结果"] == "error" and row["比对算法"] == ALGORITHM[case], row
+        rows = [r for n, r in details.items() if n.startswith(f"{name}.{direction}.output.")]
+        assert any(r["比对结果"] == "error" and r["比对算法"] == ALGORITHM[case] for r in rows), rows
     # nothing else went wrong quietly: no other call is SKIP or a non-pass in the details either
     for row_name, row in details.items():
         direction = "backward" if ".backward.output." in row_name else "forward"
-        if (row_name.split(f".{direction}.output.")[0], direction) not in expected:
+        if (row_name.split(f".{direction}.output.")[0], direction) not in allowed:
             assert row["比对结果"] == "pass", row
 
 
@@ -108,17 +134,19 @@ def test_fault_is_located_to_the_wrong_output(out_dir):
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_way_status_never_blames_another_api(out_dir, case):
-    rank, expected = RANKS[case], CASES[case][1]
+    rank, expected = RANKS[case], CASES[case][1] | MAY_ALSO.get(case, set())
     errors = flagged(out_dir, rank, TWO_WAY)
     assert errors <= expected, f"two-way status blames {errors - expected}"
     assert not flagged(out_dir, rank, TWO_WAY, "Warning") - expected
     details = _details(out_dir, rank, "accuracy_checking_details")
-    for name, direction in expected:
+    for name, direction in CASES[case][1]:
         row = details[f"{name}.{direction}.output.0"]
-        if (name, direction) in errors:
+        if (name, direction) in errors or row["Status"] == "Warning":   # it saw something of the fault
             continue
-        # SPEC §6.2: max abs error < 0.001 passes before any share is looked at; that is all that hides a fault
-        assert row["Status"] == "pass" and float(row["最大绝对误差"]) < 0.001, row
+        # SPEC §6.2: max abs error < 0.001 passes before any share is looked at; besides that, only the spread rule
+        # (a Warning that a correct same-dtype run gets as well, docs/standards.md) hides a fault from this status
+        assert row["Status"] == "pass", row
+        assert float(row["最大绝对误差"]) < 0.001 or "a correct same-dtype run" in row["Message"], row
 
 
 # What the two-way status sees of each case (deterministic: fixed seeds, one thread).

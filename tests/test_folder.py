@@ -275,3 +275,75 @@ def test_end_to_end_training_first_then_the_server_reads_what_is_left(tmp_path):
     assert sum(n.startswith("Functional.linear.") for n, _ in names) == 4
     assert len(names) == len(set(names)), "no row twice"
     assert listing(nfs) == [] and not (nfs / "rejected").exists()
+
+
+def test_links_planted_in_the_shared_folder_are_never_followed(tmp_path, caplog):
+    """A symlinked `rejected/` once turned a dropped file into a `.pth` in site-packages. Now: nothing is moved into
+    a `rejected/` that is not a real directory of the server's user, a `rank{r}` that is a link is not entered, and
+    a record name that is a link is moved aside as the link itself, its target untouched."""
+    nfs = tmp_path / "nfs"
+    nfs.mkdir()
+    site = tmp_path / "site-packages"
+    site.mkdir()
+    victim = tmp_path / "home"
+    victim.mkdir()
+    (victim / "secret.txt").write_text("keep me")
+    write_run(nfs, 2)
+    rank0 = nfs / "rank0"
+    good = (rank0 / folder_record_name(RUN, 0, 0)).read_bytes()
+    (victim / folder_record_name(RUN, 1, 0)).write_bytes(good)
+    os.symlink(site, nfs / "rejected")
+    os.symlink(victim, nfs / "rank1")
+    (rank0 / "evil.pth").write_text("import os; os.system('echo pwned')")
+    os.symlink(victim / "secret.txt", rank0 / folder_record_name(RUN, 0, 7))
+    c = Collect()
+    reader = c.reader(nfs)
+    with caplog.at_level(logging.WARNING, logger="gpu_server"):
+        for _ in range(3):
+            reader.poll_once()
+    assert c.seqs == [(RUN, 0), (RUN, 1)], "the real records are processed"
+    assert os.listdir(site) == [], "nothing is moved through the planted link"
+    assert sorted(os.listdir(victim)) == sorted(["secret.txt", folder_record_name(RUN, 1, 0)])
+    assert (victim / "secret.txt").read_text() == "keep me"
+    assert "evil.pth" in os.listdir(rank0) and os.path.islink(rank0 / folder_record_name(RUN, 0, 7))
+    assert "not a real directory owned by this server's user" in caplog.text
+    assert "rank1 is not a directory" in caplog.text
+    # once the link is replaced by a real directory, the garbage goes there (the link moved as a link)
+    os.unlink(nfs / "rejected")
+    caplog.clear()
+    reader2 = Collect().reader(nfs)
+    reader2.poll_once()
+    moved = sorted(os.listdir(nfs / "rejected"))
+    assert moved == sorted(["rank0_evil.pth", f"rank0_{folder_record_name(RUN, 0, 7)}"]), moved
+    assert os.path.islink(nfs / "rejected" / f"rank0_{folder_record_name(RUN, 0, 7)}")
+    assert (victim / "secret.txt").read_text() == "keep me"
+    assert os.stat(nfs / "rejected").st_mode & 0o777 == 0o700
+
+
+def test_an_end_marker_without_records_is_not_counted(tmp_path, caplog):
+    """A fake end (a run and rank that never published a record) must not end a rank or stop the server."""
+    nfs = tmp_path / "nfs"
+    (nfs / "rank3").mkdir(parents=True)
+    end = pb.Frame(end=pb.End(run_id="ghost", rank=3, last_seq=5)).SerializeToString()
+    (nfs / "rank3" / folder_end_name("ghost", 3)).write_bytes(_frame_file([end]))
+    write_run(nfs, 1)
+    c = Collect()
+    reader = c.reader(nfs)
+    with caplog.at_level(logging.WARNING, logger="gpu_server"):
+        for _ in range(3):
+            reader.poll_once()
+    assert [(e.run_id, e.rank) for e in c.ends] == [(RUN, 0)], c.ends
+    assert "no record of run 'ghost' rank 3 reached this server" in caplog.text
+    assert os.listdir(nfs / "rank3") == []
+
+
+def test_file_names_that_reach_the_log_are_escaped(tmp_path, caplog):
+    nfs = tmp_path / "nfs"
+    (nfs / "rank0").mkdir(parents=True)
+    (nfs / "rank0" / "x\n[gpu-server] ERROR forged").write_bytes(b"junk")
+    reader = Collect().reader(nfs)
+    with caplog.at_level(logging.WARNING, logger="gpu_server"):
+        reader.poll_once()
+    assert "x\\n[gpu-server] ERROR forged" in caplog.text
+    assert not any(line.startswith("[gpu-server] ERROR forged") for r in caplog.records
+                   for line in r.getMessage().splitlines())

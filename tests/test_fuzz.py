@@ -92,10 +92,9 @@ def test_the_valid_record_is_accepted():
     assert jobs[0].args[1].stride() == (1, 3)
 
 
-@FUZZ
-@given(st.data())
-def test_mutated_frames_only_raise_wire_error(data):
-    frames = list(FRAMES)
+def mutate(data, frames: list[bytes]) -> list[bytes]:
+    """A few random edits of a record's frames: bit flips, truncation, insertion, dropped, duplicated, swapped."""
+    frames = list(frames)
     for _ in range(data.draw(st.integers(1, 4))):
         i = data.draw(st.integers(0, len(frames) - 1))
         raw = bytearray(frames[i])
@@ -112,7 +111,7 @@ def test_mutated_frames_only_raise_wire_error(data):
         elif op == "drop":
             frames.pop(i)
             if not frames:
-                return
+                return frames
             continue
         elif op == "dup":
             frames.insert(i, bytes(raw))
@@ -121,7 +120,13 @@ def test_mutated_frames_only_raise_wire_error(data):
             frames[i], frames[j] = frames[j], frames[i]
             continue
         frames[i] = bytes(raw)
-    bounded(feed_all, frames)
+    return frames
+
+
+@FUZZ
+@given(st.data())
+def test_mutated_frames_only_raise_wire_error(data):
+    bounded(feed_all, mutate(data, FRAMES))
 
 
 @FUZZ
@@ -325,6 +330,8 @@ def test_a_real_server_answers_every_bad_message_and_keeps_serving(server, tmp_p
         _record_frame(bad_shape, bytes(PAYLOAD)),                                  # negative dimension
         _record_frame(too_deep, bytes(PAYLOAD)),                                   # nesting beyond the limit
         _record_frame(rec(6, "Torch.no_such_api.0"), bytes(PAYLOAD)),              # unknown API
+        _record_frame(rec(10, "Functional.linear.0\n"), bytes(PAYLOAD)),            # a trailing newline
+        _record_frame(rec(11, "Functional.linear.\u0663"), bytes(PAYLOAD)),         # an Arabic-Indic digit
         pb.Frame(end=pb.End(run_id="../x")).SerializeToString(),                   # end with a bad run id
         _deep_frame_bytes(5000),                                                   # nesting 5000 deep
     ]
@@ -350,3 +357,75 @@ def test_a_real_server_answers_every_bad_message_and_keeps_serving(server, tmp_p
     assert not marker.exists()
     assert server.proc.poll() is None
     assert "Traceback" not in server.log()
+
+
+_GOOD_SEQ = iter(range(1000, 1 << 30))
+SERVER_FUZZ = settings(max_examples=25, deadline=None, database=None,
+                       suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+
+
+@SERVER_FUZZ
+@given(st.data())
+def test_fuzzed_frames_through_a_real_server(server, data):
+    """Hypothesis-made frames (mutated records, random bytes, stray ends) over a real gRPC stream: every answer
+    is a known status (REJECTED with a reason), and a valid record sent after them on the same stream is accepted."""
+    kind = data.draw(st.sampled_from(["mutated", "random", "mixed"]))
+    frames = mutate(data, FRAMES) if kind != "random" else []
+    if kind != "mutated":
+        frames += data.draw(st.lists(st.binary(max_size=200), max_size=4))
+    if data.draw(st.booleans()):
+        frames.insert(0, pb.Frame(end=pb.End(run_id=data.draw(st.text(max_size=8)), rank=data.draw(st.integers(0, 9)))
+                                  ).SerializeToString())
+    seq = next(_GOOD_SEQ)
+    good = pb.Record()
+    good.CopyFrom(RECORD)
+    good.header.run_id, good.header.seq = "fuzzreal", seq
+    hello = pb.Frame(hello=pb.Hello(run_id="fuzzreal", rank=0)).SerializeToString()
+    acks = _stream_until(server.port, [hello, *frames, _record_frame(good, bytes(PAYLOAD))], seq)
+    assert acks[-1].seq == seq and acks[-1].status == pb.Ack.ACCEPTED, acks[-3:]
+    for a in acks:
+        assert a.status in (pb.Ack.ACCEPTED, pb.Ack.REJECTED, pb.Ack.DUPLICATE, pb.Ack.END_ACCEPTED), a
+        assert a.status != pb.Ack.REJECTED or a.reason
+    assert server.proc.poll() is None
+
+
+def _stream_until(port: int, messages: list[bytes], seq: int, timeout: float = 30) -> list[pb.Ack]:
+    """Send raw messages on one stream; collect acknowledgements up to the one for the valid record `seq`."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", -1)]) as channel:
+        stub = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
+        done = threading.Event()
+
+        def requests():
+            yield from messages
+            done.wait(timeout)
+
+        acks = []
+        call = stub(requests(), timeout=timeout)
+        for ack in call:
+            acks.append(ack)
+            if ack.seq == seq and ack.status == pb.Ack.ACCEPTED and len(ack.reason) == 0:
+                break
+        done.set()
+        call.cancel()
+        return acks
+
+
+def test_the_fuzzing_left_the_server_clean(server):
+    assert server.proc.poll() is None
+    assert "Traceback" not in server.log() and "internal error" not in server.log()
+
+
+@pytest.mark.parametrize("shape,stride", [([2, 2], [0, 0]), ([2, 2], [1, 1]), ([3, 2], [1, 0]), ([4, 3], [6, 2]),
+                                          ([2, 3], [3, 2])])
+def test_strides_that_are_not_one_dense_layout_are_a_wire_error(shape, stride):
+    """Finding 3: stride [0, 0] for shape [2, 2] made the decoder raise a plain RuntimeError (copying 4 elements
+    into one memory location). Overlapping, gapped or inconsistent strides are WireErrors, found before decoding."""
+    n = shape[0] * shape[1]
+    rec = pb.Record(tensors=[pb.TensorMeta(dtype="float32", shape=shape, stride=stride, nbytes=4 * n)],
+                    payload_bytes=4 * n)
+    with pytest.raises(WireError, match="dense, non-overlapping"):
+        RecordDecoder(rec, bytes(4 * n), LIMITS)
+    ok = pb.Record(tensors=[pb.TensorMeta(dtype="float32", shape=shape, stride=[1, shape[0]], nbytes=4 * n)],
+                   payload_bytes=4 * n)
+    t = RecordDecoder(ok, torch.arange(n, dtype=torch.float32).numpy().tobytes(), LIMITS).tensor(0)
+    assert t.stride() == (1, shape[0]) and t.flatten().tolist() != [] and t.is_contiguous() is False

@@ -1,7 +1,7 @@
 """Large records (SPEC §4): one 256 MiB tensor, far larger than one gRPC message, travels in 4 MiB chunks, is spooled,
 checked and reported; memory stays bounded on both sides. 256 MiB is the largest this suite affords on the 2-core
-test machine within its time budget (about 10 s for this test); the wire allows up to --max-record-mb (64 GiB).
-Real server subprocess, real gRPC, a real training subprocess."""
+test machine within its time budget (about 10 s for this test); the server accepts up to --max-record-mb (by default
+half of --memory-mb). Real server subprocess, real gRPC, a real training subprocess."""
 from __future__ import annotations
 
 import json
@@ -36,8 +36,9 @@ def _peak_rss(pid: int) -> int:
 
 def test_a_256_mib_record_round_trips_and_is_checked(tmp_path):
     work = str(tmp_path)
-    # A payload budget smaller than the record: the record is let through alone rather than never.
-    with Server(work, args=("--memory-mb", "128")) as server:
+    # The largest record is half the payload budget by default (--max-record-mb): 600 MiB hold a 256 MiB record
+    # (and its small output).
+    with Server(work, args=("--memory-mb", "600")) as server:
         cfg = agent_config(os.path.join(work, "agent.json"), server.port)
         proc = run_training(LARGE, cfg, str(ELEMENTS), timeout=120)
         server_peak = _peak_rss(server.proc.pid)

@@ -25,6 +25,30 @@ from gpu_server import report_files
 from tests.support import PY, Server, agent_config, read_csv, run_training
 from tests.test_durability import summary_of
 
+
+class _Acks:
+    """The transport's events, as the Sender would take them: nothing to do here."""
+
+    def on_ack(self, seq: int, status: str, reason: str) -> None:
+        pass
+
+    def on_reconnect(self, generation: int) -> None:
+        pass
+
+    def on_refused(self, refusal) -> None:
+        raise AssertionError(f"the folder transport refused: {refusal}")
+
+
+def _send_one(nfs: str, run_id: str, rank: int, ranks: int, rec) -> None:
+    """One record and the end marker of (run_id, rank) through the real folder transport."""
+    from npu_agent.transport import Counts, end_frame
+    from npu_agent.transport_folder import FolderTransport
+
+    transport = FolderTransport(nfs, run_id, rank, ranks)
+    transport.start(_Acks())
+    assert transport.send_record(rec, transport.generation)
+    transport.send_end(end_frame(transport.identity, Counts(captured=1, sent=1, acknowledged=1), 1), 5)
+
 # argv: config, go-file. Forward of a small MLP, then waits for the go-file before the backward.
 WAIT_FOR_BACKWARD = r'''
 import os, sys, time, json
@@ -185,7 +209,6 @@ def test_poison_damaged_and_garbage_spool_records_are_quarantined_on_restart(tmp
 
 
 def test_300_ranks_under_ulimit_1024_all_get_their_reports(tmp_path):
-    from npu_agent.transport_folder import FolderTransport
     from tests.support import capture
 
     work = str(tmp_path)
@@ -202,9 +225,7 @@ def test_300_ranks_under_ulimit_1024_all_get_their_reports(tmp_path):
     rec.seq = 0
     try:
         for rank in range(ranks):
-            transport = FolderTransport(nfs, "many", rank, ranks)
-            transport.send_record(rec)
-            transport.send_end({"captured": 1, "sent": 1, "acknowledged": 1, "dropped": 0, "last_seq": 0}, 5)
+            _send_one(nfs, "many", rank, ranks, rec)
         code = server.proc.wait(timeout=90)     # --exit-when-done: once all 300 end markers are read
     finally:
         server.stop()
@@ -288,7 +309,6 @@ def _send_failing_gelu(nfs: str, run_id: str) -> None:
     """One rank-0 run through the real folder transport whose gelu output is 5 % off (a faulty device)."""
     import torch.nn.functional as F
 
-    from npu_agent.transport_folder import FolderTransport
     from tests.support import capture
 
     x = torch.randn(8, 16)
@@ -298,9 +318,7 @@ def _send_failing_gelu(nfs: str, run_id: str) -> None:
     rec = sink.forward("Functional.gelu.0")
     rec.output.tree = rec.output.tree * 1.05
     rec.seq = 0
-    transport = FolderTransport(nfs, run_id, 0, 1)
-    transport.send_record(rec)
-    transport.send_end({"captured": 1, "sent": 1, "acknowledged": 1, "dropped": 0, "last_seq": 0}, 5)
+    _send_one(nfs, run_id, 0, 1, rec)
 
 
 @pytest.mark.parametrize("cap_mb", [None, 0], ids=["no-cap", "cap-0"])

@@ -97,3 +97,14 @@ def test_opaque_argument_is_a_skip_with_the_type_named():
     rec.inputs.tree = ((rec.inputs.tree[0][0], Thing()), {})
     with pytest.raises(ReplayError, match="Thing"):
         run_forward(to_job(rec), CPU, bench=True)
+
+
+def test_device_names_given_as_strings_become_the_bench_device():
+    x = torch.randn(3)
+    with capture() as (mode, sink):
+        with mode:
+            x.to("cpu", torch.float16)
+    rec = sink.forward("Tensor.to.0")
+    rec.inputs.tree = ((rec.inputs.tree[0][0], "npu:0", torch.float16), {})   # as a training on an NPU records it
+    out = run_forward(to_job(rec), CPU, bench=False)
+    assert out.device.type == "cpu" and torch.equal(out, x.to(torch.float16))

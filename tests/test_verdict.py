@@ -164,3 +164,25 @@ def test_complex_outputs():
     bench = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex128)
     assert compare_output(bench, bench.to(torch.complex64)).status == "pass"
     assert compare_output(bench, torch.ones(2, dtype=F32)).status == "error"  # complex against real
+
+
+def test_shape_mismatch_is_error_even_when_bit_identical_to_the_same_dtype_run():
+    """msprobe parity (issue 10 item 5): the bit-identical shortcut does not hide a shape or dtype-kind mismatch."""
+    device = torch.ones(3, dtype=torch.float16)
+    cmp = compare_output(torch.ones(2), device, [device.clone()])
+    assert cmp.status == "error" and "shape mismatch" in cmp.message
+    device = torch.ones(3, dtype=torch.int32)
+    cmp = compare_output(torch.ones(3), device, [device.clone()])
+    assert cmp.status == "error" and "dtype kind mismatch" in cmp.message
+
+
+def test_two_way_error_that_a_correct_run_shares_is_pass():
+    """An error/Warning that the same-dtype run (or a spread run) gets as well, with the device no further out,
+    passes; a device further out keeps its status."""
+    bench = torch.linspace(1, 2, 1000, dtype=torch.float64)
+    same = (bench * (1 + 2.0 ** -9)).to(torch.float32)          # every element 0.2 % off: double-thousandth 0
+    device = (bench * (1 + 2.0 ** -9.5)).to(torch.float32)
+    assert compare_output(bench, same).status == "error"
+    cmp = compare_output(bench, device, [same])
+    assert cmp.status == "pass" and "a correct same-dtype run" in cmp.message
+    assert compare_output(bench, (bench * 1.05).to(torch.float32), [same]).status == "error"   # cosine is fine,

@@ -8,7 +8,7 @@ is in thresholds.py.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
@@ -50,11 +50,12 @@ def bit_identical(a: torch.Tensor | None, b: torch.Tensor) -> bool:
 
 
 def judge(api_name: str, bench: Any, device: Any, same: Any = None,
-          device_metrics: OutputMetrics | None = None) -> PrecisionJudgement:
+          device_metrics: OutputMetrics | None = None, spread: Iterable = ()) -> PrecisionJudgement:
     """SPEC §6.3 verdict of one output. bench: upcast bench output; device: device output; same: the same-dtype
     run's output on the trusted host (None when it could not run). `device_metrics`: the device output's metrics
     against the bench when the caller has them already (the two-way status computed them), so they are not
-    computed twice."""
+    computed twice. `spread`: outputs of other correct same-dtype runs (gpu_server.spread); the ratio tests judge
+    against the largest of their metrics and the host run's (docs/standards.md)."""
     from gpu_server.metrics import dtype_kind, mismatch, output_metrics, scalar_error_rate  # (import cycle)
 
     if bench is None:
@@ -82,9 +83,16 @@ def judge(api_name: str, bench: Any, device: Any, same: Any = None,
             notes.append(f"same-dtype run output ignored ({reason.replace('bench', 'same-dtype')})")
         else:
             same_metrics = output_metrics(bench, same)
-    if device_metrics is None:
+    if device_metrics is None or device_metrics.counts is None:
         device_metrics = output_metrics(bench, device)
-    result = STANDARD_REGISTRY[key].judge(StandardInput(device.dtype, device_metrics, same_metrics))
+    standard = STANDARD_REGISTRY[key]
+    result = standard.judge(StandardInput(device.dtype, device_metrics, same_metrics))
+    if result.status == ERROR and same_metrics is not None:
+        # more spread members only make the verdict more lenient: they are computed only for a row that fails
+        spread_metrics = tuple(output_metrics(bench, m) for m in spread if isinstance(m, torch.Tensor)
+                               and not mismatch(m, device) and m.dtype == device.dtype)
+        if spread_metrics:
+            result = standard.judge(StandardInput(device.dtype, device_metrics, same_metrics, spread_metrics))
     if result.status != PASS and bit_identical(same, device):
         result.status = PASS
         notes.append("pass: the device output is bit-identical to the same-dtype run")

@@ -24,6 +24,12 @@ class StandardInput:
     dtype: torch.dtype | None        # the device output's dtype; None for a Python scalar
     device: OutputMetrics            # device output against the bench
     same: OutputMetrics | None       # same-dtype run against the bench; None when it is not available
+    # the other spread members (gpu_server.spread: stochastic-rounding same-dtype runs) against the bench
+    spread: tuple = ()
+
+    def members(self) -> list:
+        """Every correct same-dtype implementation's metrics: the host's run first, then the spread runs."""
+        return ([self.same] if self.same is not None else []) + list(self.spread)
 
 
 @dataclass
@@ -82,3 +88,19 @@ def ratio_to_same(device_value: float, same_value: float, floor: float) -> float
     if not math.isfinite(same_value):
         return 0.0
     return abs(device_value) / max(abs(same_value), floor)
+
+
+def spread_reference(values: list[float | None]) -> float:
+    """The largest finite metric among the spread members (0 when none is finite)."""
+    finite = [abs(v) for v in values if v is not None and math.isfinite(v)]
+    return max(finite, default=0.0)
+
+
+def share_bound_ratio(device_count: int, n: int, member_counts: list[tuple[int, int]], floor: float) -> float:
+    """Lower confidence bound of the device's share over the largest upper bound of the members' shares (floored):
+    a share of a few elements is judged by what it can be, not by its raw count."""
+    from gpu_server.spread import wilson
+
+    low = wilson(device_count, n, upper=False)
+    high = max((wilson(c, m, upper=True) for c, m in member_counts), default=0.0)
+    return low / max(high, floor)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 
+from gpu_server.spread import wilson
 from gpu_server.standards.registry import (
     ERROR,
     PASS,
@@ -21,10 +22,12 @@ from gpu_server.standards.registry import (
     inf_nan_consistent,
     ratio_to_same,
     register_standard,
+    share_bound_ratio,
 )
 from gpu_server.standards.selection import ULP
 from gpu_server.standards.thresholds import THRESHOLDS
 
+GROSS_ULP = 4.0   # max ULP error above this many times the spread's (or the threshold): no benefit of the bound
 _MEAN, _SHARE, _RATIO, _STATUS = "ULP误差平均值", "ULP误差大于阈值占比", "ULP误差大于阈值占比比值", "ULP误差判定结果"
 
 
@@ -53,9 +56,27 @@ def ulp_error(inp: StandardInput) -> StandardResult:
         return done(PASS)
     if ratio is not None and ratio <= THRESHOLDS.ulp_ratio_limit:
         return done(PASS)
+    counts = inp.device.counts
+    members = inp.members()
+    # a few elements a few ULP out are within what a correct device may do; far out they are a fault
+    gross = inp.device.ulp_max > GROSS_ULP * max([row.ulp_threshold] + [m.ulp_max for m in members
+                                                                         if m.ulp_max is not None])
+    if counts and not gross and wilson(counts["ulp_over"], counts["numel"], upper=False) < row.ulp_share_limit:
+        return done(PASS, f"over-threshold share {fmt(share)}: its lower confidence bound is below "
+                          f"{row.ulp_share_limit} (a share of few elements)")
+    if ratio is not None and counts and not gross and all(m.counts for m in members):
+        bound = share_bound_ratio(counts["ulp_over"], counts["numel"],
+                                  [(m.counts["ulp_over"], m.counts["numel"]) for m in members], row.ratio_floor)
+        if bound <= THRESHOLDS.ulp_ratio_limit:
+            return done(PASS, f"ratio {fmt(ratio)} against the same-dtype run only; {fmt(bound)} <= "
+                              f"{THRESHOLDS.ulp_ratio_limit} against the spread of {len(members)} same-dtype runs "
+                              "(Wilson bounds)")
+        ratio_msg = f"ratio {fmt(ratio)}, {fmt(bound)} against the spread (Wilson bounds)"
+    else:
+        ratio_msg = f"ratio {fmt(ratio)}" + (f" (max ULP error {fmt(inp.device.ulp_max)} is gross)" if gross else "")
     failed = f"over-threshold share {fmt(share)} >= {row.ulp_share_limit}"
     if row.ulp_mean_limit is not None:
         failed = f"mean ULP error {fmt(mean)} >= {row.ulp_mean_limit}, " + failed
     if ratio is None:
         return done(SKIP, f"ULP standard needs the same-dtype run, which is not available ({failed})")
-    return done(ERROR, f"ERROR: ULP误差不满足标准 ({failed}, ratio {fmt(ratio)} > {THRESHOLDS.ulp_ratio_limit})")
+    return done(ERROR, f"ERROR: ULP误差不满足标准 ({failed}, {ratio_msg} > {THRESHOLDS.ulp_ratio_limit})")
