@@ -42,7 +42,8 @@ def default_memory_budget() -> int:
 class ServerApp:
     def __init__(self, config: ServerConfig, out_dir: str, device: str | None = None, workers: int | None = None,
                  limits: Limits = DEFAULT_LIMITS, backward_budget: int = 4 << 30, expected_ranks: int | None = None,
-                 memory_budget: int | None = None, fsync: bool = True, error_data_max_bytes: int | None = None):
+                 memory_budget: int | None = None, fsync: bool = True, error_data_max_bytes: int | None = None,
+                 keep_records: bool = False):
         self.config = config
         self.out_dir = out_dir
         self.limits = limits
@@ -53,7 +54,7 @@ class ServerApp:
         disk.stopping.clear()
         self._ended: set[int] = set()
         self.budget = ByteBudget(memory_budget or default_memory_budget())
-        self.spool = Spool(out_dir, limits, fsync=fsync)
+        self.spool = Spool(out_dir, limits, fsync=fsync, keep=keep_records)   # keep: for `gpu-server recheck`
         self.recovery = self.spool.open(time.strftime("%Y%m%d%H%M%S"))
         self.ts = self.recovery.ts
         self.summary.backlog = self.spool.live_records   # records/s, backlog and time to drain in the progress line
@@ -175,6 +176,9 @@ class ServerApp:
         self.pool.drain_and_stop()
         self.spool.close()
         self.summary.count("spool_left", self.spool.live_records())
+        if self.spool.keep:   # --keep-records: what the kept records cost on disk (spool/kept/, all starts)
+            segments, size = self.spool.kept_usage()
+            self.summary.set_durability(spool_kept_segments=segments, spool_kept_bytes=size)
         self.summary.set_durability(
             calls_waiting_for_backward_kept_in_spool=self.pending.waiting_count(),
             forward_inputs_evicted=self.pending.evictions,

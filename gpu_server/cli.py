@@ -6,7 +6,8 @@ could not be written: those records stay in the spool for a restart).
 
 Every acknowledged record is in `--out/spool/` until its rows are written; a restart with the same `--out` (after a
 crash, a kill or a stop) resumes: same report files, spooled records checked first, nothing written twice
-(gpu_server/spool.py). Use a new `--out` for a new session.
+(gpu_server/spool.py). Use a new `--out` for a new session. `--keep-records` moves reported records into
+`--out/spool/kept/` instead of deleting them, so that `gpu-server recheck OUT` can check the whole run again.
 """
 from __future__ import annotations
 
@@ -54,6 +55,9 @@ def _args(argv):
     p.add_argument("--record-timeout-s", type=float, default=DEFAULT_LIMITS.record_timeout_s,
                    help="a record half received is cut (its memory released) when its next frame takes longer "
                         f"(default {DEFAULT_LIMITS.record_timeout_s:g}; plus 1 s per MiB for the whole record)")
+    p.add_argument("--keep-records", action="store_true",
+                   help="keep every record after it is reported (in OUT/spool/kept/, for `gpu-server recheck`) "
+                        "instead of deleting it; costs as much disk as the training sends (off by default)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     return p.parse_args(argv)
 
@@ -106,7 +110,8 @@ def main(argv=None) -> int:
                         backward_budget=int(ns.backward_memory_mb * MiB),
                         expected_ranks=expected if ns.exit_when_done else None,
                         memory_budget=memory,
-                        error_data_max_bytes=None if ns.error_data_max_mb is None else int(ns.error_data_max_mb * MiB))
+                        error_data_max_bytes=None if ns.error_data_max_mb is None else int(ns.error_data_max_mb * MiB),
+                        keep_records=ns.keep_records)
         app.start()
     except (ValueError, OSError, SpoolError) as exc:
         print(f"gpu-server: {exc}", file=sys.stderr)

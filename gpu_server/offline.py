@@ -10,9 +10,9 @@
 
 Exit status: 0 done, 1 failures found where `--fail-on error` asks, 2 bad input (with a message saying what to do).
 
-`recheck` sees what the spool still holds: a server deletes a spool segment once every record in it is completely
-reported, so after a clean drain the spool is empty and only the records of a crashed or killed server (not yet
-completely reported) can be checked again.
+`recheck` checks the records the spool holds: those not yet completely reported (a crashed or killed server) and,
+for a server started with `--keep-records`, every reported one (moved into `spool/kept/` instead of deleted). Without
+`--keep-records` a cleanly drained spool is empty and there is nothing to check again.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import glob
 import json
 import logging
 import os
-import shutil
+import stat
 import sys
 import time
 
@@ -274,25 +274,55 @@ def compare_main(argv: list[str]) -> int:
 
 
 # -- recheck ---------------------------------------------------------------------------------------------------
+def _link_or_copy(src: str, dst: str) -> bool:
+    """Put the regular file `src` at `dst`: a hard link when possible, else a copy. A link is never followed (the
+    link's own inode is checked after linking; the copy opens with O_NOFOLLOW). False: `src` is not a regular
+    file (it is left out)."""
+    try:
+        os.link(src, dst, follow_symlinks=False)
+        if stat.S_ISREG(os.lstat(dst).st_mode):   # the same inode as src at the time of the link
+            return True
+        os.unlink(dst)
+        return False
+    except OSError:
+        pass
+    try:
+        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+            return False
+        with open(dst, "xb") as out:
+            while chunk := fh.read(1 << 20):
+                out.write(chunk)
+    return True
+
+
 def copy_spooled_records(out_dir: str, new_dir: str) -> int:
-    """Put the records held in `out_dir`'s spool into a fresh spool in `new_dir` (hard links when possible, the
-    originals are never changed); the number of segment files. This is the only place that knows the spool
-    layout (gpu_server/spool.py): segments `spool/seg-*.spl`, which a new server start replays."""
-    from gpu_server.spool_segments import SEGMENT_FILE
+    """Put the records held in `out_dir`'s spool, live segments and `--keep-records`' kept/ ones, into a fresh spool
+    in `new_dir` (hard links when possible, the originals are never changed); the number of segment files. This is
+    the only place here that knows the spool layout (gpu_server/spool.py): segments `spool/seg-*.spl` and
+    `spool/kept/seg-*.spl`, renumbered into the new spool, which a new server start replays. Only regular files
+    named exactly `seg-N.spl` are taken (links are skipped); a record found twice is replayed once (the new spool
+    dedupes by run, rank and sequence number)."""
+    from gpu_server.spool_segments import KEPT_DIR, is_real_dir, segment_files, segment_path
 
     src = os.path.join(out_dir, "spool")
-    if not os.path.isdir(src):
+    if not is_real_dir(src):
         raise FileNotFoundError(f"{out_dir}: no spool/ folder; is it the --out of a gpu-server?")
+    kept = os.path.join(src, KEPT_DIR)
+    if os.path.lexists(kept) and not is_real_dir(kept):
+        log.warning("recheck: %s is not a folder (a link?); it is left out", kept)
+    found = sorted(segment_files(kept) + segment_files(src))     # kept ones are older: first
     dst = os.path.join(new_dir, "spool")
     os.makedirs(dst, exist_ok=True)
     n = 0
-    for name in sorted(os.listdir(src)):
-        if SEGMENT_FILE.match(name):
-            try:
-                os.link(os.path.join(src, name), os.path.join(dst, name))
-            except OSError:
-                shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+    for _seg, path in found:
+        if _link_or_copy(path, segment_path(dst, n)):
             n += 1
+        else:
+            log.warning("recheck: %s is not a regular file; it is left out", path)
     return n
 
 
@@ -306,14 +336,15 @@ def recheck(out_dir: str, config=None, device: str | None = None, workers: int |
     created = not os.path.exists(new_dir)
     segments = copy_spooled_records(out_dir, new_dir)
     if not segments:
-        shutil.rmtree(os.path.join(new_dir, "spool"), ignore_errors=True)   # made just now, empty
+        os.rmdir(os.path.join(new_dir, "spool"))   # made just now, empty
         if created:
             try:
                 os.rmdir(new_dir)
             except OSError:
                 pass
-        raise ValueError(f"{out_dir}/spool holds no records: a server that drained completely deleted them (only "
-                         "records not yet completely reported, after a crash or a kill, can be checked again)")
+        raise ValueError(f"{out_dir}/spool holds no records: a server that drained completely deleted them (start "
+                         "the server with --keep-records to keep them for a recheck; without it only records not yet "
+                         "completely reported, after a crash or a kill, can be checked again)")
     from gpu_server.app import ServerApp  # imports torch: after the cheap checks
     from gpu_server.config import ServerConfig
 

@@ -8,11 +8,14 @@ gpu_server/spool_acks.py, the tickets).
     journal.log       which records are completely reported, the report files' sizes then, the end messages
     seg-000000042.spl one group commit: the records that arrived together (written, fsync'ed, renamed)
     damaged/          a hard link to each segment found damaged at a start, kept for inspection
+    kept/             `--keep-records` only: the completely reported segments, for `gpu-server recheck`
 
 A record is acknowledged once the segment holding it is fsync'ed and renamed into place (one fsync per batch of
 records arriving together, whatever the number of streams: group commit). A full disk pauses the commits (no
 acknowledgement, gpu_server/disk.py) instead of failing them. A segment is deleted once every record in it is
-completely reported and the journal saying so is fsync'ed.
+completely reported and the journal saying so is fsync'ed; with `--keep-records` (off by default: kept records
+cost as much disk as the training sent) it is renamed into `kept/` instead, which a restart never replays and
+`gpu-server recheck` reads (gpu_server/offline.py). `kept/` must be a folder itself, not a link.
 
 Resume (same `--out`): the report files are cut back to the journal (gpu_server/spool_recovery.py), every spool
 entry not journaled as done is handed back (those marked `h` rebuild their pending backward check without writing
@@ -38,11 +41,14 @@ from gpu_server.spool_acks import GroupCommit, Ticket
 from gpu_server.spool_journal import Journal, JournalState, read_journal
 from gpu_server.spool_recovery import cut_reports, rebuild_from_reports
 from gpu_server.spool_segments import (
+    KEPT_DIR,
     Damage,
     Entry,
+    is_real_dir,
     list_segments,
     read_entry,
     scan_segment,
+    segment_files,
     segment_path,
 )
 from protos import online_check_pb2 as pb
@@ -75,9 +81,12 @@ class Recovery:
 
 
 class Spool:
-    def __init__(self, out_dir: str, limits: Limits = DEFAULT_LIMITS, fsync: bool = True):
+    def __init__(self, out_dir: str, limits: Limits = DEFAULT_LIMITS, fsync: bool = True, keep: bool = False):
         self.out_dir = out_dir
         self.dir = os.path.join(out_dir, "spool")
+        self.keep = keep                           # move completely reported segments to kept/ (not delete)
+        self.kept_dir = os.path.join(self.dir, KEPT_DIR)
+        self._keep_failed = False
         self.limits = limits
         self.fsync = fsync
         self._cv = threading.Condition()
@@ -100,6 +109,11 @@ class Spool:
                 raise SpoolError(f"{self.dir} is in use by another gpu-server; give each server its own --out") \
                     from None
             raise
+        if self.keep:
+            if os.path.lexists(self.kept_dir) and not is_real_dir(self.kept_dir):
+                raise SpoolError(f"{self.kept_dir} is not a folder (a link or a file); remove it, or run without "
+                                 "--keep-records")
+            os.makedirs(self.kept_dir, exist_ok=True)
         for tmp in glob.glob(os.path.join(self.dir, "*.tmp")):  # never acknowledged: the agents re-send them
             os.unlink(tmp)
         state_path = os.path.join(self.dir, "state.json")
@@ -137,7 +151,8 @@ class Spool:
         self.journal.open(state)
         replay.sort(key=lambda e: (e.key[0], e.key[1], e.key[2]))
         half = {e.key for e in replay if e.key in state.half}
-        self.commits.start(max(list_segments(self.dir), default=-1) + 1)
+        kept = [seg for seg, _ in segment_files(self.kept_dir)]   # numbers stay unique across live and kept/
+        self.commits.start(max(list_segments(self.dir) + kept, default=-1) + 1)
         return Recovery(ts=ts, resumed=resumed, starts=starts, replay=replay, half=half,
                         ends=list(state.ends.values()), truncated=truncated, done_count=state.done_count(),
                         damage=damage, journal_damaged=state.damaged, rebuilt=rebuilt)
@@ -231,10 +246,41 @@ class Spool:
             self._unlink_segment(seg)
 
     def _unlink_segment(self, seg: int) -> None:
+        """Every record in `seg` is completely reported: delete it, or with `keep` move it into kept/."""
+        path = segment_path(self.dir, seg)
+        if self.keep and not self._keep_failed:
+            target = segment_path(self.kept_dir, seg)
+            try:
+                if not os.path.lexists(target):
+                    os.rename(path, target)   # same filesystem; a restart never replays kept/
+                    return
+                log.error("spool: %s exists already (not written by this server); %s is deleted, not kept", target,
+                          path)
+            except FileNotFoundError:
+                if not os.path.lexists(path):
+                    return                # moved or deleted already
+                self._keep_failed = True
+                log.error("spool: %s is gone; completely reported records are deleted from now on, not kept",
+                          self.kept_dir)
+            except OSError as exc:
+                self._keep_failed = True
+                log.error("spool: cannot keep %s in %s (%s); completely reported records are deleted from now on",
+                          path, self.kept_dir, exc)
         try:
-            os.unlink(segment_path(self.dir, seg))
+            os.unlink(path)
         except FileNotFoundError:
             pass
+
+    def kept_usage(self) -> tuple[int, int]:
+        """(segment files, bytes) in kept/: what `--keep-records` costs on disk so far."""
+        files = segment_files(self.kept_dir)
+        total = 0
+        for _seg, path in files:
+            try:
+                total += os.lstat(path).st_size
+            except OSError:
+                pass
+        return len(files), total
 
     # -- shutdown ----------------------------------------------------------------------------------------------
     def flush(self, timeout: float = 60.0) -> None:

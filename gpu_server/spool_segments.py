@@ -17,6 +17,7 @@ import dataclasses
 import mmap
 import os
 import re
+import stat
 import struct
 import zlib
 
@@ -27,6 +28,7 @@ MAGIC = b"OCSPOOL1"
 ENTRY = struct.Struct("<4sIQII")
 TAG = b"REC1"
 SEGMENT_FILE = re.compile(r"^seg-([0-9]{9,})\.spl\Z")
+KEPT_DIR = "kept"            # `--keep-records`: completely reported segments, moved here instead of deleted
 
 
 @dataclasses.dataclass
@@ -57,6 +59,33 @@ def segment_path(spool_dir: str, seg: int) -> str:
 
 def list_segments(spool_dir: str) -> list[int]:
     return sorted(int(m.group(1)) for m in map(SEGMENT_FILE.match, os.listdir(spool_dir)) if m)
+
+
+def is_real_dir(path: str) -> bool:
+    """A folder itself, not a link to one (lstat)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def segment_files(folder: str) -> list[tuple[int, str]]:
+    """(number, path) of the segment files in `folder` that are regular files (lstat: a link is never followed),
+    named exactly `seg-N.spl`; [] when `folder` is missing or not a folder itself."""
+    if not is_real_dir(folder):
+        return []
+    found = []
+    for name in os.listdir(folder):
+        m = SEGMENT_FILE.match(name)
+        if not m:
+            continue
+        path = os.path.join(folder, name)
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                found.append((int(m.group(1)), path))
+        except OSError:
+            continue
+    return sorted(found)
 
 
 def entry_bytes(header: bytes, payload) -> bytes:

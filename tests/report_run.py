@@ -1,7 +1,8 @@
 """One real run with known failures for the report tests (tests/test_offline.py, tests/test_html_report.py): a real
 gpu-server on loopback, two training subprocesses of TinyLM in bfloat16 for two steps, rank 0 with the faulty gelu
 kernel of tests/faulty_kernels.py (Functional.gelu.0 and .1 fail forward, at each step: 4 failing calls), rank 1
-correct. Made once per test process and shared."""
+correct. The server keeps every record (`--keep-records`) for `gpu-server recheck`. Made once per test process and
+shared."""
 from __future__ import annotations
 
 import os
@@ -23,7 +24,7 @@ def faulty_out() -> str:
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"   # the server's same-dtype run uses the trainings' thread count
     try:
-        server = support.Server(work).start()
+        server = support.Server(work, args=["--keep-records"]).start()   # for the recheck tests
     finally:
         if old is None:
             os.environ.pop("OMP_NUM_THREADS")
