@@ -6,8 +6,8 @@ offline (on a cluster with no network): every plot is inline SVG drawn here, the
 
 - the verdicts at a glance: calls, and output rows by API and by precision standard;
 - the failing and warning calls first, sortable and filterable (also by link: `report.html#filter=gelu&status=error`),
-  each with its metrics, its message and a link to its error-data folder (`error_data/{ts}/rank{r}/{call}.step{s}/`,
-  with `python replay.py` inside);
+  each with its metrics, its message and links to its error-data folders
+  (`error_data/{ts}/{run_id}/rank{r}/{call}.step{s}/`, with `python replay.py` inside);
 - for each failing API, the error distribution over its output rows: the standard's device / same-dtype ratio
   (1 = the device is as far from the bench as the trusted host's own run in that dtype), the threshold marked;
   and the device's relative (or ULP) error against the bench, failing rows in red;
@@ -222,12 +222,17 @@ def _status_counts(series) -> dict[str, int]:
 
 
 def _error_link(out_dir: str, report_dir: str, ts: str, rank: int, call: str, step: int) -> str:
-    for base in (os.path.join(out_dir, "error_data", ts), os.path.join(out_dir, "error_data")):
-        folder = os.path.join(base, f"rank{rank}", f"{call}.step{step}")
-        if os.path.isdir(folder):
+    """Links to the call's evidence folders: `error_data/{ts}/{run_id}/rank{r}/{call}.step{s}/`, one per training
+    run that sent this call (gpu_server/error_data.py)."""
+    root = os.path.join(out_dir, "error_data", ts)
+    runs = sorted(os.listdir(root)) if os.path.isdir(root) else []
+    links = []
+    for run in runs:
+        folder = os.path.join(root, run, f"rank{rank}", f"{call}.step{step}")
+        if os.path.isdir(folder) and not os.path.islink(folder):
             rel = os.path.relpath(folder, report_dir).replace(os.sep, "/")
-            return f"<a href='{_e(rel)}/' title='{_e(rel)}/'>{_e(call)}.step{step}/</a>"
-    return "<span class='muted'>none</span>"
+            links.append(f"<a href='{_e(rel)}/' title='{_e(rel)}/'>{_e(call)}.step{step}/</a>")
+    return " ".join(links) if links else "<span class='muted'>none</span>"
 
 
 def _worst_rows(pdet: pd.DataFrame, det: pd.DataFrame) -> dict[tuple, dict]:
