@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from npu_agent.records import BACKWARD, PendingRecord
-from npu_agent.snapshot import Snapshot, iter_tensors, map_tensors
+from npu_agent.snapshot import Snapshot, grads_snapshot, iter_tensors, map_tensors
 
 
 @dataclasses.dataclass
@@ -33,6 +33,7 @@ class _Entry:
     positions: list[int]                 # flattened input position of each tapped slot
     grad_in: list[Any]
     grad_out: list[Any] = dataclasses.field(default_factory=list)
+    leaf: list[bool] = dataclasses.field(default_factory=list)   # per slot: the input is a leaf (a parameter)
     left: int = 0
     emitted: bool = False
 
@@ -44,8 +45,25 @@ def _copy(grad: torch.Tensor | None) -> torch.Tensor | None:
         return grad.detach().clone()
 
 
-def _differentiable(t: torch.Tensor) -> bool:
-    return t.requires_grad and (t.is_floating_point() or t.is_complex())
+def _hold(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient on its way through the graph, held by reference (the same tensor object, so that its use count
+    shows our reference): the engine accumulates in place, and AccumulateGrad adopts a gradient as a parameter's
+    .grad without a copy, only when it holds the last reference."""
+    return grad
+
+
+def _map_flat(obj: Any, fn) -> Any:
+    """map_tensors for the common case of a tuple/list of leaves (fn sees every leaf and keeps non-tensors)."""
+    tp = type(obj)
+    if tp is tuple or tp is list:
+        for v in obj:
+            if isinstance(v, (tuple, list, dict, slice)):
+                return map_tensors(obj, fn)
+        items = [fn(v) for v in obj]
+        return items if tp is list else tuple(items)
+    if isinstance(obj, (tuple, list, dict, slice)):
+        return map_tensors(obj, fn)
+    return fn(obj)
 
 
 class BackwardTaps:
@@ -59,15 +77,19 @@ class BackwardTaps:
     def tap_inputs(self, ctx) -> None:
         """Replace each differentiable input by a hooked alias; remember the slots on `ctx.taps`."""
         rec = ctx.record
+        if not ctx.recompute and rec.inputs is not None and not rec.inputs.requires_grad:
+            return   # no input requires grad: nothing to tap, no walk
         first = ctx.args[0] if ctx.args and isinstance(ctx.args[0], torch.Tensor) else None
         entry = _Entry(rec.name, rec.step, [], [])
         position = -1
         aliases: dict[int, torch.Tensor] = {}
 
-        def tap(t: torch.Tensor) -> torch.Tensor:
+        def tap(t):
             nonlocal position
+            if not isinstance(t, torch.Tensor):
+                return t
             position += 1
-            if not _differentiable(t):
+            if not (t.requires_grad and (t.is_floating_point() or t.is_complex())):
                 return t
             slot = len(entry.positions)
             if rec.inplace and t is first:
@@ -77,17 +99,20 @@ class BackwardTaps:
                     return t
                 entry.positions.append(position)
                 entry.grad_in.append(None)
+                entry.leaf.append(False)
                 t.register_hook(self._in_hook(entry, slot))
                 return t
             alias = t.view_as(t)
-            alias.register_hook(self._in_hook(entry, slot))
+            hook = self._in_hook(entry, slot)
+            alias.grad_fn.register_prehook(lambda grads: hook(grads[0]))
             entry.positions.append(position)
             entry.grad_in.append(None)
+            entry.leaf.append(t.is_leaf)
             aliases[id(alias)] = t
             return alias
 
-        args = map_tensors(ctx.args, tap)
-        kwargs = map_tensors(ctx.kwargs, tap)
+        args = _map_flat(ctx.args, tap)
+        kwargs = {k: _map_flat(v, tap) for k, v in ctx.kwargs.items()} if ctx.kwargs else ctx.kwargs
         if entry.positions:
             entry.left = len(entry.positions)
             ctx.args, ctx.kwargs = args, kwargs
@@ -98,25 +123,29 @@ class BackwardTaps:
         entry, aliases = ctx.taps
         if aliases:
             out = map_tensors(out, lambda t: aliases.get(id(t), t))
-        hooked = False
-        outs = list(iter_tensors(out))
+        outs = [out] if isinstance(out, torch.Tensor) else list(iter_tensors(out))
         entry.grad_out = [None] * len(outs)
+        nodes: dict[int, tuple[Any, list]] = {}   # one pre-hook per autograd node, for all its outputs we return
         for j, o in enumerate(outs):
-            if o.requires_grad and o.grad_fn is not None:
-                o.register_hook(self._out_hook(entry, j))
-                hooked = True
-        if hooked:
+            fn = o.grad_fn
+            if fn is not None and o.requires_grad:
+                nodes.setdefault(id(fn), (fn, []))[1].append((o.output_nr, j))
+        for fn, slots in nodes.values():
+            fn.register_prehook(self._out_hook(entry, slots))
+        if nodes:
             ctx.record.backward_expected = True
             with self._lock:
                 self._pending[(entry.step, entry.name)] = entry
         return out
 
     # -- backward side (autograd engine threads) ------------------------------------------------------------
-    def _out_hook(self, entry: _Entry, j: int):
-        def hook(grad):
+    def _out_hook(self, entry: _Entry, slots: list[tuple[int, int]]):
+        def hook(grads):
             with self._lock:
                 if not entry.emitted:
-                    entry.grad_out[j] = _copy(grad) if entry.grad_out[j] is None else entry.grad_out[j]
+                    for nr, j in slots:
+                        if entry.grad_out[j] is None and nr < len(grads):
+                            entry.grad_out[j] = _hold(grads[nr])
             return None
         return hook
 
@@ -126,7 +155,9 @@ class BackwardTaps:
             with self._lock:
                 if entry.emitted or entry.grad_in[slot] is not None:
                     return None  # retain_graph double backward: the first gradient is the record
-                entry.grad_in[slot] = _copy(grad)
+                # A parameter's gradient may become its .grad without a copy (AccumulateGrad steals a view of
+                # it), which later steps, clipping or zero_grad change in place: copied now.
+                entry.grad_in[slot] = _copy(grad) if entry.leaf[slot] else _hold(grad)
                 entry.left -= 1
                 if entry.left == 0:
                     emit = self._take(entry)
@@ -180,5 +211,4 @@ class BackwardTaps:
 
 
 def _snap(values: list) -> Snapshot:
-    total = sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
-    return Snapshot(list(values), total, set())
+    return grads_snapshot(values)

@@ -16,7 +16,8 @@ from torch.overrides import TorchFunctionMode
 
 from npu_agent import naming
 from npu_agent.records import PendingRecord
-from npu_agent.snapshot import iter_tensors, snapshot
+from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
+from npu_agent.snapshot import install as snapshot_install
 from protos.codec import dtype_name
 
 log = logging.getLogger("npu_agent")
@@ -32,6 +33,7 @@ class CallContext:
     taps: Any = None   # backward taps installed for this call (npu_agent.backward)
     recompute: bool = False  # a checkpoint recompute of a call recorded in the first pass: taps only
     dropout: Any = None      # dropout family: (generator state before the call, p), to rebuild the keep-mask
+    copied: bool = False     # the inputs were copied before the call (it writes them)
 
 
 class CaptureMode(TorchFunctionMode):
@@ -117,6 +119,7 @@ class Capturer:
         self.api_list = api_list
         self.scope = scope
         self.backward = backward          # npu_agent.backward.BackwardTaps, or None
+        snapshot_install()                # copy-on-write before optimizer.step() / zero_grad of held tensors
         self.counters = naming.Counters()
         self.step = 0
         self.captured = 0
@@ -126,6 +129,7 @@ class Capturer:
         self.open_regions: list = []      # regions whose records wait for their recompute
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        self._writes_inputs: set[tuple[str, str]] = set(naming.WRITES_INPUTS)  # not in-place by name, yet write
 
     # -- step boundary -------------------------------------------------------------------------------------
     def next_step(self, step: int) -> None:
@@ -154,21 +158,27 @@ class Capturer:
 
     # -- the two halves of a call --------------------------------------------------------------------------
     def before_call(self, func, info: tuple[str, str], args: tuple, kwargs: dict) -> CallContext | None:
+        category, api = info
+        inplace = naming.is_inplace(api, kwargs)
+        writes = inplace or info in self._writes_inputs
+        if writes and HELD.pending:
+            # This call writes (some of) its tensor arguments: records still holding them get their copy first.
+            HELD.protect_tree((args, kwargs))
         if torch._C._current_graph_task_id() != -1:
             # Inside a backward pass: a checkpoint recompute or a custom backward. Its forward was recorded already.
             return self._recompute_call(info, args, kwargs)
-        category, api = info
         name = self.counters.next_name(category, api)
         if not self._selected(name):
             return None
         grad_enabled = torch.is_grad_enabled()
         rec = PendingRecord(name=name, step=self.step, grad_enabled=grad_enabled,
-                            inplace=naming.is_inplace(api, kwargs), autocast=autocast_state(args, kwargs))
+                            inplace=inplace, autocast=autocast_state(args, kwargs))
         if category == "Distributed":
             rec.skip_reason = "collective communication is not replayed on the benchmark host"
             return CallContext(rec, category, api, args, kwargs)
-        rec.inputs = snapshot((args, kwargs))
+        rec.inputs = snapshot((args, kwargs), copy=writes)   # inputs the call writes: their value before it
         ctx = CallContext(rec, category, api, args, kwargs)
+        ctx.copied = writes
         if naming.is_random(api):
             ctx.dropout = self._random_state(rec, category, api, args, kwargs)
         if grad_enabled and self.backward is not None:
@@ -195,6 +205,11 @@ class Capturer:
         if rec.skip_reason:
             self._submit(rec)
             return out
+        if not ctx.copied and self._wrote_inputs(ctx):
+            if ctx.taps is not None and ctx.taps[1]:   # give back the original where the API returned our alias
+                aliases = ctx.taps[1]
+                out = map_tensors(out, lambda t: aliases.get(id(t), t))
+            return out
         if rec.inplace and out is None and ctx.args and isinstance(ctx.args[0], torch.Tensor):
             rec.output = snapshot(ctx.args[0])   # `x[i] = v` returns None: what it produced is the new x
         else:
@@ -205,6 +220,25 @@ class Capturer:
             rec.mask = self._dropout_mask(ctx)
         self._submit(rec)
         return out
+
+    def _wrote_inputs(self, ctx: CallContext) -> bool:
+        """A call not known to write its inputs did (batch_norm's running statistics, embedding's max_norm): the
+        values held by reference are gone. The record goes out skipped; later calls of the API copy their inputs."""
+        held = ctx.record.inputs.held
+        for e in held.values():
+            if e[0]._version != e[1]:
+                break
+        else:
+            return False
+        info = (ctx.category, ctx.api)
+        self._writes_inputs.add(info)
+        rec = ctx.record
+        HELD.pending.pop(id(rec.inputs), None)
+        rec.inputs = None
+        rec.skip_reason = (f"{'.'.join(info)} changed its own inputs in place; its later calls are recorded with "
+                           "copies of their inputs")
+        self._submit(rec)
+        return True
 
     def _submit(self, rec: PendingRecord) -> None:
         self.captured += 1

@@ -39,6 +39,13 @@ DROPOUT_MASKED = frozenset({"dropout", "dropout_", "dropout1d", "dropout2d", "dr
                             "feature_dropout_"})
 
 
+# APIs that write some of their tensor arguments without an in-place name: their inputs are copied before the call.
+WRITES_INPUTS = frozenset({("Functional", "batch_norm"), ("Torch", "batch_norm"), ("Functional", "instance_norm"),
+                           ("Torch", "instance_norm"), ("Torch", "native_batch_norm"),
+                           ("Torch", "_native_batch_norm_legit"), ("Aten", "native_batch_norm"),
+                           ("Aten", "_native_batch_norm_legit"), ("Aten", "_native_batch_norm_legit_functional")})
+
+
 def _public_callables(namespace, prefix: str = ""):
     for name, obj in vars(namespace).items():
         if name.startswith("_") or isinstance(obj, (type, types.ModuleType)) or not callable(obj):
