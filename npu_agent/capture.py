@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from npu_agent import naming
 from npu_agent.records import PendingRecord
+from npu_agent.sampling import call_site
 from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
 from npu_agent.snapshot import install as snapshot_install
 from protos.codec import dtype_name
@@ -114,12 +115,13 @@ class Capturer:
     """Turns calls into PendingRecords and hands them to `sink` (the sender)."""
 
     def __init__(self, sink: Callable[[PendingRecord], None], api_list: tuple[str, ...] = (),
-                 scope: tuple[str, ...] = (), backward=None):
+                 scope: tuple[str, ...] = (), backward=None, sampler=None):
         self.sink = sink
         self.api_list = api_list
         self.scope = scope
         self.backward = backward          # npu_agent.backward.BackwardTaps, or None
         snapshot_install()                # copy-on-write before optimizer.step() / zero_grad of held tensors
+        self.sampler = sampler            # npu_agent.sampling.Sampler, or None: every call
         self.counters = naming.Counters()
         self.step = 0
         self.captured = 0
@@ -137,6 +139,8 @@ class Capturer:
         self.counters.reset()
         self.step = step
         self._scope_state = 0
+        if self.sampler is not None:
+            self.sampler.take_step(step)
 
     def release_regions(self) -> None:
         """Regions never recomputed (no backward ran): their held forward records go out as they are."""
@@ -171,6 +175,8 @@ class Capturer:
         if not self._selected(name):
             return None
         grad_enabled = torch.is_grad_enabled()
+        if self.sampler is not None and not self.sampler.take(call_site(category, api, args, kwargs, grad_enabled)):
+            return None
         rec = PendingRecord(name=name, step=self.step, grad_enabled=grad_enabled,
                             inplace=inplace, autocast=autocast_state(args, kwargs))
         if category == "Distributed":

@@ -180,3 +180,12 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, with_tensors: bool = Tru
     out.tensors.extend(enc.metas)
     out.payload_bytes = enc.size
     return out, enc, changed
+
+
+def end_frame(run_id: str, rank: int, world_size: int, counts: dict) -> bytes:
+    """The end-of-stream Frame with the agent's counts (and its sampling counts, when a policy is set)."""
+    sampling = {k: int(v) for k, v in (counts.get("sampling") or {}).items()}
+    return pb.Frame(end=pb.End(run_id=run_id, rank=rank, captured=counts["captured"], sent=counts["sent"],
+                               acknowledged=counts["acknowledged"], dropped=counts["dropped"],
+                               last_seq=counts["last_seq"], world_size=world_size,
+                               sampling=sampling)).SerializeToString()
