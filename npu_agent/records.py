@@ -75,7 +75,11 @@ class _PayloadEncoder(RecordEncoder):
                              requires_grad=t.requires_grad if requires_grad is None else requires_grad,
                              device=device or str(t.device))
         if not t.is_contiguous():
-            meta.stride.extend(t.stride())
+            # the layout a private clone of `t` would have: its strides when it is dense (a transpose, channels
+            # last), row-major when it is a view into a larger storage (a slice)
+            layout = torch.empty_like(t, device="meta")
+            if not layout.is_contiguous():
+                meta.stride.extend(layout.stride())
         nbytes = t.numel() * t.element_size()
         self.size = (self.size + _ALIGN - 1) // _ALIGN * _ALIGN
         meta.offset, meta.nbytes = self.size, nbytes

@@ -96,3 +96,15 @@ def test_calls_that_write_their_inputs_keep_the_values_before_the_call():
     assert "changed its own inputs" in first.skip_reason and not torch.equal(emb_before, emb2_before)
     second = to_job(sink.forward("Functional.embedding.1"))
     assert not second.skip_reason and _same(second.args[1], emb2_before) and not torch.equal(emb, emb2_before)
+
+
+def test_views_are_sent_with_the_layout_of_a_private_copy():
+    base = torch.randn(6, 9)
+    sliced, transposed = base[:, :-1], base.t()          # a view into a larger storage; a dense permutation
+    with capture() as (mode, sink):
+        with mode:
+            torch.add(sliced, 1)
+            torch.mul(transposed, 2)
+    add, mul = to_job(sink.forward("Torch.add.0")), to_job(sink.forward("Torch.mul.0"))
+    assert _same(add.args[0], sliced) and add.args[0].is_contiguous()
+    assert _same(mul.args[0], transposed) and mul.args[0].stride() == transposed.stride()
