@@ -69,11 +69,17 @@ class CaptureMode(TorchFunctionMode):
             return out
 
 
-def autocast_state(args: tuple, kwargs: dict) -> tuple[bool, str, str]:
-    device_type = "cpu"
+def _first_device_type(args: tuple, kwargs: dict) -> str:
+    for v in args:   # the common case: a tensor among the positional arguments
+        if isinstance(v, torch.Tensor):
+            return v.device.type
     for t in iter_tensors((args, kwargs)):
-        device_type = t.device.type
-        break
+        return t.device.type
+    return "cpu"
+
+
+def autocast_state(args: tuple, kwargs: dict) -> tuple[bool, str, str]:
+    device_type = _first_device_type(args, kwargs)
     try:
         enabled = torch.is_autocast_enabled(device_type)
         return (enabled, dtype_name(torch.get_autocast_dtype(device_type)) if enabled else "", device_type)
@@ -163,7 +169,7 @@ class Capturer:
     # -- the two halves of a call --------------------------------------------------------------------------
     def before_call(self, func, info: tuple[str, str], args: tuple, kwargs: dict) -> CallContext | None:
         category, api = info
-        inplace = naming.is_inplace(api, kwargs)
+        inplace = naming.is_inplace(api, kwargs) if kwargs else naming.inplace_by_name(api)
         writes = inplace or info in self._writes_inputs
         if writes and HELD.pending:
             # This call writes (some of) its tensor arguments: records still holding them get their copy first.

@@ -121,15 +121,15 @@ _CACHE: dict = {}
 
 def classify(func) -> tuple[str, str] | None:
     """(category, api) for an API function object, None for anything that is not a record."""
-    name = getattr(func, "__name__", None)
-    if name in ("__get__", "__set__", "__delete__"):  # property accessors: new objects on every access
-        return None
     try:
         return _CACHE[func]
     except KeyError:
         pass
     except TypeError:  # unhashable callable
         return _classify_uncached(func)
+    name = getattr(func, "__name__", None)
+    if name in ("__get__", "__set__", "__delete__"):  # property accessors: new objects on every access
+        return None
     info = _classify_uncached(func)
     _CACHE[func] = info
     _KEEP.append(func)
@@ -155,13 +155,23 @@ def is_random(api: str) -> bool:
     return api in _RANDOM
 
 
+_INPLACE_NAMES: dict[str, bool] = {}
+
+
+def inplace_by_name(api: str) -> bool:
+    """In-place by name: `add_`, `__iadd__`, `__setitem__` (cached per name)."""
+    hit = _INPLACE_NAMES.get(api)
+    if hit is None:
+        hit = ((api.endswith("_") and not api.endswith("__"))
+               or (api.startswith("__i") and api.endswith("__") and api not in ("__init__", "__invert__", "__index__"))
+               or api == "__setitem__")
+        _INPLACE_NAMES[api] = hit
+    return hit
+
+
 def is_inplace(api: str, kwargs: dict) -> bool:
     """In-place by name (`add_`, `__iadd__`, `__setitem__`) or by keyword (`inplace=True`, `out=`)."""
-    if api.endswith("_") and not api.endswith("__"):
-        return True
-    if api.startswith("__i") and api.endswith("__") and api not in ("__init__", "__invert__", "__index__"):
-        return True
-    return api == "__setitem__" or kwargs.get("inplace") is True or kwargs.get("out") is not None
+    return inplace_by_name(api) or kwargs.get("inplace") is True or kwargs.get("out") is not None
 
 
 class Counters:

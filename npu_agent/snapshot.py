@@ -149,7 +149,22 @@ def _hold(obj: Any, held: dict, grads: set[int] | None, copy: bool):
     if tp is tuple or tp is list:
         if not obj:
             return obj
-        items = [_hold(v, held, grads, copy) for v in obj]
+        if not copy:   # the common case, a flat sequence of tensors and scalars: no call per item
+            items = []
+            for v in obj:
+                if isinstance(v, _Tensor):
+                    tid = id(v)
+                    if tid not in held:
+                        held[tid] = [v, v._version, None, None]
+                        if v.requires_grad:
+                            grads.add(tid)
+                    items.append(v)
+                elif isinstance(v, (tuple, list, dict, slice)):
+                    items.append(_hold(v, held, grads, copy))
+                else:
+                    items.append(v)
+        else:
+            items = [_hold(v, held, grads, copy) for v in obj]
         return items if tp is list else tuple(items)
     if isinstance(obj, _Tensor):
         tid = id(obj)
