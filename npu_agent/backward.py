@@ -103,8 +103,7 @@ class BackwardTaps:
                 t.register_hook(self._in_hook(entry, slot))
                 return t
             alias = t.view_as(t)
-            hook = self._in_hook(entry, slot)
-            alias.grad_fn.register_prehook(lambda grads: hook(grads[0]))
+            alias.grad_fn.register_prehook(self._in_hook(entry, slot, pre=True))
             entry.positions.append(position)
             entry.grad_in.append(None)
             entry.leaf.append(t.is_leaf)
@@ -149,8 +148,12 @@ class BackwardTaps:
             return None
         return hook
 
-    def _in_hook(self, entry: _Entry, slot: int):
+    def _in_hook(self, entry: _Entry, slot: int, pre: bool = False):
+        """The hook for one tapped input: a tensor hook (grad) or, with `pre`, a pre-hook on the alias's node
+        (a tuple holding grad)."""
         def hook(grad):
+            if pre:
+                grad = grad[0]
             emit = False
             with self._lock:
                 if entry.emitted or entry.grad_in[slot] is not None:

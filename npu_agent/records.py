@@ -16,7 +16,7 @@ import torch
 
 from npu_agent.snapshot import HELD, Snapshot
 from protos import online_check_pb2 as pb
-from protos.codec import _ALIGN, RecordEncoder, dtype_name
+from protos.codec import _ALIGN, RecordEncoder, dtype_name, tensor_bytes
 
 FORWARD, BACKWARD = pb.FORWARD, pb.BACKWARD
 log = logging.getLogger("npu_agent")
@@ -75,11 +75,9 @@ class _PayloadEncoder(RecordEncoder):
                              requires_grad=t.requires_grad if requires_grad is None else requires_grad,
                              device=device or str(t.device))
         if not t.is_contiguous():
-            # the layout a private clone of `t` would have: its strides when it is dense (a transpose, channels
-            # last), row-major when it is a view into a larger storage (a slice)
-            layout = torch.empty_like(t, device="meta")
-            if not layout.is_contiguous():
-                meta.stride.extend(layout.stride())
+            stride = _clone_stride(t)
+            if stride is not None:
+                meta.stride.extend(stride)
         nbytes = t.numel() * t.element_size()
         self.size = (self.size + _ALIGN - 1) // _ALIGN * _ALIGN
         meta.offset, meta.nbytes = self.size, nbytes
@@ -90,12 +88,16 @@ class _PayloadEncoder(RecordEncoder):
 
     def fill(self, snaps: list[Snapshot]) -> list[int]:
         """Copy every tensor into the payload; returns the ids of tensors found changed (not sendable)."""
-        payload = torch.empty(self.size, dtype=torch.uint8)
+        small = self.size <= _SMALL
+        # small records: a zeroed bytearray and one memcpy per tensor; large: torch copies (any layout, device)
+        payload = bytearray(self.size) if small else torch.empty(self.size, dtype=torch.uint8)
+        copy_into = _copy_small if small else _copy_large
         reads = [(s, HELD.begin(s)) for s in snaps]
         source = {tid: src for _, read in reads for tid, src in read}
         with torch.no_grad(), torch._C.DisableTorchFunction():
             for off, nbytes, t in self.places:
-                _copy_into(payload, off, nbytes, source.get(id(t), t))
+                if nbytes:
+                    copy_into(payload, off, nbytes, source.get(id(t), t))
             changed: list[int] = []
             again: dict[int, torch.Tensor] = {}
             for s, read in reads:
@@ -104,20 +106,46 @@ class _PayloadEncoder(RecordEncoder):
                 changed += c
             if again:
                 for off, nbytes, t in self.places:
-                    if id(t) in again:
-                        _copy_into(payload, off, nbytes, again[id(t)])
-            pos = 0
-            for off, nbytes, _ in self.places:   # alignment padding goes out as zeros
-                if off > pos:
-                    payload[pos:off].zero_()
-                pos = max(pos, off + nbytes)
-        self.buffers = [(0, memoryview(payload.numpy()).cast("B"))] if self.size else []
+                    if id(t) in again and nbytes:
+                        copy_into(payload, off, nbytes, again[id(t)])
+            if not small:
+                pos = 0
+                for off, nbytes, _ in self.places:   # alignment padding goes out as zeros
+                    if off > pos:
+                        payload[pos:off].zero_()
+                    pos = max(pos, off + nbytes)
+        if not self.size:
+            self.buffers = []
+        else:
+            self.buffers = [(0, memoryview(payload) if small else memoryview(payload.numpy()).cast("B"))]
         return changed
 
 
-def _copy_into(payload: torch.Tensor, off: int, nbytes: int, t: torch.Tensor) -> None:
-    if nbytes:
-        payload[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
+_SMALL = 256 << 10
+
+
+def _copy_large(payload: torch.Tensor, off: int, nbytes: int, t: torch.Tensor) -> None:
+    payload[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
+
+
+def _copy_small(payload: bytearray, off: int, nbytes: int, t: torch.Tensor) -> None:
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    payload[off:off + nbytes] = tensor_bytes(t.detach().contiguous())
+
+
+def _clone_stride(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides a private clone of non-contiguous `t` has: t's own when t is dense (a transpose, channels last),
+    None (row-major) when it is a view into a larger storage (a slice)."""
+    if t.dim() in (4, 5):   # clone may pick channels-last for a non-dense view: ask torch
+        layout = torch.empty_like(t, device="meta")
+        return None if layout.is_contiguous() else layout.stride()
+    expect = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expect:
+            return None
+        expect *= size
+    return t.stride()
 
 
 def encode_record(rec: PendingRecord, run_id: str, rank: int) -> tuple[pb.Record, _Encoded]:
