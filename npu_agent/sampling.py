@@ -1,4 +1,4 @@
-"""Which calls a rank captures when checking everything costs too much (README "Sampling"; issue 13).
+"""Which calls a rank captures when checking everything costs too much (README, agent keys `online_sample_*`).
 
 A call site is (API, input shapes and dtypes, direction): the direction is forward only, or forward and backward
 when the call runs under grad mode (its backward record follows its forward). The policies, all optional:
