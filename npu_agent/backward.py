@@ -1,9 +1,10 @@
 """Backward records per API call (SPEC §3.3): taps on inputs, hooks on outputs, checkpoint recomputes.
 
 For a call under grad mode, each differentiable input is passed to the API through a private `view_as` alias with
-a hook: the alias is this call's own edge to the tensor, so its gradient is exactly this call's grad_input, also
-when the tensor is used elsewhere (residuals, tied weights). Hooks on the outputs give grad_output. Hooks only
-copy; they never return a tensor, so no gradient is ever replaced.
+a pre-hook on its autograd node: the alias is this call's own edge to the tensor, so its gradient is exactly this
+call's grad_input, also when the tensor is used elsewhere (residuals, tied weights). One pre-hook on each output's
+node gives grad_output. Hooks hold the gradients by reference (a parameter's gradient is copied: it may become the
+parameter's .grad, which later code changes in place); they never return a tensor, so no gradient is replaced.
 
 A backward record is emitted when every tapped input got its gradient, or at the end of the backward pass (an
 engine callback) with what arrived. Calls whose outputs never got a gradient are closed at the step boundary

@@ -1,5 +1,10 @@
 """Level-L1 capture: a TorchFunctionMode that names each API call and snapshots it (SPEC §3.3).
 
+Snapshots hold references (npu_agent.snapshot): a call that writes its arguments (in place by name or keyword, or
+known to: batch_norm's running statistics) first has every record still holding them copy them, and its own
+inputs are copied before it runs. A call found to have written its inputs anyway is learned: its record goes out
+skipped and its later calls copy. The sampling policies (npu_agent.sampling) decide which calls are recorded.
+
 The mode is pushed only while capture is on. Inside `__torch_function__` the mode is already popped, so what
 the API does internally, and our own copies, are not seen. Nothing here may raise into the training: every
 failure of ours is counted and logged once, and the call itself always runs exactly as it would without us.
