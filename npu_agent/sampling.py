@@ -18,8 +18,10 @@ deterministic function of them). Counts of every decision are kept for the end-o
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import statistics
 import time
 
 import torch
@@ -56,6 +58,8 @@ class Sampler:
         self._t_step = clock()
         self._t_on: float | None = None
         self._t_off: float | None = None
+        self._on: collections.deque = collections.deque(maxlen=9)
+        self._off: collections.deque = collections.deque(maxlen=9)
         self._budget_credit = 0.0
 
     # -- step boundary ---------------------------------------------------------------------------------------
@@ -87,10 +91,15 @@ class Sampler:
         return taken
 
     def _measure(self, seconds: float) -> None:
+        """Step times are kept as medians of the last 9 steps of each kind: a pause between steps (evaluation, a
+        checkpoint save) is one outlier, not a new estimate."""
+        samples = self._on if self.step_taken else self._off
+        samples.append(seconds)
+        median = statistics.median(samples)
         if self.step_taken:
-            self._t_on = seconds if self._t_on is None else 0.7 * self._t_on + 0.3 * seconds
+            self._t_on = median
         else:
-            self._t_off = seconds if self._t_off is None else 0.7 * self._t_off + 0.3 * seconds
+            self._t_off = median
 
     def _budget_allows(self) -> bool:
         """Take a step when the credit earned by skipped steps pays for its measured extra time."""

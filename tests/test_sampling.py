@@ -77,6 +77,13 @@ def test_overhead_budget_keeps_the_measured_extra_time_under_the_budget():
     spent = (1 + sum(taken)) * extra
     assert 0.05 * 201 * base <= spent <= 0.1 * 201 * base + extra, (spent, taken)
     assert c["step_us_captured"] == 2_000_000 and c["step_us_not_captured"] == 1_000_000
+    # a long pause (an evaluation) between two steps does not open the budget
+    now[0] += 500.0
+    taken_after = []
+    for step in range(201, 221):
+        now[0] += base + (extra if sampler.step_taken else 0.0)
+        taken_after.append(sampler.take_step(step))
+    assert sum(taken_after) <= 3, taken_after
 
 
 def test_sampling_counts_travel_in_the_end_message_and_show_in_the_summary():
