@@ -1,12 +1,20 @@
-"""Training-step time with the checker off, capture only, and full online checking, measured side by side.
+"""Training cost of the checker, side by side in one run: off, capture only, and online, on two models.
 
-    python bench/overhead.py [--steps 20] [--rounds 5] [--dtype bfloat16]
+    python bench/overhead.py [--models tiny,mid] [--rounds 3] [--tiny-steps 20] [--mid-steps 3]
 
-"capture only" runs the real capture mode (names, snapshots, backward taps and hooks) with a sink that discards
-the records; "online" is the real agent streaming to a real gpu-server subprocess on loopback (the step time is
-the training thread's; shipping and checking run in the background, and the time to drain at close() is printed
-separately; the server runs niced on this machine's cores, where a deployment has it on another host). The
-variants run round-robin in one process so that they share the machine's state; medians.
+Models: TinyLM (2 layers, d=32, batch 4x16, bfloat16: many small records) and the mid transformer (4 layers,
+d=512, 8 heads, seq 128, batch 8, float32: about 55 calls and most of a GB of inputs, outputs and gradients a step).
+
+- "capture only": the real capture mode (names, references, backward taps and hooks) with a sink that discards
+  the records;
+- "online": the real agent streaming to a real gpu-server subprocess on loopback, forward and backward checked.
+  Its cost includes the agent's background work: after each round the bench waits until the server acknowledged
+  every record and counts that time and CPU in.
+
+The training process runs on one core (`os.sched_setaffinity`, one torch thread: its sender and gRPC threads
+share that core), the server on another core. CPU is the training process's CPU time (all its threads), wall the
+elapsed time. The variants run round-robin in one process so that they share the machine's state; per-step numbers
+are totals over the rounds divided by the steps. Ratios are printed last.
 """
 from __future__ import annotations
 
@@ -15,29 +23,47 @@ import json
 import os
 import signal
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 
-import torch
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _pin_training() -> tuple[int | None, int | None]:
+    """Pin this process to one core before torch starts threads; return (training core, server core)."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        return None, None
+    os.sched_setaffinity(0, {cores[0]})
+    return cores[0], cores[1]
+
+
+TRAIN_CORE, SERVER_CORE = _pin_training()
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)
 
 from examples.demo import TinyLM, batches, train_step  # noqa: E402
 from npu_agent import PrecisionDebugger  # noqa: E402
 from npu_agent.backward import BackwardTaps  # noqa: E402
 from npu_agent.capture import CaptureMode, Capturer  # noqa: E402
 
+MODELS = {
+    # name: (TinyLM kwargs, batch, dtype)
+    "tiny": (dict(vocab=96, d=32, heads=4, layers=2, seq=16), 4, torch.bfloat16),
+    "mid": (dict(vocab=512, d=512, heads=8, layers=4, seq=128), 8, torch.float32),
+}
+
 
 class _CaptureOnly:
     """The capture mode alone, as a start/stop/step facade, its records discarded."""
 
-    def __init__(self, backward: bool = True):
+    def __init__(self) -> None:
         self.records = 0
-        taps = BackwardTaps(self._sink) if backward else None
-        self.cap = Capturer(self._sink, backward=taps)
+        self.cap = Capturer(self._sink, backward=BackwardTaps(self._sink))
         self.mode = CaptureMode(self.cap)
 
     def _sink(self, rec) -> None:
@@ -50,9 +76,33 @@ class _CaptureOnly:
         self.mode.__exit__(None, None, None)
 
     def step(self):
-        if self.cap.backward:
-            self.cap.backward.end_step()
+        self.cap.release_regions()
+        self.cap.backward.end_step()
         self.cap.next_step(self.cap.step + 1)
+
+    def drain(self):
+        pass
+
+
+class _Online:
+    """The real agent; `drain()` waits until the server acknowledged everything sent so far."""
+
+    def __init__(self, cfg: str) -> None:
+        self.dbg = PrecisionDebugger(config_path=cfg)
+
+    def start(self):
+        self.dbg.start()
+
+    def stop(self):
+        self.dbg.stop()
+
+    def step(self):
+        self.dbg.step()
+
+    def drain(self):
+        sender = self.dbg._sender
+        while sender is not None and (sender._unacked or sender._queue):
+            time.sleep(0.002)
 
 
 def _free_port() -> int:
@@ -61,70 +111,88 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _steps(model, opt, data, dbg) -> list[float]:
-    times = []
+def _round(model, opt, data, dbg) -> tuple[float, float]:
+    c0, w0 = time.process_time(), time.perf_counter()
     for idx, tgt in data:
-        t0 = time.perf_counter()
         train_step(model, opt, idx, tgt, dbg)
-        times.append(time.perf_counter() - t0)
-    return times
+    if dbg is not None:
+        dbg.drain()
+    return time.process_time() - c0, time.perf_counter() - w0
+
+
+def bench_model(name: str, steps: int, rounds: int, agent_cfg: str) -> dict:
+    kwargs, batch, dtype = MODELS[name]
+    torch.manual_seed(0)
+    model = TinyLM(dropout=0.1, **kwargs).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = list(batches(steps, batch=batch, seq=kwargs["seq"], vocab=kwargs["vocab"]))
+    _round(model, opt, data[:2], None)  # warm-up: lazy optimizer state, allocator
+    capture = _CaptureOnly()
+    online = _Online(agent_cfg)
+    variants = {"off": None, "capture only": capture, "online": online}
+    cpu = dict.fromkeys(variants, 0.0)
+    wall = dict.fromkeys(variants, 0.0)
+    for _ in range(rounds):
+        for vname, dbg in variants.items():
+            c, w = _round(model, opt, data, dbg)
+            cpu[vname] += c
+            wall[vname] += w
+    counts = online.dbg.close()
+    n = steps * rounds
+    return {"model": name, "dtype": str(dtype).replace("torch.", ""), "steps": n,
+            "records_per_step": capture.records / n, "cpu": {k: v / n for k, v in cpu.items()},
+            "wall": {k: v / n for k, v in wall.items()}, "counts": counts}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--models", default="tiny,mid")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tiny-steps", type=int, default=20)
+    p.add_argument("--mid-steps", type=int, default=3)
     ns = p.parse_args()
-    dtype = getattr(torch, ns.dtype)
     work = tempfile.mkdtemp(prefix="bench-overhead-")
     port = _free_port()
     server_cfg, agent_cfg = os.path.join(work, "server.json"), os.path.join(work, "agent.json")
-    json.dump({"task": "run_ut", "run_ut": {"host": "127.0.0.1", "port": port, "is_online": True}},
-              open(server_cfg, "w"))
-    json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "host": "127.0.0.1",
-                                                             "port": port}}, open(agent_cfg, "w"))
+    with open(server_cfg, "w") as fh:
+        json.dump({"task": "run_ut", "run_ut": {"host": "127.0.0.1", "port": port, "is_online": True}}, fh)
+    with open(agent_cfg, "w") as fh:
+        json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "host": "127.0.0.1",
+                                                                 "port": port, "online_memory_mb": 4096}}, fh)
     log = open(os.path.join(work, "server.log"), "w")
-    # The server shares this machine's cores here (in a deployment it is another host): it runs at the lowest
-    # priority with one thread, so that its replay of the records takes what the training leaves.
+    pin = (lambda: os.sched_setaffinity(0, {SERVER_CORE})) if SERVER_CORE is not None else None
     server = subprocess.Popen([sys.executable, "-m", "gpu_server.cli", "--config", server_cfg, "--out",
                                os.path.join(work, "out"), "--quiet"], stdout=log, stderr=subprocess.STDOUT,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=lambda: os.nice(19))
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=pin)
+    results = []
     try:
         for _ in range(600):
             with socket.socket() as s:
                 if s.connect_ex(("127.0.0.1", port)) == 0:
                     break
             time.sleep(0.1)
-        torch.manual_seed(0)
-        model = TinyLM(dropout=0.1).to(dtype)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        data = list(batches(ns.steps))
-        _steps(model, opt, data[:3], None)  # warm-up: lazy optimizer state, allocator
-        online = PrecisionDebugger(config_path=agent_cfg)
-        capture = _CaptureOnly()
-        variants = {"off": None, "capture only": capture, "online": online}
-        times: dict[str, list[float]] = {k: [] for k in variants}
-        for _ in range(ns.rounds):
-            for name, dbg in variants.items():
-                times[name] += _steps(model, opt, data, dbg)
-        t0 = time.perf_counter()
-        counts = online.close()
-        drain = time.perf_counter() - t0
+        for name in ns.models.split(","):
+            steps = ns.tiny_steps if name == "tiny" else ns.mid_steps
+            results.append(bench_model(name, steps, ns.rounds, agent_cfg))
     finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=600)
+        server.send_signal(signal.SIGKILL)   # its checking backlog is not what this bench measures
+        server.wait(timeout=60)
         log.close()
-    base = statistics.median(times["off"])
-    print(f"TinyLM ({ns.dtype}, 2 layers, d=32, batch 4x16), {ns.rounds} rounds x {ns.steps} steps, "
-          f"torch threads {torch.get_num_threads()}")
-    per_step = counts["captured"] / (ns.rounds * ns.steps)
-    print(f"records per step: {per_step:.0f} (forward + backward)")
-    for name, ts in times.items():
-        med = statistics.median(ts)
-        print(f"  {name:13s} median step {med * 1e3:8.2f} ms   x{med / base:6.2f} of off")
-    print(f"online: {counts['captured']} records, {counts['acknowledged']} acknowledged, {counts['dropped']} dropped; "
-          f"close() waited {drain:.2f} s for the server's acknowledgements")
+    print(f"training on core {TRAIN_CORE}, server on core {SERVER_CORE}, torch threads {torch.get_num_threads()}")
+    for r in results:
+        c = r["counts"]
+        print(f"\n{r['model']} ({r['dtype']}), {r['steps']} steps a variant, {r['records_per_step']:.0f} records "
+              f"a step (forward + backward); online: {c['captured']} captured, {c['acknowledged']} acknowledged, "
+              f"{c['dropped']} dropped, {c.get('rejected', 0)} rejected")
+        for v in r["cpu"]:
+            print(f"  {v:13s} CPU {r['cpu'][v] * 1e3:9.2f} ms/step   wall {r['wall'][v] * 1e3:9.2f} ms/step")
+    print("\nratios (of off; per record: extra training CPU per record)")
+    for r in results:
+        base_c, base_w = r["cpu"]["off"], r["wall"]["off"]
+        for v in ("capture only", "online"):
+            per_rec = (r["cpu"][v] - base_c) / max(r["records_per_step"], 1) * 1e6
+            print(f"  {r['model']:5s} {v:13s} CPU x{r['cpu'][v] / base_c:5.2f}   wall x{r['wall'][v] / base_w:5.2f}   "
+                  f"{per_rec:7.1f} us/record")
 
 
 if __name__ == "__main__":

@@ -142,6 +142,8 @@ class ServerApp:
     def on_end(self, end: pb.End) -> None:
         counts = {"run_id": end.run_id, "rank": end.rank, "captured": end.captured, "sent": end.sent,
                   "acknowledged": end.acknowledged, "dropped": end.dropped, "records": end.last_seq}
+        if end.sampling:
+            counts["sampling"] = dict(sorted(end.sampling.items()))
         self._apply_end(counts, persist=True)
 
     def _apply_end(self, end: dict, persist: bool) -> None:

@@ -218,6 +218,8 @@ class Summary:
         for end in d["ranks_ended"]:
             lines.append(f"  rank {end['rank']} (run {end['run_id']}): captured {end.get('captured', 0)}, sent "
                          f"{end.get('sent', 0)}, dropped {end.get('dropped', 0)} by the agent")
+            if end.get("sampling"):
+                lines.append("    sampling: " + ", ".join(f"{k} {v}" for k, v in end["sampling"].items()))
         if d["failing_apis"]:
             lines.append("  failing APIs (worst first):")
             for api, info in list(d["failing_apis"].items())[:10]:

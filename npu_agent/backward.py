@@ -1,9 +1,10 @@
 """Backward records per API call (SPEC §3.3): taps on inputs, hooks on outputs, checkpoint recomputes.
 
 For a call under grad mode, each differentiable input is passed to the API through a private `view_as` alias with
-a hook: the alias is this call's own edge to the tensor, so its gradient is exactly this call's grad_input, also
-when the tensor is used elsewhere (residuals, tied weights). Hooks on the outputs give grad_output. Hooks only
-copy; they never return a tensor, so no gradient is ever replaced.
+a pre-hook on its autograd node: the alias is this call's own edge to the tensor, so its gradient is exactly this
+call's grad_input, also when the tensor is used elsewhere (residuals, tied weights). One pre-hook on each output's
+node gives grad_output. Hooks hold the gradients by reference (a parameter's gradient is copied: it may become the
+parameter's .grad, which later code changes in place); they never return a tensor, so no gradient is replaced.
 
 A backward record is emitted when every tapped input got its gradient, or at the end of the backward pass (an
 engine callback) with what arrived. Calls whose outputs never got a gradient are closed at the step boundary
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from npu_agent.records import BACKWARD, PendingRecord
-from npu_agent.snapshot import Snapshot, iter_tensors, map_tensors
+from npu_agent.snapshot import Snapshot, grads_snapshot, iter_tensors, map_tensors
 
 if TYPE_CHECKING:
     from npu_agent.capture import CallContext
@@ -37,6 +38,7 @@ class _Entry:
     positions: list[int]                 # flattened input position of each tapped slot
     grad_in: list[Any]
     grad_out: list[Any] = dataclasses.field(default_factory=list)
+    leaf: list[bool] = dataclasses.field(default_factory=list)   # per slot: the input is a leaf (a parameter)
     left: int = 0
     emitted: bool = False
 
@@ -48,8 +50,25 @@ def _copy(grad: torch.Tensor | None) -> torch.Tensor | None:
         return grad.detach().clone()
 
 
-def _differentiable(t: torch.Tensor) -> bool:
-    return t.requires_grad and (t.is_floating_point() or t.is_complex())
+def _hold(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A gradient on its way through the graph, held by reference (the same tensor object, so that its use count
+    shows our reference): the engine accumulates in place, and AccumulateGrad adopts a gradient as a parameter's
+    .grad without a copy, only when it holds the last reference."""
+    return grad
+
+
+def _map_flat(obj: Any, fn) -> Any:
+    """map_tensors for the common case of a tuple/list of leaves (fn sees every leaf and keeps non-tensors)."""
+    tp = type(obj)
+    if tp is tuple or tp is list:
+        for v in obj:
+            if isinstance(v, (tuple, list, dict, slice)):
+                return map_tensors(obj, fn)
+        items = [fn(v) for v in obj]
+        return items if tp is list else tuple(items)
+    if isinstance(obj, (tuple, list, dict, slice)):
+        return map_tensors(obj, fn)
+    return fn(obj)
 
 
 class BackwardTaps:
@@ -63,15 +82,19 @@ class BackwardTaps:
     def tap_inputs(self, ctx: CallContext) -> None:
         """Replace each differentiable input by a hooked alias; remember the slots on `ctx.taps`."""
         rec = ctx.record
+        if not ctx.recompute and rec.inputs is not None and not rec.inputs.requires_grad:
+            return   # no input requires grad: nothing to tap, no walk
         first = ctx.args[0] if ctx.args and isinstance(ctx.args[0], torch.Tensor) else None
         entry = _Entry(rec.name, rec.step, [], [])
         position = -1
         aliases: dict[int, torch.Tensor] = {}
 
-        def tap(t: torch.Tensor) -> torch.Tensor:
+        def tap(t):
             nonlocal position
+            if not isinstance(t, torch.Tensor):
+                return t
             position += 1
-            if not _differentiable(t):
+            if not (t.requires_grad and (t.is_floating_point() or t.is_complex())):
                 return t
             slot = len(entry.positions)
             if rec.inplace and t is first:
@@ -81,17 +104,19 @@ class BackwardTaps:
                     return t
                 entry.positions.append(position)
                 entry.grad_in.append(None)
+                entry.leaf.append(False)
                 t.register_hook(self._in_hook(entry, slot))
                 return t
             alias = t.view_as(t)
-            alias.register_hook(self._in_hook(entry, slot))
+            alias.grad_fn.register_prehook(self._in_hook(entry, slot, pre=True))
             entry.positions.append(position)
             entry.grad_in.append(None)
+            entry.leaf.append(t.is_leaf)
             aliases[id(alias)] = t
             return alias
 
-        args = map_tensors(ctx.args, tap)
-        kwargs = map_tensors(ctx.kwargs, tap)
+        args = _map_flat(ctx.args, tap)
+        kwargs = {k: _map_flat(v, tap) for k, v in ctx.kwargs.items()} if ctx.kwargs else ctx.kwargs
         if entry.positions:
             entry.left = len(entry.positions)
             ctx.args, ctx.kwargs = args, kwargs
@@ -102,35 +127,45 @@ class BackwardTaps:
         entry, aliases = ctx.taps
         if aliases:
             out = map_tensors(out, lambda t: aliases.get(id(t), t))
-        hooked = False
-        outs = list(iter_tensors(out))
+        outs = [out] if isinstance(out, torch.Tensor) else list(iter_tensors(out))
         entry.grad_out = [None] * len(outs)
+        nodes: dict[int, tuple[Any, list]] = {}   # one pre-hook per autograd node, for all its outputs we return
         for j, o in enumerate(outs):
-            if o.requires_grad and o.grad_fn is not None:
-                o.register_hook(self._out_hook(entry, j))
-                hooked = True
-        if hooked:
+            fn = o.grad_fn
+            if fn is not None and o.requires_grad:
+                nodes.setdefault(id(fn), (fn, []))[1].append((o.output_nr, j))
+        for fn, slots in nodes.values():
+            fn.register_prehook(self._out_hook(entry, slots))
+        if nodes:
             ctx.record.backward_expected = True
             with self._lock:
                 self._pending[(entry.step, entry.name)] = entry
         return out
 
     # -- backward side (autograd engine threads) ------------------------------------------------------------
-    def _out_hook(self, entry: _Entry, j: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
+    def _out_hook(self, entry: _Entry, slots: list[tuple[int, int]]):
+        def hook(grads):
             with self._lock:
                 if not entry.emitted:
-                    entry.grad_out[j] = _copy(grad) if entry.grad_out[j] is None else entry.grad_out[j]
+                    for nr, j in slots:
+                        if entry.grad_out[j] is None and nr < len(grads):
+                            entry.grad_out[j] = _hold(grads[nr])
             return None
         return hook
 
-    def _in_hook(self, entry: _Entry, slot: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
+    def _in_hook(self, entry: _Entry, slot: int, pre: bool = False):
+        """The hook for one tapped input: a tensor hook (grad) or, with `pre`, a pre-hook on the alias's node
+        (a tuple holding grad)."""
+        def hook(grad):
+            if pre:
+                grad = grad[0]
             emit = False
             with self._lock:
                 if entry.emitted or entry.grad_in[slot] is not None:
                     return None  # retain_graph double backward: the first gradient is the record
-                entry.grad_in[slot] = _copy(grad)
+                # A parameter's gradient may become its .grad without a copy (AccumulateGrad steals a view of
+                # it), which later steps, clipping or zero_grad change in place: copied now.
+                entry.grad_in[slot] = _copy(grad) if entry.leaf[slot] else _hold(grad)
                 entry.left -= 1
                 if entry.left == 0:
                     emit = self._take(entry)
@@ -183,6 +218,5 @@ class BackwardTaps:
                                         grad_input=_snap([])))
 
 
-def _snap(values: list[Any]) -> Snapshot:
-    total = sum(v.numel() * v.element_size() for v in values if isinstance(v, torch.Tensor))
-    return Snapshot(list(values), total, set())
+def _snap(values: list) -> Snapshot:
+    return grads_snapshot(values)

@@ -1,5 +1,10 @@
 """Level-L1 capture: a TorchFunctionMode that names each API call and snapshots it (SPEC §3.3).
 
+Snapshots hold references (npu_agent.snapshot): a call that writes its arguments (in place by name or keyword, or
+known to: batch_norm's running statistics) first has every record still holding them copy them, and its own
+inputs are copied before it runs. A call found to have written its inputs anyway is learned: its record goes out
+skipped and its later calls copy. The sampling policies (npu_agent.sampling) decide which calls are recorded.
+
 The mode is pushed only while capture is on. Inside `__torch_function__` the mode is already popped, so what
 the API does internally, and our own copies, are not seen. Nothing here may raise into the training: every
 failure of ours is counted and logged once, and the call itself always runs exactly as it would without us.
@@ -16,11 +21,12 @@ from torch.overrides import TorchFunctionMode
 
 from npu_agent import naming
 from npu_agent.records import PendingRecord
-from npu_agent.snapshot import iter_tensors, snapshot
+from npu_agent.sampling import call_site
+from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
+from npu_agent.snapshot import install as snapshot_install
 from protos.codec import dtype_name
 
 if TYPE_CHECKING:
-    from npu_agent.backward import BackwardTaps
     from npu_agent.checkpoint import Region
 
 log = logging.getLogger("npu_agent")
@@ -36,6 +42,7 @@ class CallContext:
     taps: Any = None   # backward taps installed for this call (npu_agent.backward)
     recompute: bool = False  # a checkpoint recompute of a call recorded in the first pass: taps only
     dropout: Any = None      # dropout family: (generator state before the call, p), to rebuild the keep-mask
+    copied: bool = False     # the inputs were copied before the call (it writes them)
 
 
 class CaptureMode(TorchFunctionMode):
@@ -71,11 +78,17 @@ class CaptureMode(TorchFunctionMode):
             return out
 
 
-def autocast_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, str, str]:
-    device_type = "cpu"
+def _first_device_type(args: tuple, kwargs: dict) -> str:
+    for v in args:   # the common case: a tensor among the positional arguments
+        if isinstance(v, torch.Tensor):
+            return v.device.type
     for t in iter_tensors((args, kwargs)):
-        device_type = t.device.type
-        break
+        return t.device.type
+    return "cpu"
+
+
+def autocast_state(args: tuple, kwargs: dict) -> tuple[bool, str, str]:
+    device_type = _first_device_type(args, kwargs)
     try:
         enabled = torch.is_autocast_enabled(device_type)
         return (enabled, dtype_name(torch.get_autocast_dtype(device_type)) if enabled else "", device_type)
@@ -117,12 +130,14 @@ def _dropout_params(category: str, api: str, args: tuple[Any, ...],
 class Capturer:
     """Turns calls into PendingRecords and hands them to `sink` (the sender)."""
 
-    def __init__(self, sink: Callable[[PendingRecord], object], api_list: tuple[str, ...] = (),
-                 scope: tuple[str, ...] = (), backward: BackwardTaps | None = None):
+    def __init__(self, sink: Callable[[PendingRecord], None], api_list: tuple[str, ...] = (),
+                 scope: tuple[str, ...] = (), backward=None, sampler=None):
         self.sink = sink
         self.api_list = api_list
         self.scope = scope
         self.backward = backward          # npu_agent.backward.BackwardTaps, or None
+        snapshot_install()                # copy-on-write before optimizer.step() / zero_grad of held tensors
+        self.sampler = sampler            # npu_agent.sampling.Sampler, or None: every call
         self.counters = naming.Counters()
         self.step = 0
         self.captured = 0
@@ -132,6 +147,7 @@ class Capturer:
         self.open_regions: list[Any] = []      # regions whose records wait for their recompute
         self._warned: set[str] = set()
         self._lock = threading.Lock()
+        self._writes_inputs: set[tuple[str, str]] = set(naming.WRITES_INPUTS)  # not in-place by name, yet write
 
     # -- step boundary -------------------------------------------------------------------------------------
     def next_step(self, step: int) -> None:
@@ -139,6 +155,8 @@ class Capturer:
         self.counters.reset()
         self.step = step
         self._scope_state = 0
+        if self.sampler is not None:
+            self.sampler.take_step(step)
 
     def release_regions(self) -> None:
         """Regions never recomputed (no backward ran): their held forward records go out as they are."""
@@ -159,23 +177,30 @@ class Capturer:
         return naming.matches_list(full_name, self.api_list)
 
     # -- the two halves of a call --------------------------------------------------------------------------
-    def before_call(self, func: Any, info: tuple[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]
-                    ) -> CallContext | None:
+    def before_call(self, func, info: tuple[str, str], args: tuple, kwargs: dict) -> CallContext | None:
+        category, api = info
+        inplace = naming.is_inplace(api, kwargs) if kwargs else naming.inplace_by_name(api)
+        writes = inplace or info in self._writes_inputs
+        if writes and HELD.pending:
+            # This call writes (some of) its tensor arguments: records still holding them get their copy first.
+            HELD.protect_tree((args, kwargs))
         if torch._C._current_graph_task_id() != -1:
             # Inside a backward pass: a checkpoint recompute or a custom backward. Its forward was recorded already.
             return self._recompute_call(info, args, kwargs)
-        category, api = info
         name = self.counters.next_name(category, api)
         if not self._selected(name):
             return None
         grad_enabled = torch.is_grad_enabled()
+        if self.sampler is not None and not self.sampler.take(call_site(category, api, args, kwargs, grad_enabled)):
+            return None
         rec = PendingRecord(name=name, step=self.step, grad_enabled=grad_enabled,
-                            inplace=naming.is_inplace(api, kwargs), autocast=autocast_state(args, kwargs))
+                            inplace=inplace, autocast=autocast_state(args, kwargs))
         if category == "Distributed":
             rec.skip_reason = "collective communication is not replayed on the benchmark host"
             return CallContext(rec, category, api, args, kwargs)
-        rec.inputs = snapshot((args, kwargs))
+        rec.inputs = snapshot((args, kwargs), copy=writes)   # inputs the call writes: their value before it
         ctx = CallContext(rec, category, api, args, kwargs)
+        ctx.copied = writes
         if naming.is_random(api):
             ctx.dropout = self._random_state(rec, category, api, args, kwargs)
         if grad_enabled and self.backward is not None:
@@ -203,6 +228,11 @@ class Capturer:
         if rec.skip_reason:
             self._submit(rec)
             return out
+        if not ctx.copied and self._wrote_inputs(ctx):
+            if ctx.taps is not None and ctx.taps[1]:   # give back the original where the API returned our alias
+                aliases = ctx.taps[1]
+                out = map_tensors(out, lambda t: aliases.get(id(t), t))
+            return out
         if rec.inplace and out is None and ctx.args and isinstance(ctx.args[0], torch.Tensor):
             rec.output = snapshot(ctx.args[0])   # `x[i] = v` returns None: what it produced is the new x
         else:
@@ -213,6 +243,25 @@ class Capturer:
             rec.mask = self._dropout_mask(ctx)
         self._submit(rec)
         return out
+
+    def _wrote_inputs(self, ctx: CallContext) -> bool:
+        """A call not known to write its inputs did (batch_norm's running statistics, embedding's max_norm): the
+        values held by reference are gone. The record goes out skipped; later calls of the API copy their inputs."""
+        held = ctx.record.inputs.held
+        for e in held.values():
+            if e[0]._version != e[1]:
+                break
+        else:
+            return False
+        info = (ctx.category, ctx.api)
+        self._writes_inputs.add(info)
+        rec = ctx.record
+        HELD.pending.pop(id(rec.inputs), None)
+        rec.inputs = None
+        rec.skip_reason = (f"{'.'.join(info)} changed its own inputs in place; its later calls are recorded with "
+                           "copies of their inputs")
+        self._submit(rec)
+        return True
 
     def _submit(self, rec: PendingRecord) -> None:
         self.captured += 1

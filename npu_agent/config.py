@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterable
 from typing import Any
 
 from protos.net import is_loopback
@@ -28,7 +27,8 @@ _MSPROBE_TENSOR_KEYS = {"scope", "list", "data_mode", "file_format", "summary_mo
                         "online_run_ut", "nfs_path", "host", "port", "tls_path", "online_run_ut_recompute"}
 # Our own keys (all optional): see README "Agent keys".
 _OWN_TENSOR_KEYS = {"online_memory_mb", "online_policy", "online_close_timeout_s", "online_connect_timeout_s",
-                    "online_max_retry_s"}
+                    "online_max_retry_s", "online_sample_steps", "online_sample_ranks", "online_coverage_steps",
+                    "online_overhead_budget"}
 
 
 class ConfigError(ValueError):
@@ -66,6 +66,10 @@ class AgentConfig:
     close_timeout_s: float = 600.0
     connect_timeout_s: float = 30.0
     max_retry_s: float = 10.0
+    sample_steps: int = 1                    # sampling policies (npu_agent.sampling)
+    sample_ranks: int = 1
+    coverage_steps: int = 0
+    overhead_budget: float = 0.0
 
     def endpoint_for(self, rank: int) -> Endpoint:
         """Each rank always talks to the same server: ranks are spread over the endpoints round-robin."""
@@ -159,7 +163,26 @@ def _positive(key: str, value: Any, errors: list[str], default: float) -> float:
     return float(value)
 
 
-def _unknown(section: str, keys: Iterable[str], known: set[str], errors: list[str]) -> None:
+def _int_at_least(key: str, value, errors: list[str], default: int, least: int, meaning: str) -> int:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        errors.append(f"{key}: {value!r} is not an integer >= {least}; {meaning}")
+        return default
+    return value
+
+
+def _fraction(key: str, value, errors: list[str]) -> float:
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        errors.append(f"{key}: {value!r} is not a number in [0, 1]; it is the most the checker may add to the "
+                      "step time, as a fraction (0.05 = 5 %; 0 = no budget)")
+        return 0.0
+    return float(value)
+
+
+def _unknown(section: str, keys, known: set[str], errors: list[str]) -> None:
     for key in keys:
         if key not in known:
             hint = difflib.get_close_matches(key, sorted(known), n=1)
@@ -221,6 +244,13 @@ def parse_config(raw: dict[str, Any]) -> AgentConfig:
     close_s = _positive("tensor.online_close_timeout_s", tensor.get("online_close_timeout_s"), errors, 600.0)
     connect_s = _positive("tensor.online_connect_timeout_s", tensor.get("online_connect_timeout_s"), errors, 30.0)
     retry_s = _positive("tensor.online_max_retry_s", tensor.get("online_max_retry_s"), errors, 10.0)
+    sample_steps = _int_at_least("tensor.online_sample_steps", tensor.get("online_sample_steps"), errors, 1, 1,
+                                 "capture every Nth step (1 = every step)")
+    sample_ranks = _int_at_least("tensor.online_sample_ranks", tensor.get("online_sample_ranks"), errors, 1, 1,
+                                 "ranks take sampled steps in turn, 1/M of them at a time (1 = all ranks)")
+    coverage = _int_at_least("tensor.online_coverage_steps", tensor.get("online_coverage_steps"), errors, 0, 0,
+                             "each call site is captured once every K steps, repeats skipped (0 = off)")
+    budget = _fraction("tensor.online_overhead_budget", tensor.get("online_overhead_budget"), errors)
     if errors:
         raise ConfigError("invalid config.json:\n  " + "\n  ".join(errors))
     return AgentConfig(
@@ -228,6 +258,7 @@ def parse_config(raw: dict[str, Any]) -> AgentConfig:
         online_run_ut=online, nfs_path=nfs_path if online else "", endpoints=endpoints, tls_path=tls_path,
         recompute=recompute, memory_bytes=int(memory_mb * (1 << 20)), policy=policy,
         close_timeout_s=close_s, connect_timeout_s=connect_s, max_retry_s=retry_s,
+        sample_steps=sample_steps, sample_ranks=sample_ranks, coverage_steps=coverage, overhead_budget=budget,
     )
 
 

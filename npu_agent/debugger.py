@@ -22,6 +22,7 @@ import torch
 
 from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.config import AgentConfig, load_config
+from npu_agent.sampling import Policy, Sampler
 from npu_agent.sender import Sender
 from npu_agent.transport import Transport
 
@@ -84,7 +85,10 @@ class PrecisionDebugger:
 
             backward = BackwardTaps(self._sender.submit)
             checkpoint.install()
-        self._capturer = Capturer(self._sender.submit, self.config.api_list, self.config.scope, backward)
+        cfg = self.config
+        policy = Policy(cfg.sample_steps, cfg.sample_ranks, cfg.coverage_steps, cfg.overhead_budget)
+        sampler = Sampler(policy, rank) if policy.active else None
+        self._capturer = Capturer(self._sender.submit, cfg.api_list, cfg.scope, backward, sampler)
         self._capturer.next_step(self.current_step)
         self._mode = CaptureMode(self._capturer)
         self._register_npu()
@@ -166,9 +170,22 @@ class PrecisionDebugger:
             self._capturer.release_regions()
             if self._capturer.backward is not None:
                 self._capturer.backward.end_step()
+        sampler = self._capturer.sampler if self._capturer else None
+        if sampler is not None:   # Counts' attributes are the counts the end-of-stream message carries
+            sender.counts.sampling = sampler.report()
         counts = sender.close(self.config.close_timeout_s)
         counts["forward_calls"] = self._capturer.captured if self._capturer else 0
         counts["internal_errors"] = self._capturer.errors if self._capturer else 0
+        if sampler is not None:
+            sampling = counts["sampling"]
+            log.info("online check: rank %d sampling: %d of %d calls captured (%d distinct call sites, each "
+                     "captured at its first call); skipped: %d in steps not sampled, %d in other ranks' turns, %d "
+                     "repeats of call sites checked within %d steps, %d in %d steps skipped for the overhead budget "
+                     "of %g",
+                     self.rank, sampling["captured"], sampling["calls"], sampling["call_sites"],
+                     sampling["skipped_steps"], sampling["skipped_ranks"], sampling["skipped_repeats"],
+                     self.config.coverage_steps, sampling["skipped_budget"], sampling["steps_skipped_budget"],
+                     self.config.overhead_budget)
         lost = counts["unacknowledged"]
         log.info("online check: run %s rank %d: captured %d, sent %d, acknowledged %d, rejected %d, dropped %d, "
                  "unacknowledged %d", self.run_id, self.rank, counts["captured"], counts["sent"],

@@ -7,7 +7,6 @@ the per-step call index.
 from __future__ import annotations
 
 import types
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,7 +35,14 @@ _SKIP_NAMESPACES = frozenset({"profiler", "prim", "prims", "debugprims", "_c10d_
 DROPOUT_MASKED = apis.DROPOUT_MASKED
 
 
-def _public_callables(namespace: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+# APIs that write some of their tensor arguments without an in-place name: their inputs are copied before the call.
+WRITES_INPUTS = frozenset({("Functional", "batch_norm"), ("Torch", "batch_norm"), ("Functional", "instance_norm"),
+                           ("Torch", "instance_norm"), ("Torch", "native_batch_norm"),
+                           ("Torch", "_native_batch_norm_legit"), ("Aten", "native_batch_norm"),
+                           ("Aten", "_native_batch_norm_legit"), ("Aten", "_native_batch_norm_legit_functional")})
+
+
+def _public_callables(namespace, prefix: str = ""):
     for name, obj in vars(namespace).items():
         if name.startswith("_") or isinstance(obj, (type, types.ModuleType)) or not callable(obj):
             continue
@@ -111,15 +117,15 @@ _CACHE: dict[Any, tuple[str, str] | None] = {}
 
 def classify(func: Any) -> tuple[str, str] | None:
     """(category, api) for an API function object, None for anything that is not a record."""
-    name = getattr(func, "__name__", None)
-    if name in ("__get__", "__set__", "__delete__"):  # property accessors: new objects on every access
-        return None
     try:
         return _CACHE[func]
     except KeyError:
         pass
     except TypeError:  # unhashable callable
         return _classify_uncached(func)
+    name = getattr(func, "__name__", None)
+    if name in ("__get__", "__set__", "__delete__"):  # property accessors: new objects on every access
+        return None
     info = _classify_uncached(func)
     _CACHE[func] = info
     _KEEP.append(func)
@@ -145,13 +151,23 @@ def is_random(api: str) -> bool:
     return apis.is_random(api)
 
 
-def is_inplace(api: str, kwargs: dict[str, Any]) -> bool:
+_INPLACE_NAMES: dict[str, bool] = {}
+
+
+def inplace_by_name(api: str) -> bool:
+    """In-place by name: `add_`, `__iadd__`, `__setitem__` (cached per name)."""
+    hit = _INPLACE_NAMES.get(api)
+    if hit is None:
+        hit = ((api.endswith("_") and not api.endswith("__"))
+               or (api.startswith("__i") and api.endswith("__") and api not in ("__init__", "__invert__", "__index__"))
+               or api == "__setitem__")
+        _INPLACE_NAMES[api] = hit
+    return hit
+
+
+def is_inplace(api: str, kwargs: dict) -> bool:
     """In-place by name (`add_`, `__iadd__`, `__setitem__`) or by keyword (`inplace=True`, `out=`)."""
-    if api.endswith("_") and not api.endswith("__"):
-        return True
-    if api.startswith("__i") and api.endswith("__") and api not in ("__init__", "__invert__", "__index__"):
-        return True
-    return api == "__setitem__" or kwargs.get("inplace") is True or kwargs.get("out") is not None
+    return inplace_by_name(api) or kwargs.get("inplace") is True or kwargs.get("out") is not None
 
 
 class Counters:

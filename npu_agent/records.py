@@ -1,19 +1,31 @@
-"""A captured call as it waits on the agent (snapshots, not yet encoded), and its encoding into wire frames."""
+"""A captured call as it waits on the agent (snapshots, not yet encoded), and its encoding into wire frames.
+
+Encoding runs on the sender thread. It copies each tensor once, straight from the training's memory into the
+record's payload (the layout the codec defines: 64-byte aligned, contiguous, padding zeroed), with the copy-on-write
+handshake of npu_agent.snapshot: a tensor changed without a copy is never sent; its record goes out skipped, with
+the reason. The encoding is kept on the record (a re-send after a reconnect sends the same bytes) and the
+references to the training's tensors are dropped.
+"""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 import torch
 
-from npu_agent.snapshot import Snapshot
+from npu_agent.snapshot import HELD, Snapshot
 from protos import online_check_pb2 as pb
-from protos.codec import RecordEncoder, TensorHook
+from protos.codec import _ALIGN, RecordEncoder, dtype_name, tensor_bytes
 
 FORWARD, BACKWARD = pb.FORWARD, pb.BACKWARD
+log = logging.getLogger("npu_agent")
+
+CHANGED_REASON = ("a captured tensor was changed in place by code the capture mode did not see before the agent "
+                  "could send it; the record is not sent with the changed value")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class PendingRecord:
     name: str                         # "Functional.linear.0"
     step: int
@@ -32,6 +44,7 @@ class PendingRecord:
     mask: Any = None                  # dropout family: the true keep-mask (bool tensor)
     skip_reason: str = ""
     seq: int = -1                     # assigned when the sender accepts it
+    encoded: Any = None               # (pb.Record, buffers, size) once encoded
 
     @property
     def nbytes(self) -> int:
@@ -41,9 +54,128 @@ class PendingRecord:
         return total + len(self.rng_state)
 
 
-def encode_record(rec: PendingRecord, run_id: str, rank: int) -> tuple[pb.Record, RecordEncoder]:
-    """Build the protobuf Record and the encoder holding the tensor bytes (zero-copy views of the snapshots)."""
-    enc = RecordEncoder()
+class _Encoded:
+    __slots__ = ("buffers", "size")
+
+    def __init__(self, buffers, size):
+        self.buffers, self.size = buffers, size
+
+
+class _PayloadEncoder(RecordEncoder):
+    """RecordEncoder that only lays tensors out (meta, offset); `fill()` copies them into one payload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.places: list[tuple[int, int, torch.Tensor]] = []   # (offset, nbytes, tensor as referenced)
+
+    def tensor(self, t: torch.Tensor, requires_grad: bool | None = None, device: str | None = None) -> int:
+        if t.layout != torch.strided:
+            raise TypeError(f"{t.layout} tensors are not supported on the wire")
+        meta = pb.TensorMeta(dtype=dtype_name(t.dtype), shape=list(t.shape),
+                             requires_grad=t.requires_grad if requires_grad is None else requires_grad,
+                             device=device or str(t.device))
+        if not t.is_contiguous():
+            stride = _clone_stride(t)
+            if stride is not None:
+                meta.stride.extend(stride)
+        nbytes = t.numel() * t.element_size()
+        self.size = (self.size + _ALIGN - 1) // _ALIGN * _ALIGN
+        meta.offset, meta.nbytes = self.size, nbytes
+        self.places.append((self.size, nbytes, t))
+        self.size += nbytes
+        self.metas.append(meta)
+        return len(self.metas) - 1
+
+    def fill(self, snaps: list[Snapshot]) -> list[int]:
+        """Copy every tensor into the payload; returns the ids of tensors found changed (not sendable)."""
+        small = self.size <= _SMALL
+        # small records: a zeroed bytearray and one memcpy per tensor; large: torch copies (any layout, device)
+        payload = bytearray(self.size) if small else torch.empty(self.size, dtype=torch.uint8)
+        copy_into = _copy_small if small else _copy_large
+        reads = [(s, HELD.begin(s)) for s in snaps]
+        source = {tid: src for _, read in reads for tid, src in read}
+        with torch.no_grad(), torch._C.DisableTorchFunction():
+            for off, nbytes, t in self.places:
+                if nbytes:
+                    copy_into(payload, off, nbytes, source.get(id(t), t))
+            changed: list[int] = []
+            again: dict[int, torch.Tensor] = {}
+            for s, read in reads:
+                a, c = HELD.finish(s, read)
+                again.update(a)
+                changed += c
+            if again:
+                for off, nbytes, t in self.places:
+                    if id(t) in again and nbytes:
+                        copy_into(payload, off, nbytes, again[id(t)])
+            if not small:
+                pos = 0
+                for off, nbytes, _ in self.places:   # alignment padding goes out as zeros
+                    if off > pos:
+                        payload[pos:off].zero_()
+                    pos = max(pos, off + nbytes)
+        if not self.size:
+            self.buffers = []
+        else:
+            self.buffers = [(0, memoryview(payload) if small else memoryview(payload.numpy()).cast("B"))]
+        return changed
+
+
+_SMALL = 256 << 10
+
+
+def _copy_large(payload: torch.Tensor, off: int, nbytes: int, t: torch.Tensor) -> None:
+    payload[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
+
+
+def _copy_small(payload: bytearray, off: int, nbytes: int, t: torch.Tensor) -> None:
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    payload[off:off + nbytes] = tensor_bytes(t.detach().contiguous())
+
+
+def _clone_stride(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The strides a private clone of non-contiguous `t` has: t's own when t is dense (a transpose, channels last),
+    None (row-major) when it is a view into a larger storage (a slice)."""
+    if t.dim() in (4, 5):   # clone may pick channels-last for a non-dense view: ask torch
+        layout = torch.empty_like(t, device="meta")
+        return None if layout.is_contiguous() else layout.stride()
+    expect = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expect:
+            return None
+        expect *= size
+    return t.stride()
+
+
+def encode_record(rec: PendingRecord, run_id: str, rank: int) -> tuple[pb.Record, _Encoded]:
+    """Build the protobuf Record and its payload (each tensor copied once from the training's memory). A record
+    is encoded once; later calls (re-sends) return the same encoding."""
+    if rec.encoded is not None:
+        out, buffers, size = rec.encoded
+        return out, _Encoded(buffers, size)
+    out, enc, changed = _encode(rec, run_id, rank)
+    if changed:
+        with HELD.lock:
+            first = HELD.changed == len(changed)
+        if first:
+            log.warning("online check: %s (%s, step %d); further such records are counted", CHANGED_REASON,
+                        rec.name, rec.step)
+        rec.skip_reason = CHANGED_REASON
+        for s in (rec.inputs, rec.output, rec.grad_output, rec.grad_input):
+            if s is not None:
+                s.tree = None
+        out, enc, _ = _encode(rec, run_id, rank, with_tensors=False)
+    rec.encoded = (out, enc.buffers, enc.size)
+    for s in (rec.inputs, rec.output, rec.grad_output, rec.grad_input):
+        if s is not None:   # the payload holds the values now: let the training's tensors go
+            s.tree = None
+            s.held = {}
+    return out, _Encoded(enc.buffers, enc.size)
+
+
+def _encode(rec: PendingRecord, run_id: str, rank: int, with_tensors: bool = True):
+    enc = _PayloadEncoder()
     out = pb.Record(
         header=pb.RecordHeader(run_id=run_id, rank=rank, step=rec.step, seq=rec.seq, name=rec.name,
                                direction=rec.direction),
@@ -52,27 +184,40 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int) -> tuple[pb.Record
         autocast=pb.Autocast(enabled=rec.autocast[0], dtype=rec.autocast[1], device_type=rec.autocast[2]),
         intra_op_threads=torch.get_num_threads() if rec.autocast[2] in ("cpu", "") else 0,
     )
+    snaps: list[Snapshot] = []
+    no_grad = {"requires_grad": False}
 
-    def hook_for(snap: Snapshot) -> TensorHook:
-        return lambda t: {"requires_grad": id(t) in snap.requires_grad}
-
-    if rec.inputs is not None:
-        args, kwargs = rec.inputs.tree
-        out.args.CopyFrom(enc.value(tuple(args), hook_for(rec.inputs)).tuple)
-        out.kwargs.CopyFrom(enc.mapping(dict(kwargs), hook_for(rec.inputs)))
-    if rec.output is not None:
-        out.output.CopyFrom(enc.value(rec.output.tree))
-    if rec.grad_output is not None:
-        out.grad_output.CopyFrom(enc.value(rec.grad_output.tree))
-    if rec.grad_input is not None:
-        out.grad_input.CopyFrom(enc.value(rec.grad_input.tree))
-        out.grad_input_positions.extend(rec.grad_input_positions)
+    if with_tensors:
+        if rec.inputs is not None and rec.inputs.tree is not None:
+            grads = rec.inputs.requires_grad
+            hook = lambda t: {"requires_grad": id(t) in grads}  # noqa: E731
+            args, kwargs = rec.inputs.tree
+            out.args.CopyFrom(enc.value(tuple(args), hook).tuple)
+            out.kwargs.CopyFrom(enc.mapping(dict(kwargs), hook))
+            snaps.append(rec.inputs)
+        for field, snap in (("output", rec.output), ("grad_output", rec.grad_output),
+                            ("grad_input", rec.grad_input)):
+            if snap is not None and snap.tree is not None:
+                getattr(out, field).CopyFrom(enc.value(snap.tree, lambda t: no_grad))
+                snaps.append(snap)
+        if rec.grad_input is not None:
+            out.grad_input_positions.extend(rec.grad_input_positions)
     if rec.rng_state or rec.mask is not None:
         out.random.generator_state = rec.rng_state
         out.random.device_type = rec.rng_device
-        if rec.mask is not None:
-            out.random.mask = enc.tensor(rec.mask)
+        if rec.mask is not None and with_tensors:
+            out.random.mask = enc.tensor(rec.mask, requires_grad=False)
             out.random.has_mask = True
+    changed = enc.fill(snaps)
     out.tensors.extend(enc.metas)
     out.payload_bytes = enc.size
-    return out, enc
+    return out, enc, changed
+
+
+def end_frame(run_id: str, rank: int, world_size: int, counts: dict) -> bytes:
+    """The end-of-stream Frame with the agent's counts (and its sampling counts, when a policy is set)."""
+    sampling = {k: int(v) for k, v in (counts.get("sampling") or {}).items()}
+    return pb.Frame(end=pb.End(run_id=run_id, rank=rank, captured=counts["captured"], sent=counts["sent"],
+                               acknowledged=counts["acknowledged"], dropped=counts["dropped"],
+                               last_seq=counts["last_seq"], world_size=world_size,
+                               sampling=sampling)).SerializeToString()

@@ -1,48 +1,280 @@
-"""Private copies of call arguments and results, taken on the training thread.
+"""What a record holds of a call's tensors: references, copied only when something is about to change them.
 
-A snapshot is the same tree (tuple/list/dict, any nesting) with every tensor replaced by `detach().clone()`:
-private storage that later in-place ops cannot change, no autograd edge, no version bump. The copy stays on the
-tensor's device; the sender thread moves it to the host. Nothing else is done on the training thread.
+A snapshot is the call's tree (tuple/list/dict/slice, any nesting; containers rebuilt, so later changes to a list
+the training reuses do not show) holding **references** to the training's tensors, each with its `_version` at
+capture. Nothing is copied on the training thread unless a tensor would change before the sender has serialised
+it (copy on write):
+
+- an in-place call seen by the capture mode (`add_`, `out=`, `__setitem__`, `inplace=True`, the optimizer's
+  `_foreach_*_` kernels, ...) first calls `HELD.protect(...)` with the tensors it may write: every pending
+  snapshot that references the same storage gets a private copy of the value before the write;
+- `optimizer.step()` and `zero_grad(set_to_none=False)` run outside the mode in most loops: `install()` adds a
+  global optimizer step pre-hook and wraps `zero_grad` to protect params, their gradients and the optimizer state.
+
+The sender thread serialises a snapshot by copying each tensor once, straight from its memory into the record's
+payload (npu_agent.records), then checks under the lock: a tensor copied on write meanwhile is taken from its copy
+(the copy was made before the write began); a tensor whose `_version` moved without a copy (changed by code the
+mode did not see) is not sent: the record is marked skipped with the reason, never sent with the changed value.
+After serialisation the references are dropped, so the training's memory is freed as soon as it would be without
+the checker.
 """
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Iterator
-from typing import Any, Callable
+import threading
+import weakref
+from typing import Any, Callable, Iterator
 
 import torch
 
 from protos.trees import iter_leaves, map_leaves
 
+_Tensor = torch.Tensor
 
-@dataclasses.dataclass
+
 class Snapshot:
-    tree: Any
-    nbytes: int
-    requires_grad: set[int]  # ids of the copies whose originals required grad
+    """A call's tree with references (or private copies) of its tensors. `held[id(t)]` is
+    [tensor, version at capture, private copy or None, storage key or None] for every tensor still referenced."""
+
+    __slots__ = ("tree", "nbytes", "requires_grad", "held", "__weakref__")
+
+    def __init__(self, tree: Any, nbytes: int, requires_grad: set[int], held: dict | None = None):
+        self.tree = tree
+        self.nbytes = nbytes
+        self.requires_grad = requires_grad   # ids of the tensors that required grad when captured
+        self.held = held if held is not None else {}
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """Apply `fn` to every tensor in a tuple/list/dict/slice tree; other leaves are kept."""
-    return map_leaves(obj, lambda v: fn(v) if isinstance(v, torch.Tensor) else v)
+    return map_leaves(obj, lambda v: fn(v) if isinstance(v, _Tensor) else v)
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor in a tree, in the order the server flattens a call's inputs (protos.trees)."""
-    return (v for v in iter_leaves(obj) if isinstance(v, torch.Tensor))
+    return (v for v in iter_leaves(obj) if isinstance(v, _Tensor))
 
 
-def snapshot(obj: Any) -> Snapshot:
-    total = 0
+def _storage_key(t: torch.Tensor):
+    try:
+        return (t.device, t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, some subclasses): nothing aliases it
+        return None
+
+
+class HeldRefs:
+    """The snapshots whose references the sender has not serialised yet (one registry per process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.pending: dict[int, weakref.ref] = {}
+        self.copied = 0          # tensors copied on write (count) ...
+        self.copied_bytes = 0    # ... and their bytes
+        self._adds = 0
+        self.changed = 0         # tensors found changed by code the mode did not see (their records are skipped)
+
+    def add(self, snap: Snapshot) -> None:
+        if snap.held:   # weakly: a record dropped unsent (policy 'drop', a discarding sink) leaves by itself
+            self.pending[id(snap)] = weakref.ref(snap)   # a single dict store: atomic under the GIL
+            self._adds += 1
+            if self._adds & 1023 == 0:
+                self._sweep()
+
+    def _sweep(self) -> None:
+        with self.lock:
+            for sid, ref in list(self.pending.items()):
+                if ref() is None and self.pending.get(sid) is ref:
+                    del self.pending[sid]
+
+    def protect(self, tensors) -> int:
+        """Before `tensors` are written: give every pending snapshot that references their storage a private copy.
+        Returns the number of tensors copied."""
+        if not self.pending:
+            return 0
+        keys = {k for k in map(_storage_key, tensors) if k is not None}
+        if not keys:
+            return 0
+        n = 0
+        with self.lock, torch._C.DisableTorchFunction(), torch.no_grad():
+            for sid, ref in list(self.pending.items()):
+                snap = ref()
+                if snap is None:
+                    if self.pending.get(sid) is ref:
+                        del self.pending[sid]
+                    continue
+                for entry in snap.held.values():
+                    if entry[2] is not None:
+                        continue
+                    key = entry[3]
+                    if key is None:
+                        key = entry[3] = _storage_key(entry[0])
+                    if key in keys:
+                        t = entry[0]
+                        entry[2] = t.detach().clone(memory_format=torch.preserve_format)
+                        n += 1
+                        self.copied_bytes += t.numel() * t.element_size()
+            self.copied += n
+        return n
+
+    def protect_tree(self, obj) -> int:
+        return self.protect(list(iter_tensors(obj))) if self.pending else 0
+
+    def begin(self, snap: Snapshot) -> list:
+        """Sender thread, before serialising: [(id, tensor to read)] (the private copy where one was made)."""
+        with self.lock:
+            return [(tid, e[2] if e[2] is not None else e[0]) for tid, e in snap.held.items()]
+
+    def finish(self, snap: Snapshot, read: list) -> tuple[dict[int, torch.Tensor], list[int]]:
+        """Sender thread, after reading `read`: ({id: copy} to read again, [ids changed without a copy]); the
+        snapshot leaves the registry and drops its references."""
+        again: dict[int, torch.Tensor] = {}
+        changed: list[int] = []
+        with self.lock:
+            for tid, src in read:
+                e = snap.held[tid]
+                if e[2] is not None:
+                    if src is not e[2]:
+                        again[tid] = e[2]
+                elif e[0]._version != e[1]:
+                    changed.append(tid)
+            self.pending.pop(id(snap), None)
+            self.changed += len(changed)
+        return again, changed
+
+
+HELD = HeldRefs()
+
+
+def _hold(obj: Any, held: dict, grads: set[int] | None, copy: bool):
+    tp = type(obj)
+    if tp is tuple or tp is list:
+        if not obj:
+            return obj
+        if not copy:   # the common case, a flat sequence of tensors and scalars: no call per item
+            items = []
+            for v in obj:
+                if isinstance(v, _Tensor):
+                    tid = id(v)
+                    if tid not in held:
+                        held[tid] = [v, v._version, None, None]
+                        if v.requires_grad:
+                            grads.add(tid)
+                    items.append(v)
+                elif isinstance(v, (tuple, list, dict, slice)):
+                    items.append(_hold(v, held, grads, copy))
+                else:
+                    items.append(v)
+        else:
+            items = [_hold(v, held, grads, copy) for v in obj]
+        return items if tp is list else tuple(items)
+    if isinstance(obj, _Tensor):
+        tid = id(obj)
+        if copy:
+            c = obj.detach().clone()
+            if grads is not None and obj.requires_grad:
+                grads.add(id(c))
+            return c
+        if tid not in held:
+            held[tid] = [obj, obj._version, None, None]
+            if grads is not None and obj.requires_grad:
+                grads.add(tid)
+        return obj
+    if isinstance(obj, (tuple, list)):   # named tuples, torch.return_types: plain tuples (protos.trees)
+        return _hold(tuple(obj) if isinstance(obj, tuple) else list(obj), held, grads, copy)
+    if isinstance(obj, dict):
+        return {k: _hold(v, held, grads, copy) for k, v in obj.items()}
+    if isinstance(obj, slice):
+        return slice(_hold(obj.start, held, grads, copy), _hold(obj.stop, held, grads, copy),
+                     _hold(obj.step, held, grads, copy))
+    return obj
+
+
+def snapshot(obj: Any, copy: bool = False) -> Snapshot:
+    """Hold `obj`'s tensors by reference (copy=False) or as private clones taken now (copy=True: the inputs of a
+    call that writes them)."""
+    held: dict = {}
     grads: set[int] = set()
+    if copy:
+        with torch._C.DisableTorchFunction():
+            tree = _hold(obj, held, grads, True)
+        nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(tree))
+    elif type(obj) is _Tensor or isinstance(obj, _Tensor):   # a single output: the common case
+        tree = obj
+        held[id(obj)] = [obj, obj._version, None, None]
+        if obj.requires_grad:
+            grads.add(id(obj))
+        nbytes = obj.numel() * obj.element_size()
+    else:
+        tree = _hold(obj, held, grads, False)
+        nbytes = 0
+        for e in held.values():
+            t = e[0]
+            nbytes += t.numel() * t.element_size()
+    snap = Snapshot(tree, nbytes, grads, held)
+    HELD.add(snap)
+    return snap
 
-    def copy(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        c = t.detach().clone()
-        total += c.numel() * c.element_size()
-        if t.requires_grad:
-            grads.add(id(c))
-        return c
 
-    tree = map_tensors(obj, copy)
-    return Snapshot(tree, total, grads)
+def grads_snapshot(values: list) -> Snapshot:
+    """A list of gradients (None where none arrived), held by reference."""
+    held: dict = {}
+    nbytes = 0
+    for v in values:
+        if v is not None and id(v) not in held:
+            held[id(v)] = [v, v._version, None, None]
+            nbytes += v.numel() * v.element_size()
+    snap = Snapshot(list(values), nbytes, set(), held)
+    HELD.add(snap)
+    return snap
+
+
+# -- mutations the capture mode does not see ---------------------------------------------------------------------
+_installed = False
+_install_lock = threading.Lock()
+
+
+def _optimizer_tensors(opt) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.append(p)
+            if p.grad is not None:
+                out.append(p.grad)
+            for v in opt.state.get(p, {}).values():
+                if isinstance(v, _Tensor):
+                    out.append(v)
+    return out
+
+
+def _before_optimizer_step(opt, args, kwargs) -> None:
+    if HELD.pending:
+        try:
+            HELD.protect(_optimizer_tensors(opt))
+        except Exception:  # noqa: BLE001 - never into the training; the version check still guards the records
+            pass
+
+
+def install() -> None:
+    """Protect held references from `optimizer.step()` and `zero_grad(set_to_none=False)` (once per process)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_before_optimizer_step)
+        for cls in (torch.optim.Optimizer, torch.nn.Module):
+            original = cls.zero_grad
+
+            def zero_grad(self, set_to_none: bool = True, _original=original, _module=cls is torch.nn.Module):
+                if not set_to_none and HELD.pending:
+                    try:
+                        params = self.parameters() if _module else (p for g in self.param_groups
+                                                                       for p in g["params"])
+                        HELD.protect([p.grad for p in params if p.grad is not None])
+                    except Exception:  # noqa: BLE001
+                        pass
+                return _original(self, set_to_none)
+
+            zero_grad.__doc__ = original.__doc__
+            cls.zero_grad = zero_grad
+        _installed = True

@@ -54,6 +54,7 @@ class Counts:
     rejected: int = 0
     dropped: int = 0
     duplicates: int = 0
+    sampling: dict[str, int] = dataclasses.field(default_factory=dict)   # what the sampling policies skipped
 
 
 class TransportEvents(Protocol):
@@ -102,4 +103,5 @@ def end_frame(identity: StreamIdentity, counts: Counts, last_seq: int) -> bytes:
     """The serialized End frame: the one place it is built, for both transports."""
     return pb.Frame(end=pb.End(run_id=identity.run_id, rank=identity.rank, captured=counts.captured,
                                sent=counts.sent, acknowledged=counts.acknowledged, dropped=counts.dropped,
-                               last_seq=last_seq, world_size=identity.world_size)).SerializeToString()
+                               last_seq=last_seq, world_size=identity.world_size,
+                               sampling=counts.sampling)).SerializeToString()

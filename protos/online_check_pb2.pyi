@@ -191,7 +191,14 @@ class Chunk(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class End(_message.Message):
-    __slots__ = ("run_id", "rank", "captured", "sent", "acknowledged", "dropped", "last_seq", "world_size")
+    __slots__ = ("run_id", "rank", "captured", "sent", "acknowledged", "dropped", "last_seq", "world_size", "sampling")
+    class SamplingEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     CAPTURED_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +207,7 @@ class End(_message.Message):
     DROPPED_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     captured: int
@@ -208,7 +216,8 @@ class End(_message.Message):
     dropped: int
     last_seq: int
     world_size: int
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., captured: _Optional[int] = ..., sent: _Optional[int] = ..., acknowledged: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seq: _Optional[int] = ..., world_size: _Optional[int] = ...) -> None: ...
+    sampling: _containers.ScalarMap[str, int]
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., captured: _Optional[int] = ..., sent: _Optional[int] = ..., acknowledged: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seq: _Optional[int] = ..., world_size: _Optional[int] = ..., sampling: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("run_id", "rank", "agent_version", "world_size")

@@ -39,6 +39,12 @@ def _with(**changes):
     ("tensor__online_policy", "wait", "tensor.online_policy: 'wait'"),
     ("tensor__online_memory_mb", -5, "tensor.online_memory_mb: -5"),
     ("tensor__online_run_utt", True, "tensor.online_run_utt: unknown key; did you mean 'online_run_ut'?"),
+    ("tensor__online_sample_steps", 0, "tensor.online_sample_steps: 0 is not an integer >= 1"),
+    ("tensor__online_sample_steps", 2.5, "tensor.online_sample_steps: 2.5 is not an integer >= 1"),
+    ("tensor__online_sample_ranks", True, "tensor.online_sample_ranks: True is not an integer >= 1"),
+    ("tensor__online_coverage_steps", -1, "tensor.online_coverage_steps: -1 is not an integer >= 0"),
+    ("tensor__online_overhead_budget", 1.5, "tensor.online_overhead_budget: 1.5 is not a number in [0, 1]"),
+    ("tensor__online_overhead_budget", "5%", "tensor.online_overhead_budget: '5%' is not a number in [0, 1]"),
 ])
 def test_each_bad_agent_key_has_its_own_message(key, value, expect):
     with pytest.raises(ConfigError) as info:
@@ -60,6 +66,10 @@ def test_good_config_parses_with_defaults_and_endpoint_lists():
     assert cfg.endpoint_for(0).target == "10.0.0.1:5000" and cfg.endpoint_for(3).target == "[::1]:6000"
     assert cfg.policy == "block" and cfg.memory_bytes == 1 << 30
     assert parse_config(_with(tensor__host="::1")).endpoint_for(0).target == "[::1]:50051"
+    assert (cfg.sample_steps, cfg.sample_ranks, cfg.coverage_steps, cfg.overhead_budget) == (1, 1, 0, 0.0)
+    cfg = parse_config(_with(tensor__online_sample_steps=4, tensor__online_sample_ranks=8,
+                             tensor__online_coverage_steps=10, tensor__online_overhead_budget=0.05))
+    assert (cfg.sample_steps, cfg.sample_ranks, cfg.coverage_steps, cfg.overhead_budget) == (4, 8, 10, 0.05)
 
 
 def test_debugger_rejects_a_missing_or_broken_file(tmp_path):

@@ -1,0 +1,206 @@
+"""Sampling policies (issue 13, goal 6): every Nth step, ranks in turn, coverage of call sites, the overhead budget;
+every rank's distinct call sites are checked at least once; all decisions are counted. In-process capture for the
+policies, then 8 ranks spread over 2 real servers with coverage sampling."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import threading
+
+import torch
+import torch.nn.functional as F
+
+from gpu_server.summary import Summary
+from npu_agent.capture import CaptureMode, Capturer
+from npu_agent.records import end_frame
+from npu_agent.sampling import Policy, Sampler
+from protos import online_check_pb2 as pb
+from tests.support import ListSink, Server, agent_config, read_csv, run_training
+
+
+def _two_blocks(x, w1, w2):
+    h = F.relu(F.linear(x, w1))          # the second block has the same call sites as the first
+    return F.relu(F.linear(h, w2)).sum()
+
+
+def _run(policy: Policy, steps: int, rank: int = 0) -> tuple[ListSink, Sampler]:
+    sink = ListSink()
+    sampler = Sampler(policy, rank)
+    cap = Capturer(sink.append, sampler=sampler)
+    cap.next_step(0)
+    mode = CaptureMode(cap)
+    x, w1, w2 = torch.randn(4, 8), torch.randn(8, 8), torch.randn(8, 8)
+    for step in range(steps):
+        with mode:
+            _two_blocks(x, w1, w2)
+        cap.next_step(step + 1)
+    return sink, sampler
+
+
+def _by_step(sink: ListSink) -> dict[int, list[str]]:
+    out: dict[int, list[str]] = {}
+    for r in sink:
+        out.setdefault(r.step, []).append(r.name)
+    return out
+
+
+def test_coverage_checks_each_call_site_once_every_k_steps_and_skips_repeats():
+    sink, sampler = _run(Policy(coverage_steps=2), steps=4)
+    sites = ["Functional.linear.0", "Functional.relu.0", "Tensor.sum.0"]
+    assert _by_step(sink) == {0: sites, 2: sites}
+    c = sampler.report()
+    assert (c["calls"], c["captured"], c["call_sites"], c["new_call_sites"], c["skipped_repeats"]) == (20, 6, 3, 3, 14)
+
+
+def test_steps_and_ranks_in_turn_and_new_call_sites_always():
+    # rank 1 of M=2 takes the sampled steps (every 2nd) where (step // 2 + 1) % 2 == 0: steps 2 and 6
+    sink, sampler = _run(Policy(sample_steps=2, sample_ranks=2), steps=8, rank=1)
+    every = ["Functional.linear.0", "Functional.relu.0", "Functional.linear.1", "Functional.relu.1", "Tensor.sum.0"]
+    first_seen = ["Functional.linear.0", "Functional.relu.0", "Tensor.sum.0"]   # step 0: new call sites only
+    assert _by_step(sink) == {0: first_seen, 2: every, 6: every}
+    c = sampler.report()
+    assert c["steps_taken"] == 2 and c["skipped_ranks"] == 2 + 5 and c["skipped_steps"] == 4 * 5
+    assert c["captured"] + c["skipped_ranks"] + c["skipped_steps"] == c["calls"] == 40
+
+
+def test_overhead_budget_keeps_the_measured_extra_time_under_the_budget():
+    now = [0.0]
+    sampler = Sampler(Policy(overhead_budget=0.1), clock=lambda: now[0])
+    base, extra, taken = 1.0, 1.0, []          # a captured step takes twice as long as one not captured
+    sampler.take_step(0)
+    for step in range(1, 201):
+        now[0] += base + (extra if sampler.step_taken else 0.0)
+        taken.append(sampler.take_step(step))
+    c = sampler.report()
+    assert c["steps_taken"] == 1 + sum(taken) and c["steps_skipped_budget"] == 200 - sum(taken)
+    spent = (1 + sum(taken)) * extra
+    assert 0.05 * 201 * base <= spent <= 0.1 * 201 * base + extra, (spent, taken)
+    assert c["step_us_captured"] == 2_000_000 and c["step_us_not_captured"] == 1_000_000
+    # a long pause (an evaluation) between two steps does not open the budget
+    now[0] += 500.0
+    taken_after = []
+    for step in range(201, 221):
+        now[0] += base + (extra if sampler.step_taken else 0.0)
+        taken_after.append(sampler.take_step(step))
+    assert sum(taken_after) <= 3, taken_after
+
+
+def test_sampling_counts_travel_in_the_end_message_and_show_in_the_summary():
+    counts = {"captured": 5, "sent": 5, "acknowledged": 5, "dropped": 0, "last_seq": 5,
+              "sampling": {"calls": 20, "captured": 5, "skipped_repeats": 15, "call_sites": 3}}
+    end = pb.Frame.FromString(end_frame("run", 3, 8, counts)).end
+    assert dict(end.sampling) == counts["sampling"] and end.world_size == 8
+    summary = Summary()
+    summary.rank_ended("run", 3, {"captured": 5, "sampling": dict(end.sampling)})
+    assert summary.as_dict()["ranks_ended"][0]["sampling"]["skipped_repeats"] == 15
+    assert "sampling: " in summary.human() and "skipped_repeats 15" in summary.human()
+
+
+# -- 8 ranks x 2 servers ---------------------------------------------------------------------------------------
+# argv: config, steps. Each rank has its own batch size (its own call sites). Prints the call site of every call
+# name of a step, found by a plain recording mode (not the agent), then the agent's counts.
+RANK_TRAIN = r'''
+import json, os, sys
+import torch, torch.nn as nn, torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from npu_agent import PrecisionDebugger
+from npu_agent import naming
+
+cfg, steps = sys.argv[1], int(sys.argv[2])
+rank = int(os.environ["RANK"])
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x, y = torch.randn(2 + rank % 3, 16), torch.randint(0, 4, (2 + rank % 3,))
+
+def step():
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss
+
+class Sites(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.counters, self.sites = naming.Counters(), {}
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        info = naming.classify(func)
+        if info is not None and torch._C._current_graph_task_id() == -1:
+            name = self.counters.next_name(*info)
+            shapes = [(list(t.shape), str(t.dtype)) for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)]
+            self.sites[name] = json.dumps([".".join(info), shapes, torch.is_grad_enabled()])
+        return func(*args, **kwargs)
+
+rec = Sites()
+with rec:
+    step()
+model.zero_grad()
+print("SITES " + json.dumps(rec.sites))
+dbg = PrecisionDebugger(config_path=cfg)
+for _ in range(steps):
+    dbg.start()
+    step()
+    dbg.stop()
+    opt.step()
+    opt.zero_grad()
+    dbg.step()
+print("COUNTS " + json.dumps(dbg.close()))
+'''
+
+WORLD, STEPS, K = 8, 3, 2
+
+
+def _line(proc, tag: str) -> dict:
+    return json.loads([x for x in proc.stdout.splitlines() if x.startswith(tag + " ")][-1][len(tag) + 1:])
+
+
+def test_eight_ranks_two_servers_coverage_checks_every_call_site(tmp_path):
+    work = str(tmp_path)
+    results: dict[int, object] = {}
+    with Server(work, out=os.path.join(work, "a")) as a, Server(work, out=os.path.join(work, "b")) as b:
+        cfg = agent_config(os.path.join(work, "agent.json"), host=[f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"],
+                           online_coverage_steps=K)
+
+        def rank(r: int) -> None:
+            env = {"RANK": str(r), "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
+            try:
+                results[r] = run_training(RANK_TRAIN, cfg, str(STEPS), env=env, timeout=400)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                results[r] = exc
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(420)
+    for r in range(WORLD):
+        if isinstance(results.get(r), BaseException) or r not in results:
+            raise AssertionError(f"rank {r} failed") from results.get(r)
+    all_sites = set()
+    for r in range(WORLD):
+        out = (a if r % 2 == 0 else b).out
+        sites = _line(results[r], "SITES")
+        counts = _line(results[r], "COUNTS")
+        assert counts["captured"] == counts["acknowledged"] and counts["dropped"] == 0, (r, counts)
+        rows = read_csv(out, "accuracy_checking_result", rank=r)
+        per_step: dict[int, list[str]] = {}
+        for row in rows:
+            per_step.setdefault(int(row["Step"]), []).append(sites[row["API name"]])
+        distinct = set(sites.values())
+        # every call site of this rank was checked in step 0, none twice; step 1 repeats them all (skipped);
+        # step 2 is K steps later: every call site once again
+        assert sorted(per_step) == [0, 2], (r, sorted(per_step))
+        for s in (0, 2):
+            assert sorted(per_step[s]) == sorted(distinct), (r, s)
+        assert len(distinct) < len(sites)        # the model repeats call sites: repeats were skipped
+        sampling = counts["sampling"]
+        assert sampling["call_sites"] == len(distinct) and sampling["captured"] == 2 * len(distinct)
+        assert sampling["skipped_repeats"] == STEPS * len(sites) - 2 * len(distinct)
+        all_sites |= {(r % 3, s) for s in distinct}
+    assert len(all_sites) == 3 * len(distinct)   # three batch sizes: three sets of call sites across the ranks
+    for srv, ranks in ((a, range(0, WORLD, 2)), (b, range(1, WORLD, 2))):
+        with open(glob.glob(os.path.join(srv.out, "summary_*.json"))[0]) as fh:
+            ended = {e["rank"] for e in json.load(fh)["ranks_ended"]}
+        assert ended == set(ranks)
