@@ -12,13 +12,13 @@ from typing import Callable
 
 from gpu_server import report_files
 from gpu_server.drain_rate import DrainRate
+from gpu_server.standards import standard_labels
+from gpu_server.standards.registry import ERROR, SKIP, STATUSES
 
 log = logging.getLogger("gpu_server")
 
-STATUSES = ("pass", "Warning", "error", "SKIP")
-# msprobe's algorithm names (the 比对算法 column) and how the summary calls them
-STANDARD_NAMES = {"标杆比对法": "benchmark", "ULP误差比对法": "ULP", "二进制一致法": "binary consistency",
-                  "绝对阈值法": "absolute threshold", "双千指标法": "double-thousandth"}
+# msprobe's algorithm names (the 比对算法 column) and how the summary calls them: the standards' registry's
+STANDARD_NAMES = standard_labels()
 
 
 class Summary:
@@ -86,7 +86,7 @@ class Summary:
             for s in (pfwd, pbwd):
                 if s.strip():
                     self.precision_status[s] += 1
-            if "error" in (fwd, bwd, pfwd, pbwd):
+            if ERROR in (fwd, bwd, pfwd, pbwd):
                 self.failed[rank] += 1
                 api = ".".join(name.split(".")[:2])
                 self.failing[api] += 1
@@ -130,7 +130,7 @@ class Summary:
                 try:
                     with open(pdetails, encoding="utf-8-sig", newline="") as fh:
                         for row in csv.DictReader(fh):
-                            self.standard_row(row.get("比对算法") or " ", row.get("比对结果") or "SKIP")
+                            self.standard_row(row.get("比对算法") or " ", row.get("比对结果") or SKIP)
                 except (OSError, csv.Error):
                     pass
             for r in rows:

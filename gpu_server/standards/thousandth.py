@@ -15,7 +15,7 @@ from gpu_server.standards.thresholds import THRESHOLDS
 GROSS = 4.0
 
 
-@register_standard(THOUSANDTH, "双千指标法")
+@register_standard(THOUSANDTH, "双千指标法", "double-thousandth")
 def double_thousandth(inp: StandardInput) -> StandardResult:
     share = inp.device.thousandth
     limit = THRESHOLDS.thousandth_standard_pass
