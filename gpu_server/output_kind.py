@@ -62,12 +62,15 @@ def classify(bench: Any, device: Any) -> OutputPair:
         return OutputPair(NONE, bench, device)
     bench_tensor, device_tensor = isinstance(bench, torch.Tensor), isinstance(device, torch.Tensor)
     if bench_tensor != device_tensor:
-        return OutputPair(TYPE_MISMATCH, bench, device, f"output type differs: bench {type(bench).__name__}, "
-                                                        f"device {type(device).__name__}")
+        return OutputPair(TYPE_MISMATCH, bench, device, type_differs(bench, device))
     if bench_tensor:
         reason = mismatch(bench, device)
         return OutputPair(TENSOR_MISMATCH, bench, device, reason) if reason else OutputPair(TENSORS, bench, device)
     return OutputPair(SCALAR if isinstance(bench, SCALAR_TYPES) else OTHER, bench, device)
+
+
+def type_differs(bench: Any, device: Any) -> str:
+    return f"output type differs: bench {type(bench).__name__}, device {type(device).__name__}"
 
 
 def comparable_member(member: Any, device: torch.Tensor) -> bool:

@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 from gpu_server import report_files
+from gpu_server.atomic_file import write_atomic
 from gpu_server.drain_rate import DrainRate
 from gpu_server.standards import standard_labels
 from gpu_server.standards.registry import ERROR, SKIP, STATUSES
@@ -182,10 +183,8 @@ class Summary:
 
     def write_json(self, out_dir: str, ts: str) -> str:
         path = report_files.summary_path(out_dir, ts)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(self.as_dict(), fh, indent=2, ensure_ascii=False)
-        os.replace(tmp, path)
+        data = self.as_dict()
+        write_atomic(path, lambda fh: json.dump(data, fh, indent=2, ensure_ascii=False))
         return path
 
     def human(self) -> str:

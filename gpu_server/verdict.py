@@ -9,7 +9,16 @@ from typing import Any, Iterable
 
 from gpu_server.columns import BLANK
 from gpu_server.metrics import Analysis, OutputMetrics, scalar_error_rate
-from gpu_server.output_kind import NONE, OTHER, SCALAR, OutputPair, bit_identical, classify, comparable_member
+from gpu_server.output_kind import (
+    NONE,
+    OTHER,
+    SCALAR,
+    OutputPair,
+    bit_identical,
+    classify,
+    comparable_member,
+    type_differs,
+)
 from gpu_server.spread import wilson
 from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING, fmt
 from gpu_server.standards.thresholds import THRESHOLDS
@@ -65,8 +74,7 @@ def _compare_scalars(bench: Any, device: Any) -> OutputComparison:
     if rate == 0:
         return OutputComparison(metrics, PASS, "")
     if type(bench) is not type(device):
-        return OutputComparison(metrics, ERROR, f"output type differs: bench {type(bench).__name__}, device "
-                                                f"{type(device).__name__}")
+        return OutputComparison(metrics, ERROR, type_differs(bench, device))
     return OutputComparison(metrics, ERROR, f"bench {bench!r} != device {device!r}")
 
 
