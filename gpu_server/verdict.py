@@ -19,8 +19,7 @@ from gpu_server.output_kind import (
     comparable_member,
     type_differs,
 )
-from gpu_server.spread import wilson
-from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING, fmt
+from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING, fmt, wilson
 from gpu_server.standards.thresholds import THRESHOLDS
 
 

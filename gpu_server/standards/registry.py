@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from gpu_server.spread import wilson
-
 if TYPE_CHECKING:
     from gpu_server.metrics import OutputMetrics
 
@@ -112,3 +110,18 @@ def share_bound_ratio(device_count: int, n: int, member_counts: list[tuple[int, 
     low = wilson(device_count, n, upper=False)
     high = max((wilson(c, m, upper=True) for c, m in member_counts), default=0.0)
     return low / max(high, floor)
+
+
+# -- confidence bounds of rates on few elements ---------------------------------------------------------------------
+Z = 3.0   # two-sided ~99.7 %: a correct device gets a false error from one rate test about 1 time in 700 at most
+
+
+def wilson(count: float, n: int, upper: bool, z: float = Z) -> float:
+    """Wilson score bound of a binomial proportion count/n (upper or lower)."""
+    if n <= 0:
+        return 1.0 if upper else 0.0
+    p = count / n
+    denom = 1 + z * z / n
+    centre = p + z * z / (2 * n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return min(1.0, (centre + half) / denom) if upper else max(0.0, (centre - half) / denom)

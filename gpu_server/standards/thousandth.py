@@ -7,8 +7,7 @@ half of the elements outside.
 """
 from __future__ import annotations
 
-from gpu_server.spread import wilson
-from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard, status_of
+from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard, status_of, wilson
 from gpu_server.standards.selection import THOUSANDTH
 from gpu_server.standards.thresholds import THRESHOLDS
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-from gpu_server.spread import wilson
 from gpu_server.standards.registry import (
     ERROR,
     PASS,
@@ -23,6 +22,7 @@ from gpu_server.standards.registry import (
     ratio_to_same,
     register_standard,
     share_bound_ratio,
+    wilson,
 )
 from gpu_server.standards.selection import ULP
 from gpu_server.standards.thresholds import THRESHOLDS
