@@ -14,15 +14,17 @@ from typing import Any
 
 import torch
 
-from gpu_server import error_data, spread, standards
+from gpu_server import error_data, spread
 from gpu_server.columns import BLANK
 from gpu_server.intake import Job
+from gpu_server.output_kind import classify
 from gpu_server.pending import Completion, PendingCalls, Waiting
 from gpu_server.replay import ReplayError, flatten_outputs, run_backward, run_forward
 from gpu_server.reports import NULL_REPORTS, RankReports, ReportWriteError
+from gpu_server.standards.judging import judge_pair
 from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING
 from gpu_server.summary import Summary
-from gpu_server.verdict import aggregate, compare_output
+from gpu_server.verdict import aggregate, compare_pair
 from protos import online_check_pb2 as pb
 
 log = logging.getLogger("gpu_server")
@@ -190,12 +192,13 @@ class Checker:
             s = same[i] if same is not None and i < len(same) else None
             s_cpu = s.detach().cpu() if isinstance(s, torch.Tensor) else s
             others = members.output(i) if members is not None else ()   # gpu_server.spread's runs, lazily
-            cmp = compare_output(b_cpu, d, spread.with_host(s_cpu, others))
+            pair = classify(b_cpu, d)   # sorted into its kind once, for both reports
+            cmp = compare_pair(pair, spread.with_host(s_cpu, others))
             rep.write_detail(row, _dtype(b), _dtype(d), _shape(d), cmp.metrics, cmp.status, cmp.message, job.step)
             outcome.statuses.append(cmp.status)
             if cmp.status in (ERROR, WARNING) and not outcome.message:
                 outcome.message = f"{row}: {cmp.message}"
-            verdict = standards.judge(job.api, b_cpu, d, s_cpu, device_metrics=cmp.metrics, spread=others)
+            verdict = judge_pair(job.api, pair, s_cpu, spread=others)
             message = "; ".join(m for m in (verdict.message, same_error) if m)
             rep.write_precision_detail(row, verdict.cells, verdict.status, verdict.algorithm, message, job.step)
             if self._write_rows:

@@ -94,8 +94,6 @@ class FolderReader:
         self._reported: set[str] = set()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.processed = 0
-        self.moved_aside = 0
         self.errors = 0
 
     # -- lifecycle -----------------------------------------------------------------------------------------
@@ -325,7 +323,6 @@ class FolderReader:
         del payload
         if status == pb.Ack.REJECTED:
             log.warning("shared folder: %s rejected: %s", name, reason)
-        self.processed += 1
         self._remove(folder, name)
         return True
 
@@ -373,7 +370,6 @@ class FolderReader:
         src = folder.join(name)
         if src in self._reported:
             return
-        self.moved_aside += 1
         base = f"{folder.name}_{_SAFE.sub('_', name)[:200]}"
         rejected = self._rejected_dir()
         if rejected is None:

@@ -25,6 +25,7 @@ import time
 
 import pandas as pd
 
+from gpu_server.atomic_file import write_atomic
 from gpu_server.report_frame import load
 from gpu_server.summary import STANDARD_NAMES
 
@@ -498,8 +499,5 @@ def write_html(out_dir: str, path: str | None = None) -> str:
         name = f"report_{sessions[-1]}.html" if sessions else "report.html"
         path = os.path.join(out_dir, name)
     text = render(out_dir, os.path.dirname(os.path.abspath(path)))
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-    os.replace(tmp, path)
+    write_atomic(path, lambda fh: fh.write(text))
     return path

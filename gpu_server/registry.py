@@ -84,10 +84,5 @@ def known(category: str, api: str) -> str | None:
         return str(exc)
 
 
-def call_names() -> dict[str, frozenset[str]]:
-    """The allowlist by category (for tests and docs)."""
-    return dict(apis.ALLOWLIST)
-
-
 def is_device_string(api: str, value: Any) -> bool:
     return apis.is_device_string(api, value)

@@ -12,7 +12,7 @@ reads one kind of them (all ranks, all sessions) into one frame:
 
 Kinds: "result" (accuracy_checking_result), "details" (accuracy_checking_details), "precision_result"
 (api_precision_compare_result), "precision_details" (api_precision_compare_details); msprobe's file prefixes are
-accepted too. `load_details_csv(path)` reads one details file (any msprobe details CSV, for `gpu-server compare`).
+accepted too.
 """
 from __future__ import annotations
 
@@ -122,11 +122,6 @@ def read_csv(path: str, kind: str) -> pd.DataFrame:
     return _typed(frame, kind)
 
 
-def load_details_csv(path: str) -> pd.DataFrame:
-    """An accuracy_checking_details CSV from any machine (msprobe's or ours), typed, with English aliases."""
-    return read_csv(path, "details")
-
-
 def load(out_dir: str, kind: str = "details") -> pd.DataFrame:
     """Every `kind` report in `out_dir` (all ranks and sessions) as one frame: msprobe's columns, typed, plus English
     aliases and `rank`, `ts`, `file`, `call`, `api` (and `direction`, `output` for the details kinds)."""
@@ -147,8 +142,3 @@ def load(out_dir: str, kind: str = "details") -> pd.DataFrame:
         frame["file"] = pd.Series(dtype=str)
         return frame
     return pd.concat(frames, ignore_index=True)
-
-
-def load_all(out_dir: str) -> dict[str, pd.DataFrame]:
-    """The four kinds at once, by short kind name."""
-    return {kind: load(out_dir, kind) for kind in KINDS}

@@ -37,6 +37,7 @@ import threading
 import time
 from typing import Iterator
 
+from gpu_server.atomic_file import write_atomic
 from gpu_server.spool_acks import GroupCommit, Ticket
 from gpu_server.spool_journal import Journal, JournalState, read_journal
 from gpu_server.spool_recovery import cut_reports, rebuild_from_reports
@@ -121,7 +122,8 @@ class Spool:
         resumed = re.fullmatch(r"\d{14}", str(saved.get("ts", ""))) is not None
         ts = saved["ts"] if resumed else default_ts
         starts = int(saved.get("starts", 0)) + 1 if resumed else 1
-        _write_json_atomic(state_path, {"ts": ts, "starts": starts, "format": 1}, self.fsync)
+        state = {"ts": ts, "starts": starts, "format": 1}
+        write_atomic(state_path, lambda fh: json.dump(state, fh), fsync=self.fsync)
 
         journal_path = os.path.join(self.dir, "journal.log")
         self.state = state = read_journal(journal_path)
@@ -314,12 +316,3 @@ def _read_json(path: str) -> dict:
     except (OSError, ValueError):
         return {}
 
-
-def _write_json_atomic(path: str, data: dict, fsync: bool) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
-        fh.flush()
-        if fsync:
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)

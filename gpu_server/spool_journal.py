@@ -26,6 +26,7 @@ import time
 from typing import Callable
 
 from gpu_server import disk
+from gpu_server.atomic_file import write_atomic
 from gpu_server.seqset import SeqSet
 
 log = logging.getLogger("gpu_server")
@@ -156,20 +157,8 @@ class Journal:
         self._thread.start()
 
     def _rewrite(self) -> None:
-        tmp = self.path + ".tmp"
-        try:
-            with open(tmp, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps({"snapshot": self.state.snapshot()}, separators=(",", ":")) + "\n")
-                fh.flush()
-                if self.fsync:
-                    os.fsync(fh.fileno())
-            os.replace(tmp, self.path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        line = json.dumps({"snapshot": self.state.snapshot()}, separators=(",", ":")) + "\n"
+        write_atomic(self.path, lambda fh: fh.write(line), fsync=self.fsync)
         if self._fd >= 0:
             os.close(self._fd)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)

@@ -21,6 +21,7 @@ import stat
 import struct
 import zlib
 
+from gpu_server.atomic_file import write_atomic
 from protos import online_check_pb2 as pb
 from protos.limits import Limits
 
@@ -96,24 +97,14 @@ def entry_bytes(header: bytes, payload) -> bytes:
 def write_segment(path: str, records: list[tuple[bytes, bytes | bytearray | memoryview]], fsync: bool) -> None:
     """Write (header, payload) pairs as one segment: temporary file, fsync, rename. Raises OSError, leaving no
     temporary file behind."""
-    tmp = path + ".tmp"
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(MAGIC)
-            for header, payload in records:
-                fh.write(entry_bytes(header, payload))
-                fh.write(header)
-                fh.write(payload)
-            fh.flush()
-            if fsync:
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    def write(fh) -> None:
+        fh.write(MAGIC)
+        for header, payload in records:
+            fh.write(entry_bytes(header, payload))
+            fh.write(header)
+            fh.write(payload)
+
+    write_atomic(path, write, binary=True, fsync=fsync)
 
 
 def _entry_at(data: bytes, pos: int, seg: int, limits: Limits) -> tuple[Entry | None, str]:

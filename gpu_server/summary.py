@@ -11,14 +11,15 @@ import time
 from typing import Callable
 
 from gpu_server import report_files
+from gpu_server.atomic_file import write_atomic
 from gpu_server.drain_rate import DrainRate
+from gpu_server.standards import standard_labels
+from gpu_server.standards.registry import ERROR, SKIP, STATUSES
 
 log = logging.getLogger("gpu_server")
 
-STATUSES = ("pass", "Warning", "error", "SKIP")
-# msprobe's algorithm names (the 比对算法 column) and how the summary calls them
-STANDARD_NAMES = {"标杆比对法": "benchmark", "ULP误差比对法": "ULP", "二进制一致法": "binary consistency",
-                  "绝对阈值法": "absolute threshold", "双千指标法": "double-thousandth"}
+# msprobe's algorithm names (the 比对算法 column) and how the summary calls them: the standards' registry's
+STANDARD_NAMES = standard_labels()
 
 
 class Summary:
@@ -86,7 +87,7 @@ class Summary:
             for s in (pfwd, pbwd):
                 if s.strip():
                     self.precision_status[s] += 1
-            if "error" in (fwd, bwd, pfwd, pbwd):
+            if ERROR in (fwd, bwd, pfwd, pbwd):
                 self.failed[rank] += 1
                 api = ".".join(name.split(".")[:2])
                 self.failing[api] += 1
@@ -130,7 +131,7 @@ class Summary:
                 try:
                     with open(pdetails, encoding="utf-8-sig", newline="") as fh:
                         for row in csv.DictReader(fh):
-                            self.standard_row(row.get("比对算法") or " ", row.get("比对结果") or "SKIP")
+                            self.standard_row(row.get("比对算法") or " ", row.get("比对结果") or SKIP)
                 except (OSError, csv.Error):
                     pass
             for r in rows:
@@ -182,10 +183,8 @@ class Summary:
 
     def write_json(self, out_dir: str, ts: str) -> str:
         path = report_files.summary_path(out_dir, ts)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(self.as_dict(), fh, indent=2, ensure_ascii=False)
-        os.replace(tmp, path)
+        data = self.as_dict()
+        write_atomic(path, lambda fh: json.dump(data, fh, indent=2, ensure_ascii=False))
         return path
 
     def human(self) -> str:

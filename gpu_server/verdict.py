@@ -7,15 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-import torch
-
 from gpu_server.columns import BLANK
-from gpu_server.metrics import Analysis, OutputMetrics, analyse, mismatch, scalar_error_rate
-from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING, fmt
+from gpu_server.metrics import Analysis, OutputMetrics, scalar_error_rate
+from gpu_server.output_kind import (
+    NONE,
+    OTHER,
+    SCALAR,
+    OutputPair,
+    bit_identical,
+    classify,
+    comparable_member,
+    type_differs,
+)
+from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING, fmt, wilson
 from gpu_server.standards.thresholds import THRESHOLDS
-
-# Python values compared by equality (SPEC §6.2 "Python scalars"; str, dtype, device and size come along).
-_SCALARS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.Size)
 
 
 @dataclass
@@ -40,22 +45,26 @@ def aggregate(statuses: list[str]) -> str:
 
 
 def compare_output(bench: Any, device: Any, spread: Iterable = ()) -> OutputComparison:
-    """SPEC §6.2 status of one output (a tensor or a Python scalar). `spread`: outputs of correct same-dtype runs
-    (the host's first, then gpu_server.spread's); an error or Warning that a correct run shows as well is pass
-    (docs/standards.md, deviations)."""
-    if bench is None:
+    """compare_pair of an output not sorted yet."""
+    return compare_pair(classify(bench, device), spread)
+
+
+def compare_pair(pair: OutputPair, spread: Iterable = ()) -> OutputComparison:
+    """The two-way status of one output, sorted into its kind (gpu_server/output_kind.py). `spread`: outputs of
+    correct same-dtype runs (the host's first, then gpu_server.spread's); an error or Warning that a correct run
+    shows as well is pass (docs/standards.md, deviations)."""
+    if pair.kind == NONE:
         return OutputComparison(None, SKIP, "Bench output is None, skip this test.")
-    if isinstance(bench, torch.Tensor) or isinstance(device, torch.Tensor):
-        if not (isinstance(bench, torch.Tensor) and isinstance(device, torch.Tensor)):
-            return OutputComparison(None, ERROR, f"output type differs: bench {type(bench).__name__}, "
-                                                 f"device {type(device).__name__}")
-        cmp = _compare_tensors(bench, device)
-        if cmp.status in (ERROR, WARNING) and cmp.metrics is not None:   # comparable: no shape/kind mismatch
-            _forgive(cmp, bench, device, spread)
-        return cmp
-    if isinstance(bench, _SCALARS):
-        return _compare_scalars(bench, device)
-    return OutputComparison(None, ERROR, f"unexpected output type {type(bench).__name__}")
+    if pair.mismatched:
+        return OutputComparison(None, ERROR, pair.reason)
+    if pair.kind == SCALAR:
+        return _compare_scalars(pair.bench, pair.device)
+    if pair.kind == OTHER:
+        return OutputComparison(None, ERROR, f"unexpected output type {type(pair.bench).__name__}")
+    cmp = _compare_tensors(pair)
+    if cmp.status in (ERROR, WARNING):
+        _forgive(cmp, pair, spread)
+    return cmp
 
 
 def _compare_scalars(bench: Any, device: Any) -> OutputComparison:
@@ -64,23 +73,19 @@ def _compare_scalars(bench: Any, device: Any) -> OutputComparison:
     if rate == 0:
         return OutputComparison(metrics, PASS, "")
     if type(bench) is not type(device):
-        return OutputComparison(metrics, ERROR, f"output type differs: bench {type(bench).__name__}, device "
-                                                f"{type(device).__name__}")
+        return OutputComparison(metrics, ERROR, type_differs(bench, device))
     return OutputComparison(metrics, ERROR, f"bench {bench!r} != device {device!r}")
 
 
-def _compare_tensors(bench: torch.Tensor, device: torch.Tensor) -> OutputComparison:
-    reason = mismatch(bench, device)
-    if reason:
-        return OutputComparison(None, ERROR, reason)
-    result = analyse(bench, device)
+def _compare_tensors(pair: OutputPair) -> OutputComparison:
+    result = pair.analysis()
     m = result.metrics
     if not result.is_float:
         if m.binary_error_rate == 0:
             return OutputComparison(m, PASS, "")
         differ = round(m.binary_error_rate * result.numel)
         return OutputComparison(m, ERROR, f"binary error rate {fmt(m.binary_error_rate)} ({differ} of "
-                                          f"{result.numel} elements differ; {device.dtype} must be identical)")
+                                          f"{result.numel} elements differ; {pair.device.dtype} must be identical)")
     return OutputComparison(m, *_float_status(result))
 
 
@@ -116,24 +121,21 @@ _SEVERITY = {PASS: 0, WARNING: 1, ERROR: 2}
 _SHARES = ("hundredth", "thousandth", "ten_thousandth")   # the double-x counts (OutputMetrics.counts keys)
 
 
-def _forgive(cmp: OutputComparison, bench: torch.Tensor, device: torch.Tensor, spread: Iterable) -> None:
+def _forgive(cmp: OutputComparison, pair: OutputPair, spread: Iterable) -> None:
     """Turn an error/Warning into pass when a correct same-dtype run gets the same status or worse and the device is
     not significantly further out: bit-identical to the host's run, or (cosine above the gate) for each double-x share
     the device's count of elements outside no more than the member's (lower vs upper Wilson bound). Only comparable
     outputs (no shape or dtype-kind mismatch) get here."""
-    from gpu_server import standards
-    from gpu_server.spread import wilson
-
     for i, member in enumerate(spread):
-        if not isinstance(member, torch.Tensor) or mismatch(member, device) or member.dtype != device.dtype:
+        if not comparable_member(member, pair.device):
             continue
-        if i == 0 and standards.bit_identical(member, device):
+        if i == 0 and bit_identical(member, pair.device):
             cmp.status, cmp.message = PASS, ("bit-identical to the same-dtype run on the bench device; against "
                                              f"the upcast bench: {cmp.message}")
             return
         if cmp.metrics.counts is None:
             continue
-        ref = analyse(bench, member)
+        ref = pair.member_analysis(member)
         ref_status, _ = _float_status(ref) if ref.is_float else (PASS, "")
         if _SEVERITY.get(ref_status, 0) < _SEVERITY[cmp.status]:
             continue

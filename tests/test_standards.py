@@ -7,7 +7,8 @@ import torch
 
 from gpu_server.columns import PRECISION_DETAILS_HEADER
 from gpu_server.metrics import OutputMetrics
-from gpu_server.standards import STANDARD_REGISTRY, judge, register_standard
+from gpu_server.standards import STANDARD_REGISTRY, register_standard
+from gpu_server.standards.judging import judge
 from gpu_server.standards.registry import StandardInput
 from gpu_server.standards.selection import canonical_name, select_standard
 from gpu_server.standards.thresholds import THRESHOLDS

@@ -18,7 +18,7 @@ _RATES = (
 )
 
 
-@register_standard(ABSOLUTE, "绝对阈值法")
+@register_standard(ABSOLUTE, "绝对阈值法", "absolute threshold")
 def absolute_threshold(inp: StandardInput) -> StandardResult:
     result = StandardResult(PASS)
     for attr, column, status_column in _RATES:

@@ -36,7 +36,7 @@ _JUDGED = (
 _REPORTED = ("error_balance", "误差均衡性比值")
 
 
-@register_standard(BENCHMARK, "标杆比对法")
+@register_standard(BENCHMARK, "标杆比对法", "benchmark")
 def benchmark(inp: StandardInput) -> StandardResult:
     if inp.same is None:
         return StandardResult(SKIP, messages=["the benchmark standard needs the same-dtype run, which is not "

@@ -9,7 +9,7 @@ from gpu_server.standards.registry import StandardInput, StandardResult, fmt, re
 from gpu_server.standards.selection import BINARY
 
 
-@register_standard(BINARY, "二进制一致法")
+@register_standard(BINARY, "二进制一致法", "binary consistency")
 def binary_consistency(inp: StandardInput) -> StandardResult:
     rate = inp.device.binary_error_rate
     ok = rate == 0

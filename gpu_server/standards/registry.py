@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from gpu_server.metrics import OutputMetrics
 
 PASS, WARNING, ERROR, SKIP = "pass", "Warning", "error", "SKIP"
+STATUSES = (PASS, WARNING, ERROR, SKIP)   # msprobe's status strings, in the order the summaries list them
 
 
 @dataclass(frozen=True)
@@ -44,21 +45,28 @@ class Standard:
     key: str
     algorithm: str                                       # msprobe's 比对算法 name
     judge: Callable[[StandardInput], StandardResult]
+    label: str                                           # its name in the summaries (summary.json, the HTML)
 
 
 STANDARD_REGISTRY: dict[str, Standard] = {}
 
 
-def register_standard(key: str, algorithm: str) -> Callable:
-    """Decorator: register `fn(StandardInput) -> StandardResult` as the standard `key`."""
+def register_standard(key: str, algorithm: str, label: str | None = None) -> Callable:
+    """Decorator: register `fn(StandardInput) -> StandardResult` as the standard `key` (msprobe's name `algorithm`,
+    `label` in the summaries, `key` by default)."""
 
     def decorator(fn: Callable[[StandardInput], StandardResult]) -> Callable[[StandardInput], StandardResult]:
         if key in STANDARD_REGISTRY:
             raise ValueError(f"precision standard {key!r} registered twice")
-        STANDARD_REGISTRY[key] = Standard(key, algorithm, fn)
+        STANDARD_REGISTRY[key] = Standard(key, algorithm, fn, label or key)
         return fn
 
     return decorator
+
+
+def standard_labels() -> dict[str, str]:
+    """msprobe's algorithm name (the 比对算法 cell) -> the standard's label in the summaries."""
+    return {s.algorithm: s.label for s in STANDARD_REGISTRY.values()}
 
 
 def fmt(value: float | None) -> str:
@@ -99,8 +107,21 @@ def spread_reference(values: list[float | None]) -> float:
 def share_bound_ratio(device_count: int, n: int, member_counts: list[tuple[int, int]], floor: float) -> float:
     """Lower confidence bound of the device's share over the largest upper bound of the members' shares (floored):
     a share of a few elements is judged by what it can be, not by its raw count."""
-    from gpu_server.spread import wilson
-
     low = wilson(device_count, n, upper=False)
     high = max((wilson(c, m, upper=True) for c, m in member_counts), default=0.0)
     return low / max(high, floor)
+
+
+# -- confidence bounds of rates on few elements ---------------------------------------------------------------------
+Z = 3.0   # two-sided ~99.7 %: a correct device gets a false error from one rate test about 1 time in 700 at most
+
+
+def wilson(count: float, n: int, upper: bool, z: float = Z) -> float:
+    """Wilson score bound of a binomial proportion count/n (upper or lower)."""
+    if n <= 0:
+        return 1.0 if upper else 0.0
+    p = count / n
+    denom = 1 + z * z / n
+    centre = p + z * z / (2 * n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return min(1.0, (centre + half) / denom) if upper else max(0.0, (centre - half) / denom)

@@ -7,15 +7,14 @@ half of the elements outside.
 """
 from __future__ import annotations
 
-from gpu_server.spread import wilson
-from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard, status_of
+from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard, status_of, wilson
 from gpu_server.standards.selection import THOUSANDTH
 from gpu_server.standards.thresholds import THRESHOLDS
 
 GROSS = 4.0
 
 
-@register_standard(THOUSANDTH, "双千指标法")
+@register_standard(THOUSANDTH, "双千指标法", "double-thousandth")
 def double_thousandth(inp: StandardInput) -> StandardResult:
     share = inp.device.thousandth
     limit = THRESHOLDS.thousandth_standard_pass

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 
-from gpu_server.spread import wilson
 from gpu_server.standards.registry import (
     ERROR,
     PASS,
@@ -23,6 +22,7 @@ from gpu_server.standards.registry import (
     ratio_to_same,
     register_standard,
     share_bound_ratio,
+    wilson,
 )
 from gpu_server.standards.selection import ULP
 from gpu_server.standards.thresholds import THRESHOLDS
@@ -31,7 +31,7 @@ GROSS_ULP = 4.0   # max ULP error above this many times the spread's (or the thr
 _MEAN, _SHARE, _RATIO, _STATUS = "ULP误差平均值", "ULP误差大于阈值占比", "ULP误差大于阈值占比比值", "ULP误差判定结果"
 
 
-@register_standard(ULP, "ULP误差比对法")
+@register_standard(ULP, "ULP误差比对法", "ULP")
 def ulp_error(inp: StandardInput) -> StandardResult:
     row = THRESHOLDS.for_dtype(inp.dtype)
     mean, share = inp.device.ulp_mean, inp.device.ulp_over_threshold
