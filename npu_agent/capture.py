@@ -25,7 +25,7 @@ from npu_agent.sampling import call_site
 from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
 from npu_agent.snapshot import install as snapshot_install
 from protos.codec import dtype_name
-from protos.torch_compat import in_backward_pass
+from protos.torch_compat import in_backward_pass, tensor_version
 
 if TYPE_CHECKING:
     from npu_agent.backward import BackwardTaps
@@ -258,7 +258,7 @@ class Capturer:
         if inputs is None:
             return False
         for e in inputs.held.values():
-            if e[0]._version != e[1]:
+            if tensor_version(e[0]) != e[1]:
                 break
         else:
             return False

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from protos.torch_compat import disable_torch_function
+from protos.torch_compat import disable_torch_function, tensor_version
 from protos.trees import iter_leaves, map_leaves
 
 _Tensor = torch.Tensor
@@ -135,7 +135,7 @@ class HeldRefs:
                 if e[2] is not None:
                     if src is not e[2]:
                         again[tid] = e[2]
-                elif e[0]._version != e[1]:
+                elif tensor_version(e[0]) != e[1]:
                     changed.append(tid)
             self.pending.pop(id(snap), None)
             self.changed += len(changed)
@@ -156,7 +156,7 @@ def _hold(obj: Any, held: dict[int, list[Any]], grads: set[int], copy: bool) -> 
                 if isinstance(v, _Tensor):
                     tid = id(v)
                     if tid not in held:
-                        held[tid] = [v, v._version, None, None]
+                        held[tid] = [v, tensor_version(v), None, None]
                         if v.requires_grad:
                             grads.add(tid)
                     items.append(v)
@@ -175,7 +175,7 @@ def _hold(obj: Any, held: dict[int, list[Any]], grads: set[int], copy: bool) -> 
                 grads.add(id(c))
             return c
         if tid not in held:
-            held[tid] = [obj, obj._version, None, None]
+            held[tid] = [obj, tensor_version(obj), None, None]
             if grads is not None and obj.requires_grad:
                 grads.add(tid)
         return obj
@@ -200,7 +200,7 @@ def snapshot(obj: Any, copy: bool = False) -> Snapshot:
         nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(tree))
     elif type(obj) is _Tensor or isinstance(obj, _Tensor):   # a single output: the common case
         tree = obj
-        held[id(obj)] = [obj, obj._version, None, None]
+        held[id(obj)] = [obj, tensor_version(obj), None, None]
         if obj.requires_grad:
             grads.add(id(obj))
         nbytes = obj.numel() * obj.element_size()
@@ -221,7 +221,7 @@ def grads_snapshot(values: list[torch.Tensor | None]) -> Snapshot:
     nbytes = 0
     for v in values:
         if v is not None and id(v) not in held:
-            held[id(v)] = [v, v._version, None, None]
+            held[id(v)] = [v, tensor_version(v), None, None]
             nbytes += v.numel() * v.element_size()
     snap = Snapshot(list(values), nbytes, set(), held)
     HELD.add(snap)
