@@ -24,6 +24,7 @@ from npu_agent.records import PendingRecord
 from npu_agent.sampling import call_site
 from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
 from npu_agent.snapshot import install as snapshot_install
+from protos import apis
 from protos.codec import dtype_name
 from protos.torch_compat import in_backward_pass, tensor_version
 
@@ -152,6 +153,7 @@ class Capturer:
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._writes_inputs: set[tuple[str, str]] = set(naming.WRITES_INPUTS)  # not in-place by name, yet write
+        self._by_name: dict[tuple[str, str], str | None] = {}   # (category, api) -> why not replayable, or None
 
     # -- step boundary -------------------------------------------------------------------------------------
     def next_step(self, step: int) -> None:
@@ -203,6 +205,11 @@ class Capturer:
         if category == "Distributed":
             rec.skip_reason = "collective communication is not replayed on the benchmark host"
             return CallContext(rec, category, api, args, kwargs)
+        why = self._not_replayable(info)
+        if why is not None:
+            # The server would refuse it by name (protos/apis.py): sent without tensors, reported SKIP with `why`.
+            rec.skip_reason = why
+            return CallContext(rec, category, api, args, kwargs)
         rec.inputs = snapshot((args, kwargs), copy=writes)   # inputs the call writes: their value before it
         ctx = CallContext(rec, category, api, args, kwargs)
         ctx.copied = writes
@@ -211,6 +218,15 @@ class Capturer:
         if grad_enabled and self.backward is not None:
             self.backward.tap_inputs(ctx)
         return ctx
+
+    def _not_replayable(self, info: tuple[str, str]) -> str | None:
+        """Why the server's allowlist refuses `Category.api` by name (its arguments are the server's to check), or
+        None; cached per API."""
+        try:
+            return self._by_name[info]
+        except KeyError:
+            why = self._by_name[info] = apis.replayable(*info)
+            return why
 
     def _recompute_call(self, info: tuple[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]
                         ) -> CallContext | None:
