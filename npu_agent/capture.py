@@ -4,6 +4,8 @@ Snapshots hold references (npu_agent.snapshot): a call that writes its arguments
 known to: batch_norm's running statistics) first has every record still holding them copy them, and its own
 inputs are copied before it runs. A call found to have written its inputs anyway is learned: its record goes out
 skipped and its later calls copy. The sampling policies (npu_agent.sampling) decide which calls are recorded.
+A call the server's allowlist (protos/apis.py) refuses by name is recorded without tensors, skipped with the
+reason: the report lists it as SKIP, and neither side spends time or memory on it.
 
 The mode is pushed only while capture is on. Inside `__torch_function__` the mode is already popped, so what
 the API does internally, and our own copies, are not seen. Nothing here may raise into the training: every
