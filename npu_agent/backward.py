@@ -26,6 +26,7 @@ import torch
 
 from npu_agent.records import BACKWARD, PendingRecord
 from npu_agent.snapshot import Snapshot, grads_snapshot, iter_tensors, map_tensors
+from protos.torch_compat import disable_torch_function, queue_backward_callback
 
 if TYPE_CHECKING:
     from npu_agent.capture import CallContext
@@ -46,7 +47,7 @@ class _Entry:
 def _copy(grad: torch.Tensor | None) -> torch.Tensor | None:
     if grad is None:
         return None
-    with torch._C.DisableTorchFunction():
+    with disable_torch_function():
         return grad.detach().clone()
 
 
@@ -57,7 +58,7 @@ def _hold(grad: torch.Tensor | None) -> torch.Tensor | None:
     return grad
 
 
-def _map_flat(obj: Any, fn) -> Any:
+def _map_flat(obj: Any, fn: Callable[[Any], Any]) -> Any:
     """map_tensors for the common case of a tuple/list of leaves (fn sees every leaf and keeps non-tensors)."""
     tp = type(obj)
     if tp is tuple or tp is list:
@@ -89,7 +90,7 @@ class BackwardTaps:
         position = -1
         aliases: dict[int, torch.Tensor] = {}
 
-        def tap(t):
+        def tap(t: Any) -> Any:
             nonlocal position
             if not isinstance(t, torch.Tensor):
                 return t
@@ -108,7 +109,10 @@ class BackwardTaps:
                 t.register_hook(self._in_hook(entry, slot))
                 return t
             alias = t.view_as(t)
-            alias.grad_fn.register_prehook(self._in_hook(entry, slot, pre=True))
+            node = alias.grad_fn
+            if node is None:   # grad mode off (view_as records no node): nothing to tap
+                return t
+            node.register_prehook(self._in_hook(entry, slot, pre=True))
             entry.positions.append(position)
             entry.grad_in.append(None)
             entry.leaf.append(t.is_leaf)
@@ -129,7 +133,8 @@ class BackwardTaps:
             out = map_tensors(out, lambda t: aliases.get(id(t), t))
         outs = [out] if isinstance(out, torch.Tensor) else list(iter_tensors(out))
         entry.grad_out = [None] * len(outs)
-        nodes: dict[int, tuple[Any, list]] = {}   # one pre-hook per autograd node, for all its outputs we return
+        # one pre-hook per autograd node, for all its outputs we return: id(node) -> (node, [(output_nr, j)])
+        nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
         for j, o in enumerate(outs):
             fn = o.grad_fn
             if fn is not None and o.requires_grad:
@@ -143,8 +148,8 @@ class BackwardTaps:
         return out
 
     # -- backward side (autograd engine threads) ------------------------------------------------------------
-    def _out_hook(self, entry: _Entry, slots: list[tuple[int, int]]):
-        def hook(grads):
+    def _out_hook(self, entry: _Entry, slots: list[tuple[int, int]]) -> Callable[[tuple[Any, ...]], None]:
+        def hook(grads: tuple[Any, ...]) -> None:
             with self._lock:
                 if not entry.emitted:
                     for nr, j in slots:
@@ -153,10 +158,10 @@ class BackwardTaps:
             return None
         return hook
 
-    def _in_hook(self, entry: _Entry, slot: int, pre: bool = False):
+    def _in_hook(self, entry: _Entry, slot: int, pre: bool = False) -> Callable[[Any], None]:
         """The hook for one tapped input: a tensor hook (grad) or, with `pre`, a pre-hook on the alias's node
         (a tuple holding grad)."""
-        def hook(grad):
+        def hook(grad: Any) -> None:
             if pre:
                 grad = grad[0]
             emit = False
@@ -175,7 +180,7 @@ class BackwardTaps:
                 self._emit(entry)
             if queue:
                 try:
-                    torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                    queue_backward_callback(self._end_of_backward)
                 except RuntimeError:
                     with self._lock:
                         self._flush_queued = False
@@ -218,5 +223,5 @@ class BackwardTaps:
                                         grad_input=_snap([])))
 
 
-def _snap(values: list) -> Snapshot:
+def _snap(values: list[Any]) -> Snapshot:
     return grads_snapshot(values)

@@ -4,6 +4,8 @@ Snapshots hold references (npu_agent.snapshot): a call that writes its arguments
 known to: batch_norm's running statistics) first has every record still holding them copy them, and its own
 inputs are copied before it runs. A call found to have written its inputs anyway is learned: its record goes out
 skipped and its later calls copy. The sampling policies (npu_agent.sampling) decide which calls are recorded.
+A call the server's allowlist (protos/apis.py) refuses by name is recorded without tensors, skipped with the
+reason: the report lists it as SKIP, and neither side spends time or memory on it.
 
 The mode is pushed only while capture is on. Inside `__torch_function__` the mode is already popped, so what
 the API does internally, and our own copies, are not seen. Nothing here may raise into the training: every
@@ -24,10 +26,14 @@ from npu_agent.records import PendingRecord
 from npu_agent.sampling import call_site
 from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
 from npu_agent.snapshot import install as snapshot_install
+from protos import apis
 from protos.codec import dtype_name
+from protos.torch_compat import in_backward_pass, tensor_version
 
 if TYPE_CHECKING:
+    from npu_agent.backward import BackwardTaps
     from npu_agent.checkpoint import Region
+    from npu_agent.sampling import Sampler
 
 log = logging.getLogger("npu_agent")
 
@@ -78,7 +84,7 @@ class CaptureMode(TorchFunctionMode):
             return out
 
 
-def _first_device_type(args: tuple, kwargs: dict) -> str:
+def _first_device_type(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     for v in args:   # the common case: a tensor among the positional arguments
         if isinstance(v, torch.Tensor):
             return v.device.type
@@ -87,7 +93,7 @@ def _first_device_type(args: tuple, kwargs: dict) -> str:
     return "cpu"
 
 
-def autocast_state(args: tuple, kwargs: dict) -> tuple[bool, str, str]:
+def autocast_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, str, str]:
     device_type = _first_device_type(args, kwargs)
     try:
         enabled = torch.is_autocast_enabled(device_type)
@@ -130,8 +136,9 @@ def _dropout_params(category: str, api: str, args: tuple[Any, ...],
 class Capturer:
     """Turns calls into PendingRecords and hands them to `sink` (the sender)."""
 
-    def __init__(self, sink: Callable[[PendingRecord], None], api_list: tuple[str, ...] = (),
-                 scope: tuple[str, ...] = (), backward=None, sampler=None):
+    def __init__(self, sink: Callable[[PendingRecord], object], api_list: tuple[str, ...] = (),
+                 scope: tuple[str, ...] = (), backward: BackwardTaps | None = None, sampler: Sampler | None = None):
+        # sink: the sender's submit; its result (False: dropped) is ignored here, the sender counts its drops
         self.sink = sink
         self.api_list = api_list
         self.scope = scope
@@ -148,6 +155,7 @@ class Capturer:
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         self._writes_inputs: set[tuple[str, str]] = set(naming.WRITES_INPUTS)  # not in-place by name, yet write
+        self._by_name: dict[tuple[str, str], str | None] = {}   # (category, api) -> why not replayable, or None
 
     # -- step boundary -------------------------------------------------------------------------------------
     def next_step(self, step: int) -> None:
@@ -177,14 +185,15 @@ class Capturer:
         return naming.matches_list(full_name, self.api_list)
 
     # -- the two halves of a call --------------------------------------------------------------------------
-    def before_call(self, func, info: tuple[str, str], args: tuple, kwargs: dict) -> CallContext | None:
+    def before_call(self, func: Any, info: tuple[str, str], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> CallContext | None:
         category, api = info
         inplace = naming.is_inplace(api, kwargs) if kwargs else naming.inplace_by_name(api)
         writes = inplace or info in self._writes_inputs
         if writes and HELD.pending:
             # This call writes (some of) its tensor arguments: records still holding them get their copy first.
             HELD.protect_tree((args, kwargs))
-        if torch._C._current_graph_task_id() != -1:
+        if in_backward_pass():
             # Inside a backward pass: a checkpoint recompute or a custom backward. Its forward was recorded already.
             return self._recompute_call(info, args, kwargs)
         name = self.counters.next_name(category, api)
@@ -198,6 +207,11 @@ class Capturer:
         if category == "Distributed":
             rec.skip_reason = "collective communication is not replayed on the benchmark host"
             return CallContext(rec, category, api, args, kwargs)
+        why = self._not_replayable(info)
+        if why is not None:
+            # The server would refuse it by name (protos/apis.py): sent without tensors, reported SKIP with `why`.
+            rec.skip_reason = why
+            return CallContext(rec, category, api, args, kwargs)
         rec.inputs = snapshot((args, kwargs), copy=writes)   # inputs the call writes: their value before it
         ctx = CallContext(rec, category, api, args, kwargs)
         ctx.copied = writes
@@ -206,6 +220,15 @@ class Capturer:
         if grad_enabled and self.backward is not None:
             self.backward.tap_inputs(ctx)
         return ctx
+
+    def _not_replayable(self, info: tuple[str, str]) -> str | None:
+        """Why the server's allowlist refuses `Category.api` by name (its arguments are the server's to check), or
+        None; cached per API."""
+        try:
+            return self._by_name[info]
+        except KeyError:
+            why = self._by_name[info] = apis.replayable(*info)
+            return why
 
     def _recompute_call(self, info: tuple[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]
                         ) -> CallContext | None:
@@ -224,7 +247,9 @@ class Capturer:
     def after_call(self, ctx: CallContext, out: Any) -> Any:
         rec = ctx.record
         if ctx.recompute:
-            return self.backward.tap_outputs(ctx, out) if ctx.taps is not None else out  # type: ignore[union-attr]
+            if ctx.taps is not None and self.backward is not None:   # recompute calls exist only with backward
+                return self.backward.tap_outputs(ctx, out)
+            return out
         if rec.skip_reason:
             self._submit(rec)
             return out
@@ -237,8 +262,8 @@ class Capturer:
             rec.output = snapshot(ctx.args[0])   # `x[i] = v` returns None: what it produced is the new x
         else:
             rec.output = snapshot(out)
-        if ctx.taps is not None:   # taps exist only with self.backward
-            out = self.backward.tap_outputs(ctx, out)  # type: ignore[union-attr]
+        if ctx.taps is not None and self.backward is not None:   # taps exist only with self.backward
+            out = self.backward.tap_outputs(ctx, out)
         if ctx.dropout is not None:
             rec.mask = self._dropout_mask(ctx)
         self._submit(rec)
@@ -247,9 +272,11 @@ class Capturer:
     def _wrote_inputs(self, ctx: CallContext) -> bool:
         """A call not known to write its inputs did (batch_norm's running statistics, embedding's max_norm): the
         values held by reference are gone. The record goes out skipped; later calls of the API copy their inputs."""
-        held = ctx.record.inputs.held
-        for e in held.values():
-            if e[0]._version != e[1]:
+        inputs = ctx.record.inputs
+        if inputs is None:
+            return False
+        for e in inputs.held.values():
+            if tensor_version(e[0]) != e[1]:
                 break
         else:
             return False

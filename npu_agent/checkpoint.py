@@ -15,8 +15,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.utils.checkpoint as _ckpt
+from protos.torch_compat import function_mode_stack, in_backward_pass, reentrant_checkpoint_function
 
 if TYPE_CHECKING:
     from npu_agent.capture import CaptureMode, Capturer
@@ -29,7 +28,7 @@ _lock = threading.Lock()
 def _active_mode() -> CaptureMode | None:
     from npu_agent.capture import CaptureMode
 
-    for mode in reversed(torch.overrides._get_current_function_mode_stack()):
+    for mode in reversed(function_mode_stack()):
         if isinstance(mode, CaptureMode):
             return mode
     return None
@@ -47,7 +46,7 @@ class Region:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cap = self.mode.capturer
-        if torch._C._current_graph_task_id() == -1:   # the first pass, in forward
+        if not in_backward_pass():   # the first pass, in forward
             if _active_mode() is not self.mode:
                 return self.fn(*args, **kwargs)
             outer, cap.region = cap.region, self
@@ -94,14 +93,14 @@ def install() -> None:
     with _lock:
         if _installed:
             return
-        fn_cls = _ckpt.CheckpointFunction
+        fn_cls = reentrant_checkpoint_function()
         original = fn_cls.forward
 
         def forward(ctx: Any, run_function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
             mode = _active_mode()
             if mode is not None and not isinstance(run_function, Region):
                 run_function = Region(run_function, mode)
-            return original(ctx, run_function, preserve_rng_state, *args)  # type: ignore[no-untyped-call]
+            return original(ctx, run_function, preserve_rng_state, *args)
 
-        fn_cls.forward = staticmethod(forward)  # type: ignore[method-assign]  # the wrap is the point
+        fn_cls.forward = staticmethod(forward)   # the wrap is the point
         _installed = True

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, Iterable
 
 from protos.net import is_loopback
 
@@ -163,7 +163,7 @@ def _positive(key: str, value: Any, errors: list[str], default: float) -> float:
     return float(value)
 
 
-def _int_at_least(key: str, value, errors: list[str], default: int, least: int, meaning: str) -> int:
+def _int_at_least(key: str, value: Any, errors: list[str], default: int, least: int, meaning: str) -> int:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -172,7 +172,7 @@ def _int_at_least(key: str, value, errors: list[str], default: int, least: int, 
     return value
 
 
-def _fraction(key: str, value, errors: list[str]) -> float:
+def _fraction(key: str, value: Any, errors: list[str]) -> float:
     if value is None:
         return 0.0
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
@@ -182,7 +182,7 @@ def _fraction(key: str, value, errors: list[str]) -> float:
     return float(value)
 
 
-def _unknown(section: str, keys, known: set[str], errors: list[str]) -> None:
+def _unknown(section: str, keys: Iterable[str], known: set[str], errors: list[str]) -> None:
     for key in keys:
         if key not in known:
             hint = difflib.get_close_matches(key, sorted(known), n=1)

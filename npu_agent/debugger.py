@@ -18,13 +18,12 @@ import threading
 import uuid
 from typing import Any
 
-import torch
-
 from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.config import AgentConfig, load_config
 from npu_agent.sampling import Policy, Sampler
 from npu_agent.sender import Sender
 from npu_agent.transport import Transport
+from protos.torch_compat import function_mode_stack
 
 # The agent logs through the "npu_agent" logger and configures nothing: with no logging set up, Python's last-resort
 # handler still prints WARNING and ERROR lines to stderr; `logging.basicConfig(level=logging.INFO)` shows the rest.
@@ -130,7 +129,7 @@ class PrecisionDebugger:
                 return   # the server can never accept this agent (logged once): capture nothing more
             if self.config.steps and self.current_step not in self.config.steps:
                 return
-            if self._mode in torch.overrides._get_current_function_mode_stack():
+            if self._mode in function_mode_stack():
                 return
             self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
@@ -139,7 +138,7 @@ class PrecisionDebugger:
             mode = self._mode
             if mode is None:
                 return
-            stack = torch.overrides._get_current_function_mode_stack()
+            stack = function_mode_stack()
             if stack and stack[-1] is mode:
                 mode.__exit__(None, None, None)
             elif mode in stack:

@@ -7,12 +7,13 @@ the per-step call index.
 from __future__ import annotations
 
 import types
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from protos import apis
+from protos.torch_compat import op_overload_name, tensor_base_class
 
 # Tensor methods and torch functions that read metadata, move no numbers, or drive autograd: never records.
 _NOT_APIS = frozenset("""
@@ -42,7 +43,7 @@ WRITES_INPUTS = frozenset({("Functional", "batch_norm"), ("Torch", "batch_norm")
                            ("Aten", "_native_batch_norm_legit"), ("Aten", "_native_batch_norm_legit_functional")})
 
 
-def _public_callables(namespace, prefix: str = ""):
+def _public_callables(namespace: types.ModuleType, prefix: str = "") -> Iterator[tuple[str, Any]]:
     for name, obj in vars(namespace).items():
         if name.startswith("_") or isinstance(obj, (type, types.ModuleType)) or not callable(obj):
             continue
@@ -71,13 +72,10 @@ def _classify_uncached(func: Any) -> tuple[str, str] | None:
     global _TABLE
     if _TABLE is None:
         _TABLE = _build_tables()
-    if isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        # `torch.ops.npu.op(...)` reaches the mode as the packet, `torch.ops.npu.op.default(...)` as the overload. A
-        # packet has no `namespace` attribute (its __getattr__ looks the name up as an overload and raises).
-        if isinstance(func, torch._ops.OpOverload):
-            ns, op = func.namespace, func._schema.name.split("::", 1)[-1]
-        else:
-            ns, _, op = func._qualified_op_name.partition("::")
+    op_name = op_overload_name(func)
+    if op_name is not None:
+        # `torch.ops.npu.op(...)` reaches the mode as the packet, `torch.ops.npu.op.default(...)` as the overload
+        ns, op = op_name
         if ns in _SKIP_NAMESPACES:
             return None
         if ns == "aten":
@@ -98,7 +96,7 @@ def _classify_uncached(func: Any) -> tuple[str, str] | None:
         return ("NPU", name)
     owner = getattr(func, "__objclass__", None)
     qual = getattr(func, "__qualname__", "") or ""
-    if owner in (torch._C.TensorBase, torch.Tensor) or qual.startswith(("Tensor.", "TensorBase.")):
+    if owner in (tensor_base_class(), torch.Tensor) or qual.startswith(("Tensor.", "TensorBase.")):
         if name.startswith("_") and not name.startswith("__"):
             return None
         return ("Tensor", name)
@@ -165,7 +163,7 @@ def inplace_by_name(api: str) -> bool:
     return hit
 
 
-def is_inplace(api: str, kwargs: dict) -> bool:
+def is_inplace(api: str, kwargs: dict[str, Any]) -> bool:
     """In-place by name (`add_`, `__iadd__`, `__setitem__`) or by keyword (`inplace=True`, `out=`)."""
     return inplace_by_name(api) or kwargs.get("inplace") is True or kwargs.get("out") is not None
 

@@ -9,14 +9,16 @@ references to the training's tensors are dropped.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from npu_agent.snapshot import HELD, Snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import _ALIGN, RecordEncoder, dtype_name, tensor_bytes
+from protos.torch_compat import disable_torch_function
 
 FORWARD, BACKWARD = pb.FORWARD, pb.BACKWARD
 log = logging.getLogger("npu_agent")
@@ -57,7 +59,7 @@ class PendingRecord:
 class _Encoded:
     __slots__ = ("buffers", "size")
 
-    def __init__(self, buffers, size):
+    def __init__(self, buffers: list[tuple[int, memoryview]], size: int) -> None:
         self.buffers, self.size = buffers, size
 
 
@@ -90,14 +92,21 @@ class _PayloadEncoder(RecordEncoder):
         """Copy every tensor into the payload; returns the ids of tensors found changed (not sendable)."""
         small = self.size <= _SMALL
         # small records: a zeroed bytearray and one memcpy per tensor; large: torch copies (any layout, device)
-        payload = bytearray(self.size) if small else torch.empty(self.size, dtype=torch.uint8)
-        copy_into = _copy_small if small else _copy_large
+        small_payload: bytearray | None = None
+        large_payload: torch.Tensor | None = None
+        copy_into: Callable[[int, int, torch.Tensor], None]
+        if small:
+            small_payload = bytearray(self.size)
+            copy_into = functools.partial(_copy_small, small_payload)
+        else:
+            large_payload = torch.empty(self.size, dtype=torch.uint8)
+            copy_into = functools.partial(_copy_large, large_payload)
         reads = [(s, HELD.begin(s)) for s in snaps]
         source = {tid: src for _, read in reads for tid, src in read}
-        with torch.no_grad(), torch._C.DisableTorchFunction():
+        with torch.no_grad(), disable_torch_function():
             for off, nbytes, t in self.places:
                 if nbytes:
-                    copy_into(payload, off, nbytes, source.get(id(t), t))
+                    copy_into(off, nbytes, source.get(id(t), t))
             changed: list[int] = []
             again: dict[int, torch.Tensor] = {}
             for s, read in reads:
@@ -107,17 +116,19 @@ class _PayloadEncoder(RecordEncoder):
             if again:
                 for off, nbytes, t in self.places:
                     if id(t) in again and nbytes:
-                        copy_into(payload, off, nbytes, again[id(t)])
-            if not small:
+                        copy_into(off, nbytes, again[id(t)])
+            if large_payload is not None:
                 pos = 0
                 for off, nbytes, _ in self.places:   # alignment padding goes out as zeros
                     if off > pos:
-                        payload[pos:off].zero_()
+                        large_payload[pos:off].zero_()
                     pos = max(pos, off + nbytes)
         if not self.size:
             self.buffers = []
-        else:
-            self.buffers = [(0, memoryview(payload) if small else memoryview(payload.numpy()).cast("B"))]
+        elif small_payload is not None:
+            self.buffers = [(0, memoryview(small_payload))]
+        elif large_payload is not None:
+            self.buffers = [(0, large_payload.numpy().data.cast("B"))]
         return changed
 
 
@@ -174,7 +185,8 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int) -> tuple[pb.Record
     return out, _Encoded(enc.buffers, enc.size)
 
 
-def _encode(rec: PendingRecord, run_id: str, rank: int, with_tensors: bool = True):
+def _encode(rec: PendingRecord, run_id: str, rank: int,
+            with_tensors: bool = True) -> tuple[pb.Record, _PayloadEncoder, list[int]]:
     enc = _PayloadEncoder()
     out = pb.Record(
         header=pb.RecordHeader(run_id=run_id, rank=rank, step=rec.step, seq=rec.seq, name=rec.name,
@@ -214,7 +226,7 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, with_tensors: bool = Tru
     return out, enc, changed
 
 
-def end_frame(run_id: str, rank: int, world_size: int, counts: dict) -> bytes:
+def end_frame(run_id: str, rank: int, world_size: int, counts: dict[str, Any]) -> bytes:
     """The end-of-stream Frame with the agent's counts (and its sampling counts, when a policy is set)."""
     sampling = {k: int(v) for k, v in (counts.get("sampling") or {}).items()}
     return pb.Frame(end=pb.End(run_id=run_id, rank=rank, captured=counts["captured"], sent=counts["sent"],

@@ -23,10 +23,14 @@ import dataclasses
 import logging
 import statistics
 import time
+from typing import Any, Callable
 
 import torch
 
 log = logging.getLogger("npu_agent")
+
+# (category, api, ((shape, dtype) of each input tensor, ...), grad enabled): calls alike for coverage sampling
+CallSite = tuple[str, str, tuple[tuple[torch.Size, torch.dtype], ...], bool]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,22 +48,22 @@ class Policy:
 class Sampler:
     """Per-rank sampling state. `take_step(step)` at each step boundary; `take(site)` for every call."""
 
-    def __init__(self, policy: Policy, rank: int = 0, clock=time.perf_counter):
+    def __init__(self, policy: Policy, rank: int = 0, clock: Callable[[], float] = time.perf_counter):
         self.policy = policy
         self.clock = clock
         self.rank = rank
         self.step = 0
         self.step_taken = True
-        self.last: dict[tuple, int] = {}          # call site -> last step it was captured
-        self.seen: set[tuple] = set()             # call sites met (captured or not)
+        self.last: dict[CallSite, int] = {}          # call site -> last step it was captured
+        self.seen: set[CallSite] = set()             # call sites met (captured or not)
         self.counts = {"calls": 0, "captured": 0, "new_call_sites": 0, "skipped_steps": 0, "skipped_ranks": 0,
                        "skipped_repeats": 0, "skipped_budget": 0, "steps_taken": 0, "steps_skipped_budget": 0}
         # the budget: step times (s) measured with capture and without, as moving averages
         self._t_step = clock()
         self._t_on: float | None = None
         self._t_off: float | None = None
-        self._on: collections.deque = collections.deque(maxlen=9)
-        self._off: collections.deque = collections.deque(maxlen=9)
+        self._on: collections.deque[float] = collections.deque(maxlen=9)
+        self._off: collections.deque[float] = collections.deque(maxlen=9)
         self._budget_credit = 0.0
 
     # -- step boundary ---------------------------------------------------------------------------------------
@@ -118,7 +122,7 @@ class Sampler:
         return False
 
     # -- each call ---------------------------------------------------------------------------------------------
-    def take(self, site: tuple) -> bool:
+    def take(self, site: CallSite) -> bool:
         c = self.counts
         c["calls"] += 1
         last = self.last.get(site)
@@ -139,7 +143,7 @@ class Sampler:
         c["captured"] += 1
         return True
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, int]:
         out = {k: v for k, v in self.counts.items()}
         out["call_sites"] = len(self.seen)
         if self._t_on is not None:
@@ -149,9 +153,10 @@ class Sampler:
         return out
 
 
-def call_site(category: str, api: str, args: tuple, kwargs: dict, grad_enabled: bool) -> tuple:
+def call_site(category: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+              grad_enabled: bool) -> CallSite:
     """(API, input shapes and dtypes, direction) of a call; tensors in nested lists count too."""
-    sig = []
+    sig: list[tuple[torch.Size, torch.dtype]] = []
     for v in args:
         if isinstance(v, torch.Tensor):
             sig.append((v.shape, v.dtype))

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
+from protos.torch_compat import disable_torch_function, tensor_version
 from protos.trees import iter_leaves, map_leaves
 
 _Tensor = torch.Tensor
@@ -37,11 +38,11 @@ class Snapshot:
 
     __slots__ = ("tree", "nbytes", "requires_grad", "held", "__weakref__")
 
-    def __init__(self, tree: Any, nbytes: int, requires_grad: set[int], held: dict | None = None):
+    def __init__(self, tree: Any, nbytes: int, requires_grad: set[int], held: dict[int, list[Any]] | None = None):
         self.tree = tree
         self.nbytes = nbytes
         self.requires_grad = requires_grad   # ids of the tensors that required grad when captured
-        self.held = held if held is not None else {}
+        self.held: dict[int, list[Any]] = held if held is not None else {}
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
@@ -54,7 +55,7 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
     return (v for v in iter_leaves(obj) if isinstance(v, _Tensor))
 
 
-def _storage_key(t: torch.Tensor):
+def _storage_key(t: torch.Tensor) -> tuple[torch.device, int] | None:
     try:
         return (t.device, t.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # no storage (sparse, nested, some subclasses): nothing aliases it
@@ -66,7 +67,7 @@ class HeldRefs:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.pending: dict[int, weakref.ref] = {}
+        self.pending: dict[int, weakref.ref[Snapshot]] = {}
         self.copied = 0          # tensors copied on write (count) ...
         self.copied_bytes = 0    # ... and their bytes
         self._adds = 0
@@ -85,7 +86,7 @@ class HeldRefs:
                 if ref() is None and self.pending.get(sid) is ref:
                     del self.pending[sid]
 
-    def protect(self, tensors) -> int:
+    def protect(self, tensors: Iterable[torch.Tensor]) -> int:
         """Before `tensors` are written: give every pending snapshot that references their storage a private copy.
         Returns the number of tensors copied."""
         if not self.pending:
@@ -94,7 +95,7 @@ class HeldRefs:
         if not keys:
             return 0
         n = 0
-        with self.lock, torch._C.DisableTorchFunction(), torch.no_grad():
+        with self.lock, disable_torch_function(), torch.no_grad():
             for sid, ref in list(self.pending.items()):
                 snap = ref()
                 if snap is None:
@@ -115,15 +116,15 @@ class HeldRefs:
             self.copied += n
         return n
 
-    def protect_tree(self, obj) -> int:
+    def protect_tree(self, obj: Any) -> int:
         return self.protect(list(iter_tensors(obj))) if self.pending else 0
 
-    def begin(self, snap: Snapshot) -> list:
+    def begin(self, snap: Snapshot) -> list[tuple[int, torch.Tensor]]:
         """Sender thread, before serialising: [(id, tensor to read)] (the private copy where one was made)."""
         with self.lock:
             return [(tid, e[2] if e[2] is not None else e[0]) for tid, e in snap.held.items()]
 
-    def finish(self, snap: Snapshot, read: list) -> tuple[dict[int, torch.Tensor], list[int]]:
+    def finish(self, snap: Snapshot, read: list[tuple[int, torch.Tensor]]) -> tuple[dict[int, torch.Tensor], list[int]]:
         """Sender thread, after reading `read`: ({id: copy} to read again, [ids changed without a copy]); the
         snapshot leaves the registry and drops its references."""
         again: dict[int, torch.Tensor] = {}
@@ -134,7 +135,7 @@ class HeldRefs:
                 if e[2] is not None:
                     if src is not e[2]:
                         again[tid] = e[2]
-                elif e[0]._version != e[1]:
+                elif tensor_version(e[0]) != e[1]:
                     changed.append(tid)
             self.pending.pop(id(snap), None)
             self.changed += len(changed)
@@ -144,18 +145,18 @@ class HeldRefs:
 HELD = HeldRefs()
 
 
-def _hold(obj: Any, held: dict, grads: set[int] | None, copy: bool):
+def _hold(obj: Any, held: dict[int, list[Any]], grads: set[int], copy: bool) -> Any:
     tp = type(obj)
     if tp is tuple or tp is list:
         if not obj:
             return obj
         if not copy:   # the common case, a flat sequence of tensors and scalars: no call per item
-            items = []
+            items: list[Any] = []
             for v in obj:
                 if isinstance(v, _Tensor):
                     tid = id(v)
                     if tid not in held:
-                        held[tid] = [v, v._version, None, None]
+                        held[tid] = [v, tensor_version(v), None, None]
                         if v.requires_grad:
                             grads.add(tid)
                     items.append(v)
@@ -174,7 +175,7 @@ def _hold(obj: Any, held: dict, grads: set[int] | None, copy: bool):
                 grads.add(id(c))
             return c
         if tid not in held:
-            held[tid] = [obj, obj._version, None, None]
+            held[tid] = [obj, tensor_version(obj), None, None]
             if grads is not None and obj.requires_grad:
                 grads.add(tid)
         return obj
@@ -191,15 +192,15 @@ def _hold(obj: Any, held: dict, grads: set[int] | None, copy: bool):
 def snapshot(obj: Any, copy: bool = False) -> Snapshot:
     """Hold `obj`'s tensors by reference (copy=False) or as private clones taken now (copy=True: the inputs of a
     call that writes them)."""
-    held: dict = {}
+    held: dict[int, list[Any]] = {}
     grads: set[int] = set()
     if copy:
-        with torch._C.DisableTorchFunction():
+        with disable_torch_function():
             tree = _hold(obj, held, grads, True)
         nbytes = sum(t.numel() * t.element_size() for t in iter_tensors(tree))
     elif type(obj) is _Tensor or isinstance(obj, _Tensor):   # a single output: the common case
         tree = obj
-        held[id(obj)] = [obj, obj._version, None, None]
+        held[id(obj)] = [obj, tensor_version(obj), None, None]
         if obj.requires_grad:
             grads.add(id(obj))
         nbytes = obj.numel() * obj.element_size()
@@ -214,13 +215,13 @@ def snapshot(obj: Any, copy: bool = False) -> Snapshot:
     return snap
 
 
-def grads_snapshot(values: list) -> Snapshot:
+def grads_snapshot(values: list[torch.Tensor | None]) -> Snapshot:
     """A list of gradients (None where none arrived), held by reference."""
-    held: dict = {}
+    held: dict[int, list[Any]] = {}
     nbytes = 0
     for v in values:
         if v is not None and id(v) not in held:
-            held[id(v)] = [v, v._version, None, None]
+            held[id(v)] = [v, tensor_version(v), None, None]
             nbytes += v.numel() * v.element_size()
     snap = Snapshot(list(values), nbytes, set(), held)
     HELD.add(snap)
@@ -232,7 +233,7 @@ _installed = False
 _install_lock = threading.Lock()
 
 
-def _optimizer_tensors(opt) -> list[torch.Tensor]:
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for group in opt.param_groups:
         for p in group["params"]:
@@ -245,7 +246,7 @@ def _optimizer_tensors(opt) -> list[torch.Tensor]:
     return out
 
 
-def _before_optimizer_step(opt, args, kwargs) -> None:
+def _before_optimizer_step(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if HELD.pending:
         try:
             HELD.protect(_optimizer_tensors(opt))
@@ -265,7 +266,8 @@ def install() -> None:
         for cls in (torch.optim.Optimizer, torch.nn.Module):
             original = cls.zero_grad
 
-            def zero_grad(self, set_to_none: bool = True, _original=original, _module=cls is torch.nn.Module):
+            def zero_grad(self: Any, set_to_none: bool = True, _original: Callable[..., None] = original,
+                          _module: bool = cls is torch.nn.Module) -> None:
                 if not set_to_none and HELD.pending:
                     try:
                         params = self.parameters() if _module else (p for g in self.param_groups
@@ -276,5 +278,5 @@ def install() -> None:
                 return _original(self, set_to_none)
 
             zero_grad.__doc__ = original.__doc__
-            cls.zero_grad = zero_grad
+            setattr(cls, "zero_grad", zero_grad)  # noqa: B010 - patching a method: mypy rejects `cls.zero_grad =`
         _installed = True

@@ -14,10 +14,12 @@ torch version. Call sites use these functions, never the private names themselve
 | `tensor_base_class` | `torch._C.TensorBase` | the class that owns Tensor's C methods |
 | `dispatcher_op_names` | `torch._C._dispatch_get_all_op_names` | the aten operators this torch registers |
 | `reentrant_checkpoint_function` | `torch.utils.checkpoint.CheckpointFunction` | wrap reentrant checkpointing |
+| `tensor_version` | `Tensor._version` | did a held tensor change in place since capture? |
 """
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +27,8 @@ import torch
 import torch.utils.checkpoint
 
 __all__ = ["function_mode_stack", "in_backward_pass", "disable_torch_function", "queue_backward_callback",
-           "op_overload_name", "tensor_base_class", "dispatcher_op_names", "reentrant_checkpoint_function"]
+           "op_overload_name", "tensor_base_class", "dispatcher_op_names", "reentrant_checkpoint_function",
+           "tensor_version"]
 
 
 def function_mode_stack() -> list[Any]:
@@ -79,3 +82,9 @@ def reentrant_checkpoint_function() -> Any:
     """The autograd Function behind ``torch.utils.checkpoint.checkpoint(..., use_reentrant=True)``. Its
     ``forward(ctx, run_function, preserve_rng_state, *args)`` is what the agent wraps to see the region."""
     return torch.utils.checkpoint.CheckpointFunction
+
+
+# tensor_version(t): Tensor._version, a counter that every in-place write to the tensor bumps (views share their
+# base's counter).
+# An attrgetter, not a def: it runs for every tensor the agent holds, and a C-level getter costs no Python frame.
+tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")

@@ -178,3 +178,28 @@ def test_reentrant_checkpoint_function():
         fn_cls.forward = original
     assert seen == [(region, True)], changed(f"what use_reentrant=True passes to CheckpointFunction.forward: {seen}")
     assert torch.allclose(x.grad, 2 * torch.cos(torch.full((3,), 2.0))), changed("reentrant checkpointing's gradient")
+
+
+def test_tensor_version():
+    """The agent relies on: an int; bumped by every in-place write (by name, `out=`, through a view, `x[i] = v`);
+    unchanged by reads and out-of-place ops."""
+    try:
+        x = torch.zeros(4)
+        v0 = torch_compat.tensor_version(x)
+        assert isinstance(v0, int), changed("Tensor._version (not an int)")
+        _ = x + 1
+        _ = x.sum()
+        assert torch_compat.tensor_version(x) == v0, changed("Tensor._version (bumped by a read)")
+        x.add_(1)
+        v1 = torch_compat.tensor_version(x)
+        assert v1 > v0, changed("Tensor._version after add_")
+        torch.mul(x, 2, out=x)
+        v2 = torch_compat.tensor_version(x)
+        assert v2 > v1, changed("Tensor._version after out=")
+        x[1:3].zero_()
+        v3 = torch_compat.tensor_version(x)
+        assert v3 > v2, changed("Tensor._version of a base written through its view")
+        x[0] = 5.0
+        assert torch_compat.tensor_version(x) > v3, changed("Tensor._version after __setitem__")
+    except AttributeError as exc:
+        pytest.fail(changed(f"Tensor._version ({exc})"))
