@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import ipaddress
-import json
 import os
 
+from protos.config_checks import read_json, unknown_keys, valid_host
 from protos.limits import API_NAME
 
 
@@ -53,11 +51,7 @@ def parse_server_config(raw) -> ServerConfig:
     ru = raw.get("run_ut")
     if not isinstance(ru, dict):
         raise ServerConfigError("run_ut: missing or not an object; expected {\"task\": \"run_ut\", \"run_ut\": {...}}")
-    for key in ru:
-        if key not in _RUN_UT_KEYS:
-            hint = difflib.get_close_matches(key, sorted(_RUN_UT_KEYS), n=1)
-            errors.append(f"run_ut.{key}: unknown key" + (f"; did you mean {hint[0]!r}?" if hint else
-                                                          f"; allowed: {', '.join(sorted(_RUN_UT_KEYS))}"))
+    unknown_keys("run_ut.", ru, _RUN_UT_KEYS, errors)
 
     def names(key: str) -> frozenset[str]:
         value = ru.get(key, [])
@@ -81,7 +75,7 @@ def parse_server_config(raw) -> ServerConfig:
     host = ru.get("host", "127.0.0.1")
     port = ru.get("port", 50051)
     if not nfs_path:
-        if not isinstance(host, str) or not host or not _host_ok(host):
+        if not isinstance(host, str) or not host or not valid_host(host):
             errors.append(f"run_ut.host: {host!r} is not an address or host name to bind (0.0.0.0 or :: for all)")
         if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
             errors.append(f"run_ut.port: {port!r} is not an integer port in 1-65535")
@@ -108,20 +102,5 @@ def parse_server_config(raw) -> ServerConfig:
                         host=host, port=port, rank_list=frozenset(ranks), tls_path=tls_path if not nfs_path else "")
 
 
-def _host_ok(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return all(part and len(part) < 64 and part.replace("-", "").isalnum() for part in host.split("."))
-
-
 def load_server_config(path: str) -> ServerConfig:
-    if not os.path.isfile(path):
-        raise ServerConfigError(f"--config: {path!r} is not a readable file")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ServerConfigError(f"--config: {path} is not valid JSON: {exc}") from None
-    return parse_server_config(raw)
+    return parse_server_config(read_json(path, "--config", ServerConfigError))

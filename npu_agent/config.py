@@ -5,14 +5,12 @@ Every bad value is named with the key, the value and what is allowed; all proble
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import ipaddress
-import json
 import logging
 import os
 import re
-from typing import Any, Iterable
+from typing import Any
 
+from protos.config_checks import read_json, unknown_keys, valid_host
 from protos.net import is_loopback
 
 log = logging.getLogger("npu_agent")
@@ -76,8 +74,6 @@ class AgentConfig:
         return self.endpoints[rank % len(self.endpoints)]
 
 
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}"
-                       r"[A-Za-z0-9])?)*$")
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
@@ -99,14 +95,6 @@ def _numbers(key: str, value: Any, errors: list[str]) -> frozenset[int]:
     return frozenset(out)
 
 
-def _valid_host(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return bool(_HOSTNAME.match(host))
-
-
 def _endpoints(host: Any, port: Any, errors: list[str]) -> tuple[Endpoint, ...]:
     """`host` is a name / IPv4 / IPv6 with `port`, or a list of "host:port" endpoints."""
     if isinstance(host, list):
@@ -115,13 +103,13 @@ def _endpoints(host: Any, port: Any, errors: list[str]) -> tuple[Endpoint, ...]:
         eps = []
         for item in host:
             m = re.match(r"^\[?([^\[\]]+?)\]?:(\d{1,5})$", item) if isinstance(item, str) else None
-            if not m or not _valid_host(m.group(1)) or not 0 < int(m.group(2)) <= 65535:
+            if not m or not valid_host(m.group(1)) or not 0 < int(m.group(2)) <= 65535:
                 errors.append(f"tensor.host: entry {item!r} is not 'host:port' (IPv6 as '[addr]:port', port 1-65535)")
                 continue
             eps.append(Endpoint(m.group(1), int(m.group(2))))
         return tuple(eps)
     ok = True
-    if not isinstance(host, str) or not host or not _valid_host(host):
+    if not isinstance(host, str) or not host or not valid_host(host):
         errors.append(f"tensor.host: {host!r} is not a host name, IPv4 or IPv6 address (or a list of 'host:port')")
         ok = False
     if isinstance(port, bool) or not isinstance(port, int) or not 0 < port <= 65535:
@@ -182,14 +170,6 @@ def _fraction(key: str, value: Any, errors: list[str]) -> float:
     return float(value)
 
 
-def _unknown(section: str, keys: Iterable[str], known: set[str], errors: list[str]) -> None:
-    for key in keys:
-        if key not in known:
-            hint = difflib.get_close_matches(key, sorted(known), n=1)
-            errors.append(f"{section}{key}: unknown key" + (f"; did you mean {hint[0]!r}?" if hint else
-                                                             f"; allowed: {', '.join(sorted(known))}"))
-
-
 def parse_config(raw: dict[str, Any]) -> AgentConfig:
     errors: list[str] = []
     if not isinstance(raw, dict):
@@ -210,7 +190,7 @@ def parse_config(raw: dict[str, Any]) -> AgentConfig:
     if not isinstance(tensor, dict):
         errors.append(f"tensor: {type(tensor).__name__} is not an object with the online keys")
         tensor = {}
-    _unknown("tensor.", tensor, _MSPROBE_TENSOR_KEYS | _OWN_TENSOR_KEYS, errors)
+    unknown_keys("tensor.", tensor, _MSPROBE_TENSOR_KEYS | _OWN_TENSOR_KEYS, errors)
 
     scope = tensor.get("scope", [])
     if not (isinstance(scope, list) and len(scope) in (0, 2) and all(isinstance(s, str) and s for s in scope)):
@@ -263,11 +243,4 @@ def parse_config(raw: dict[str, Any]) -> AgentConfig:
 
 
 def load_config(path: str) -> AgentConfig:
-    if not isinstance(path, (str, os.PathLike)) or not os.path.isfile(path):
-        raise ConfigError(f"config_path: {path!r} is not a readable file")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            raw = json.load(fh)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config_path: {path} is not valid JSON: {exc}") from None
-    return parse_config(raw)
+    return parse_config(read_json(path, "config_path", ConfigError))
