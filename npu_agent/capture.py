@@ -28,6 +28,7 @@ from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
 from npu_agent.snapshot import install as snapshot_install
 from protos import apis
 from protos.codec import dtype_name
+from protos.rng import generator_state, set_generator_state
 from protos.torch_compat import in_backward_pass, tensor_version
 
 if TYPE_CHECKING:
@@ -100,21 +101,6 @@ def autocast_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool,
         return (enabled, dtype_name(torch.get_autocast_dtype(device_type)) if enabled else "", device_type)
     except (RuntimeError, TypeError):  # a device type autocast does not know
         return (False, "", device_type)
-
-
-def _rng_get(device_type: str) -> torch.Tensor | None:
-    if device_type == "cpu":
-        return torch.get_rng_state()
-    mod = getattr(torch, device_type, None)  # torch.cuda, torch.npu (torch_npu), torch.xpu, ...
-    getter = getattr(mod, "get_rng_state", None)
-    return getter() if getter else None
-
-
-def _rng_set(device_type: str, state: torch.Tensor) -> None:
-    if device_type == "cpu":
-        torch.set_rng_state(state)
-    else:
-        getattr(torch, device_type).set_rng_state(state)
 
 
 def _dropout_params(category: str, api: str, args: tuple[Any, ...],
@@ -303,7 +289,7 @@ class Capturer:
         """Record the generator state before a random call; for the dropout family return (state, p), from which
         the keep-mask is rebuilt after the call."""
         device_type = rec.autocast[2]
-        state = _rng_get(device_type)
+        state = generator_state(device_type)
         if state is None:
             return None
         rec.rng_device = device_type
@@ -319,9 +305,9 @@ class Capturer:
         (state_before, p), category, api = ctx.dropout, ctx.category, ctx.api
         device_type = ctx.record.rng_device
         x = ctx.record.inputs.tree[0][0]  # type: ignore[union-attr]  # a dropout call has inputs
-        state_after = _rng_get(device_type)
+        state_after = generator_state(device_type)
         try:
-            _rng_set(device_type, state_before)
+            set_generator_state(device_type, state_before)
             ones = torch.ones_like(x)
             if category == "Functional":
                 probe: torch.Tensor = getattr(torch.nn.functional, api.rstrip("_"))(ones, p, True, False)
@@ -329,7 +315,7 @@ class Capturer:
                 probe = torch.dropout(ones, p, True) if "feature" not in api else torch.feature_dropout(ones, p, True)
             return probe != 0
         finally:
-            _rng_set(device_type, state_after)  # type: ignore[arg-type]  # not None: state_before was not
+            set_generator_state(device_type, state_after)  # type: ignore[arg-type]  # not None: state_before was not
 
     # -- our own failures ----------------------------------------------------------------------------------
     def internal_error(self, what: str, exc: BaseException) -> None:

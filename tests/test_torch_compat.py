@@ -203,3 +203,15 @@ def test_tensor_version():
         assert torch_compat.tensor_version(x) > v3, changed("Tensor._version after __setitem__")
     except AttributeError as exc:
         pytest.fail(changed(f"Tensor._version ({exc})"))
+
+
+def test_generator_state_round_trip_is_shared_by_both_sides():
+    """protos/rng.py: the agent records the state, the server sets it; the same draws follow."""
+    from protos.rng import generator_state, set_generator_state
+
+    state = generator_state("cpu")
+    assert isinstance(state, torch.Tensor) and state.dtype == torch.uint8
+    first = torch.rand(5)
+    set_generator_state(torch.device("cpu"), torch.frombuffer(bytearray(state.numpy().tobytes()), dtype=torch.uint8))
+    assert torch.equal(torch.rand(5), first)
+    assert generator_state("meta") is None   # a device type without a generator API
