@@ -21,6 +21,7 @@ import argparse
 import glob
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -86,8 +87,9 @@ def train(work: str, ns, checked: bool, rank: int = 0) -> dict:
     return _json_line(proc.stdout)
 
 
-def serve(work: str, nfs: str, workers: int, ranks: int, device: str) -> tuple[float, int]:
-    """Seconds from the server's start to its exit once every rank's records are checked, and records checked."""
+def serve(work: str, nfs: str, workers: int, ranks: int, device: str) -> tuple[float, int, float]:
+    """Seconds from the server's start to its exit once every rank's records are checked, records checked, and the
+    server's CPU seconds (user + system; steadier than wall time on a shared machine)."""
     out = tempfile.mkdtemp(prefix="out-", dir=work)
     cfg = os.path.join(work, f"server{workers}.json")
     with open(cfg, "w") as fh:
@@ -97,15 +99,18 @@ def serve(work: str, nfs: str, workers: int, ranks: int, device: str) -> tuple[f
     exe = os.path.join(os.path.dirname(sys.executable), "gpu-server")
     cmd = [exe, "--config", cfg, "--out", out, "--quiet", "--exit-when-done", "--world-size", str(ranks),
            "--device", device, "--workers", str(workers)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_pin(list(range(1, 1 + workers))),
                           env=dict(os.environ, PYTHONPATH=ROOT), timeout=7200)
     seconds = time.perf_counter() - t0
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if proc.returncode:
         sys.exit(f"gpu-server failed:\n{proc.stderr[-3000:]}")
     with open(glob.glob(os.path.join(out, "summary_*.json"))[0], encoding="utf-8") as fh:
         summary = json.load(fh)
-    return seconds, sum(summary["records_received"].values())
+    return seconds, sum(summary["records_received"].values()), cpu
 
 
 def main() -> None:
@@ -129,19 +134,21 @@ def main() -> None:
         for workers in (1, 2) if ns.ranks >= 2 else (1,):
             shutil.rmtree(nfs)
             shutil.copytree(keep, nfs)
-            seconds, records = serve(work, nfs, workers, ns.ranks, ns.device)
-            rows.append((workers, seconds, records))
+            seconds, records, cpu = serve(work, nfs, workers, ns.ranks, ns.device)
+            rows.append((workers, seconds, records, cpu))
         base = plain["cpu_per_step"]
         print(f"training alone (1 core): {base * 1e3:.0f} ms CPU/step ({plain['wall_per_step'] * 1e3:.0f} ms wall); "
               f"with the agent writing to a folder: {recorded[0]['cpu_per_step'] * 1e3:.0f} ms CPU/step; "
               f"{recorded[0]['captured']} records per rank ({ns.steps + 1} steps, {ns.ranks} ranks)")
-        for workers, seconds, records in rows:
+        for workers, seconds, records, cpu in rows:
             per_step = seconds / (ns.steps + 1) / ns.ranks
             print(f"server --workers {workers} on {ns.device} ({workers} core(s)): {records} records in "
                   f"{seconds:.1f} s = {records / seconds:.0f} records/s; {per_step:.2f} s per training step "
-                  f"= {per_step / base:.1f}x the training's step")
+                  f"= {per_step / base:.1f}x the training's step; server CPU {cpu:.1f} s = "
+                  f"{cpu / (ns.steps + 1) / ns.ranks / base:.1f}x the training's CPU per step")
         print("ratio (server time per training step / training CPU per step): "
-              + ", ".join(f"workers={w}: {s / (ns.steps + 1) / ns.ranks / base:.1f}x" for w, s, _ in rows))
+              + ", ".join(f"workers={w}: {s / (ns.steps + 1) / ns.ranks / base:.1f}x (CPU "
+                          f"{c / (ns.steps + 1) / ns.ranks / base:.1f}x)" for w, s, _, c in rows))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

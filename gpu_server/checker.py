@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from gpu_server import error_data, spread
+from gpu_server import error_data, metrics, spread
 from gpu_server.columns import BLANK
 from gpu_server.intake import Job
 from gpu_server.output_kind import classify
@@ -46,6 +46,18 @@ def _dtype(x: Any) -> str:
 
 def _shape(x: Any) -> str:
     return str(tuple(x.shape)) if isinstance(x, torch.Tensor) else "()"
+
+
+def _to_bench(device_output: Any, bench: Any) -> Any:
+    """The device's output (a host tensor from the wire) on the bench output's device: a CUDA bench gets it through
+    pinned memory, copied asynchronously on the current stream (the metrics that read it are queued after it)."""
+    if not (isinstance(device_output, torch.Tensor) and isinstance(bench, torch.Tensor)):
+        return device_output
+    if device_output.device == bench.device:
+        return device_output
+    if bench.device.type == "cuda" and device_output.device.type == "cpu":
+        return device_output.pin_memory().to(bench.device, non_blocking=True)
+    return device_output.to(bench.device)
 
 
 class Checker:
@@ -188,17 +200,22 @@ class Checker:
             return Outcome([ERROR], [ERROR], msg, msg)
         for i, (d, b) in enumerate(zip(device, bench)):
             row = f"{job.name}.{direction}.output.{i}"
-            b_cpu = b.detach().cpu() if isinstance(b, torch.Tensor) else b
+            # the bench and same-dtype outputs stay where they were computed (the metrics run on the bench device);
+            # the device's output goes there once
+            b_on = b.detach() if isinstance(b, torch.Tensor) else b
             s = same[i] if same is not None and i < len(same) else None
-            s_cpu = s.detach().cpu() if isinstance(s, torch.Tensor) else s
+            s_on = s.detach() if isinstance(s, torch.Tensor) else s
+            d_on = _to_bench(d, b_on)
             others = members.output(i) if members is not None else ()   # gpu_server.spread's runs, lazily
-            pair = classify(b_cpu, d)   # sorted into its kind once, for both reports
-            cmp = compare_pair(pair, spread.with_host(s_cpu, others))
+            with metrics.shared():   # each (bench, other) pair is analysed once, the host's two in one pass
+                metrics.prefetch(b_on, [d_on, s_on])
+                pair = classify(b_on, d_on)   # sorted into its kind once, for both reports
+                cmp = compare_pair(pair, spread.with_host(s_on, others))
+                verdict = judge_pair(job.api, pair, s_on, spread=others)
             rep.write_detail(row, _dtype(b), _dtype(d), _shape(d), cmp.metrics, cmp.status, cmp.message, job.step)
             outcome.statuses.append(cmp.status)
             if cmp.status in (ERROR, WARNING) and not outcome.message:
                 outcome.message = f"{row}: {cmp.message}"
-            verdict = judge_pair(job.api, pair, s_cpu, spread=others)
             message = "; ".join(m for m in (verdict.message, same_error) if m)
             rep.write_precision_detail(row, verdict.cells, verdict.status, verdict.algorithm, message, job.step)
             if self._write_rows:

@@ -105,7 +105,7 @@ def prepare_inputs(job: Job, device: torch.device, bench: bool, requires_grad: b
             t = leaf
             if precast is not None and t.dtype == torch.float32:
                 t = t.to(precast)
-            t = t.to(device=device, dtype=plan.get(t.dtype, t.dtype), copy=True)
+            t = to_device(t, device, plan.get(t.dtype, t.dtype))
             if requires_grad and id(leaf) in job.requires_grad and (t.is_floating_point() or t.is_complex()):
                 t.requires_grad_(True)
                 leaves[index] = t
@@ -119,6 +119,14 @@ def prepare_inputs(job: Job, device: torch.device, bench: bool, requires_grad: b
     args = map_leaves(job.args, move)
     kwargs = map_leaves(job.kwargs, move)
     return args, kwargs, leaves
+
+
+def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A private copy of `t` on `device` in `dtype`. Host to CUDA goes through pinned memory without waiting for
+    the copy (the ops that read it are queued after it on the same stream) and converts on the GPU."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True).to(dtype)
+    return t.to(device=device, dtype=dtype, copy=True)
 
 
 def _rng_access(device: torch.device) -> tuple[Callable, Callable]:
@@ -334,7 +342,7 @@ def _backward(fwd: Job, bwd: Job, args, kwargs, leaves: dict, device: torch.devi
     grads = list(bwd.grad_output) if isinstance(bwd.grad_output, (list, tuple)) else [bwd.grad_output]
     if len(grads) != len(outs):
         raise ReplayError(f"backward record has {len(grads)} grad_outputs for {len(outs)} outputs")
-    pairs = [(o, g.to(device=device, dtype=o.dtype)) for o, g in zip(outs, grads)
+    pairs = [(o, to_device(g, device, o.dtype)) for o, g in zip(outs, grads)
              if isinstance(g, torch.Tensor) and o.requires_grad]
     if not pairs:
         raise ReplayError("no output of the replayed call is differentiable")
@@ -496,14 +504,18 @@ def global_state_guard(device: torch.device, what: str):
 
 
 # -- loading torch's meta kernels ahead of the first dry run --------------------------------------------------------
-def _warm_up() -> None:
+_warmed = False
+
+
+def warm_up() -> None:
+    """Run one meta-device operation. The first of a process imports torch's Python meta registrations (sympy and
+    friends: about 1.5 s on an idle core, far more under load); the server calls this while starting, before it
+    opens its transport, so no record waits for it and nothing runs behind the start-up's back."""
+    global _warmed
+    if _warmed:
+        return
     try:
         torch.mm(torch.empty(2, 2, device="meta"), torch.empty(2, 2, device="meta")).add_(1)
     except Exception:  # noqa: BLE001 - the dry run then loads them itself (or finds no meta kernel)
         pass
-
-
-# The first meta operation of a process imports torch's Python meta registrations (sympy and friends: about 1.5 s
-# on an idle core). Done in the background as soon as the replay module is loaded (at server start), so that the
-# first job does not wait for it.
-threading.Thread(target=_warm_up, name="gpu-server-meta-warm-up", daemon=True).start()
+    _warmed = True

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from gpu_server import replay
 from gpu_server.checker import Checker
 from gpu_server.error_data import Evidence
 from gpu_server.intake import Job
@@ -60,6 +61,7 @@ class WorkerPool:
         self.pending = pending
         self.on_complete = on_complete or (lambda done, half, files: None)
         self.release = release or (lambda n: None)
+        replay.warm_up()   # before the transport opens (the pool is built first): no record waits for it
         self.checkers = [Checker(out_dir, ts, d, summary, pending=pending, evidence=evidence) for d in devices]
         cpu_workers = sum(d.type == "cpu" for d in devices)
         if cpu_workers > 1:
