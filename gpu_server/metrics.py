@@ -58,7 +58,7 @@ class OutputMetrics:
     ulp_mean: float | None = None
     ulp_over_threshold: float | None = None
     # Element counts behind the shares and rates (not a report column): numel, small, small_bad, ulp_over,
-    # hundredth, thousandth, ten_thousandth. The verdict's confidence bounds need them (gpu_server.spread.wilson).
+    # hundredth, thousandth, ten_thousandth. The confidence bounds need them (standards.registry.wilson).
     counts: Mapping[str, int] | None = field(default=None, compare=False, repr=False)
 
 

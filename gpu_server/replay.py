@@ -31,6 +31,7 @@ from gpu_server.intake import Job
 from gpu_server.registry import UnknownApi, is_device_string, resolve
 from protos import apis
 from protos.codec import Opaque, dtype_from_name
+from protos.rng import generator_state, set_generator_state
 from protos.trees import iter_leaves, map_leaves
 
 # Held while a replay reads or temporarily sets process-wide torch state (the default generator): CPU workers share
@@ -130,10 +131,8 @@ def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torc
 
 
 def _rng_access(device: torch.device) -> tuple[Callable, Callable]:
-    if device.type == "cpu":
-        return torch.get_rng_state, torch.set_rng_state
-    module = getattr(torch, device.type)
-    return (lambda: module.get_rng_state(device)), (lambda state: module.set_rng_state(state, device))
+    """Read and set the default generator of `device`, through the helpers the agent records with (protos/rng.py)."""
+    return (lambda: generator_state(device)), (lambda state: set_generator_state(device, state))
 
 
 @contextlib.contextmanager

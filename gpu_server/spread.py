@@ -20,7 +20,6 @@ Randomness is seeded from the job's identity: reports are reproducible.
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -203,15 +202,3 @@ def with_host(host: Any, others: Iterable) -> Iterator:
 
 
 # -- confidence bounds of rates on few elements ---------------------------------------------------------------------
-Z = 3.0   # two-sided ~99.7 %: a correct device gets a false error from one rate test about 1 time in 700 at most
-
-
-def wilson(count: float, n: int, upper: bool, z: float = Z) -> float:
-    """Wilson score bound of a binomial proportion count/n (upper or lower)."""
-    if n <= 0:
-        return 1.0 if upper else 0.0
-    p = count / n
-    denom = 1 + z * z / n
-    centre = p + z * z / (2 * n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return min(1.0, (centre + half) / denom) if upper else max(0.0, (centre - half) / denom)

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_server.spread import StochasticRounding, stochastic_round, wilson
+from gpu_server.spread import StochasticRounding, stochastic_round
+from gpu_server.standards.registry import wilson
 
 
 def test_stochastic_rounding_is_faithful_and_unbiased():
