@@ -1,4 +1,4 @@
-"""Transport throughput, side by side in one run on loopback (SPEC §4, §8: ratios, not promises).
+"""Transport throughput, side by side in one run on loopback (docs/design.md §5, §8: ratios, not promises).
 
     python bench/transport.py            # 64 KiB, 1 MiB and 16 MiB float32 tensors, ~256 MiB each (< ~2 min)
     python bench/transport.py --quick    # a smoke run (~32 MiB each)

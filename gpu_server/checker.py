@@ -1,4 +1,4 @@
-"""Checking one job end to end: replay, compare every output, write the report rows (SPEC §5.2, §6, §7).
+"""Checking one job end to end: replay, compare every output, write the report rows (docs/design.md §6.4-§6.6).
 
 A forward job gives `.forward.output.i` rows; a backward job gives `.backward.output.i` rows. The result rows
 (one per API call, with both Forward and Backward Test Success) are written when the call is complete: at once

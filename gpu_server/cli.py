@@ -1,4 +1,4 @@
-"""`gpu-server --config server.json --out ./results`: the benchmark host's command (SPEC §5.1).
+"""`gpu-server --config server.json --out ./results`: the benchmark host's command (docs/design.md §6.1).
 
 msprobe's spellings `-config` and `-o` work too. SIGINT/SIGTERM: stop accepting, check everything already accepted,
 flush the reports, print the summary, exit 0 (1 with `--fail-on error` when an API failed; 3 when report rows

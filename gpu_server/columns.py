@@ -1,4 +1,4 @@
-"""The report files' column headers, exactly as msprobe users know them (SPEC §7).
+"""The report files' column headers, exactly as msprobe users know them (docs/design.md §6.6).
 
 Every writer and every reader of the reports takes its headers from here; nothing else spells them.
 """

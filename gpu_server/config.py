@@ -1,4 +1,4 @@
-"""The benchmark host's config.json: msprobe's run_ut layout, validated key by key (SPEC §5.1)."""
+"""The benchmark host's config.json: msprobe's run_ut layout, validated key by key (docs/design.md §6.1)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,4 +1,5 @@
-"""`error_data_path` online (SPEC §5.1): the inputs, outputs and gradients of each failing API call are saved as
+"""`error_data_path` online (docs/design.md §6.1): the inputs, outputs and gradients of each failing API call are saved
+as
 safetensors with a JSON description of the call and a small script that replays that one call.
 
     error_data/{ts}/{run_id}/rank{r}/{Functional.linear.0}.step{s}/

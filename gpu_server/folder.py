@@ -1,4 +1,5 @@
-"""The shared-folder side of the server (SPEC §4, last bullet): polls `run_ut.nfs_path/rank*/` for record files
+"""The shared-folder side of the server (docs/design.md §5, shared folder): polls `run_ut.nfs_path/rank*/` for record
+files
 written by `npu_agent/transport_folder.py` and feeds them to the intake.
 
 Rules:

@@ -1,14 +1,14 @@
-"""Per-output metrics of SPEC §6.1: pure functions of (bench, device) tensors, no I/O.
+"""Per-output metrics of docs/standards.md: pure functions of (bench, device) tensors, no I/O.
 
 `bench` is the upcast bench output (float32 for a float16/bfloat16 device output, float64 for float32), `device`
 the device output in its own dtype. Every parameter follows the DEVICE dtype (gpu_server.standards.thresholds),
-except the eps of the relative error, which SPEC §6.1 defines as 2^-8 for a bfloat16 device and otherwise the
+except the eps of the relative error, which docs/standards.md defines as 2^-8 for a bfloat16 device and otherwise the
 machine epsilon of the BENCH dtype (2^-23 for float16 outputs, 2^-52 for float32 outputs).
 
 All statistics are accumulated in float64 with vectorised torch ops on the bench tensor's device, chunk by chunk
 (THRESHOLDS.chunk_elements) so that temporaries stay bounded for large outputs.
 
-Conventions (where SPEC and msprobe are silent):
+Conventions (where msprobe is silent):
 - Empty outputs: double-x ratios 1, error rates and shares 0, max/mean/RMSE 0, cosine blank (None).
 - float64 device outputs: every metric is computed, with float64's own eps (2^-52) and ULP parameters
   (p 52, min_eb -1022) and float32's small value (2^-20), tolerances (rtol 2^-20, small atol 2^-30) and ULP
@@ -19,7 +19,8 @@ Conventions (where SPEC and msprobe are silent):
 - Integer and bool outputs: only binary_error_rate.
 - Binary consistency counts an element as consistent when both sides are NaN (like "both NaN passes" of the inf/nan
   error rate); everything else compares with `!=` (so -0.0 equals 0.0).
-- ULP error: eb = floor(log2|bench|) from the exact frexp exponent, eb = min_eb where bench == 0 (SPEC fix), and
+- ULP error: eb = floor(log2|bench|) from the exact frexp exponent, eb = min_eb where bench == 0 (our fix,
+docs/standards.md), and
   NaN where the bench is inf or NaN (msprobe's inf * 0); NaN elements make the max and mean NaN and are not
   counted as over the threshold. A finite bench against an infinite device gives an infinite ULP error.
 """
@@ -64,7 +65,7 @@ class OutputMetrics:
 
 @dataclass(frozen=True)
 class CosineCheck:
-    """The cosine gate of SPEC §6.2 including its blank cases (the value alone cannot tell them apart)."""
+    """The cosine gate of docs/standards.md including its blank cases (the value alone cannot tell them apart)."""
 
     value: float | None  # None: blank cell (one element, empty, or an all-zero side)
     passed: bool         # pass iff value > 0.99, or a blank case that passes
@@ -107,7 +108,8 @@ def scalar_error_rate(bench: object, device: object) -> float:
 
 
 def output_metrics(bench: torch.Tensor, device: torch.Tensor) -> OutputMetrics:
-    """SPEC §6.1 metrics of one output. Raises ValueError only for a shape mismatch or complex against real (a float
+    """docs/standards.md metrics of one output. Raises ValueError only for a shape mismatch or complex against real (a
+    float
     bench against an integer device output is compared by value: binary error rate only)."""
     return analyse(bench, device).metrics
 
@@ -313,14 +315,15 @@ class _Accumulator:
         self._max("rel", torch.where(normal, rel, -1.0))
 
         # inf/nan elements: saturated values within rtol relative, or both NaN; an infinite bench needs the
-        # same infinity on the device (SPEC fix: msprobe passed any finite value there).
+        # same infinity on the device (our fix, docs/standards.md: msprobe passed any finite value there).
         saturated = (d.clamp(self.lo, self.hi) - golden.clamp(self.lo, self.hi)).abs() / (abs_b + self.eps)
         ok = (saturated <= p.rtol) | (torch.isnan(d) & torch.isnan(golden))
         ok = torch.where(torch.isinf(b), d == b, ok)
         self._count("inf_nan", inf_nan)
         self._count("inf_nan_bad", inf_nan & ~ok)
 
-        # ULP: eb = floor(log2|bench|) = frexp exponent - 1, min_eb where bench == 0 (SPEC fix), NaN for inf/NaN
+        # ULP: eb = floor(log2|bench|) = frexp exponent - 1, min_eb where bench == 0 (our fix, docs/standards.md), NaN
+        # for inf/NaN
         # bench. Scaled in two steps so that float64's 2^(52 + 1022) cannot overflow.
         _, exponent = torch.frexp(b)
         eb = torch.where(b == 0, p.ulp_min_exponent, exponent.double() - 1).clamp_min(p.ulp_min_exponent)

@@ -1,4 +1,4 @@
-"""Replaying one recorded call on the bench device (SPEC §5.2).
+"""Replaying one recorded call on the bench device (docs/design.md §6.4).
 
 - bench run: floating inputs upcast (float16/bfloat16 -> float32, float32 -> float64; a call that mixes
   float16/bfloat16 with float32 runs all of them in float32), never under autocast;

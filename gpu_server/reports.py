@@ -1,4 +1,5 @@
-"""The CSV reports of one rank (SPEC §7): msprobe's file names (gpu_server/report_files.py) and headers, UTF-8 with
+"""The CSV reports of one rank (docs/design.md §6.6): msprobe's file names (gpu_server/report_files.py) and headers,
+UTF-8 with
 BOM, one row at a time, flushed after each row. Our own columns (Step) come after msprobe's.
 
 Open files are bounded: the report files of every rank share one `OpenFiles` cache (least recently used closed

@@ -1,4 +1,4 @@
-"""Counts for the live progress line, the end-of-run summary and summary.json (SPEC §5.1, §7)."""
+"""Counts for the live progress line, the end-of-run summary and summary.json (docs/design.md §6.1, §6.6)."""
 from __future__ import annotations
 
 import collections

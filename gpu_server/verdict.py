@@ -1,4 +1,4 @@
-"""Two-way status of SPEC §6.2 (accuracy_checking_details `Status`) and the API-level aggregation. Pure, no I/O.
+"""Two-way status of docs/standards.md (accuracy_checking_details `Status`) and the API-level aggregation. Pure, no I/O.
 
 Statuses are msprobe's strings: "pass", "Warning", "error", "SKIP"; an empty list aggregates to " " (no backward).
 """
@@ -32,7 +32,7 @@ class OutputComparison:
 
 def aggregate(statuses: list[str]) -> str:
     """API-level Forward/Backward Test Success: any error wins, then any Warning, else pass; all SKIP -> SKIP;
-    no rows -> " " (msprobe's run_ut let the last non-pass row win; SPEC §6.2 fixes that)."""
+    no rows -> " " (msprobe's run_ut let the last non-pass row win; docs/standards.md fixes that)."""
     if not statuses:
         return BLANK
     if all(s == SKIP for s in statuses):

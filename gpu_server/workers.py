@@ -1,4 +1,4 @@
-"""Worker threads: one per bench device (several for CPU when asked), never a fixed count (SPEC §5.1).
+"""Worker threads: one per bench device (several for CPU when asked), never a fixed count (docs/design.md §6.1).
 
 Jobs of one rank always go to the same worker, in arrival order, so the rows of a rank are written in a
 deterministic order by one thread. What waits in the queues is bounded by the server's payload memory budget

@@ -1,4 +1,4 @@
-"""Backward records per API call (SPEC §3.3): taps on inputs, hooks on outputs, checkpoint recomputes.
+"""Backward records per API call (docs/design.md §4): taps on inputs, hooks on outputs, checkpoint recomputes.
 
 For a call under grad mode, each differentiable input is passed to the API through a private `view_as` alias with
 a pre-hook on its autograd node: the alias is this call's own edge to the tensor, so its gradient is exactly this

@@ -1,4 +1,4 @@
-"""Level-L1 capture: a TorchFunctionMode that names each API call and snapshots it (SPEC §3.3).
+"""Level-L1 capture: a TorchFunctionMode that names each API call and snapshots it (docs/design.md §4).
 
 Snapshots hold references (npu_agent.snapshot): a call that writes its arguments (in place by name or keyword, or
 known to: batch_norm's running statistics) first has every record still holding them copy them, and its own

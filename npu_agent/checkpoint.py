@@ -1,4 +1,4 @@
-"""Reentrant activation checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`), SPEC §3.3.
+"""Reentrant activation checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`), docs/design.md §4.
 
 The region's first pass runs under no_grad, so its calls get no taps; the graph that backward really uses is
 built by the recompute inside backward, where the capture mode is not active. `install()` wraps the region

@@ -1,4 +1,4 @@
-"""The training side's config.json: msprobe's layout, validated key by key (SPEC §3.2).
+"""The training side's config.json: msprobe's layout, validated key by key (docs/design.md §3).
 
 Every bad value is named with the key, the value and what is allowed; all problems are reported at once.
 """

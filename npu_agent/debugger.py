@@ -1,4 +1,4 @@
-"""PrecisionDebugger: the facade a training script uses (SPEC §3.1).
+"""PrecisionDebugger: the facade a training script uses (docs/design.md §2).
 
     debugger = PrecisionDebugger(config_path="./config.json")
     debugger.start(); ...; debugger.stop(); debugger.step()

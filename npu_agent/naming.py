@@ -1,4 +1,4 @@
-"""Which calls are APIs, and what they are called: `{Category}.{api}.{n}` (SPEC §3.3).
+"""Which calls are APIs, and what they are called: `{Category}.{api}.{n}` (docs/design.md §4).
 
 `classify(func)` maps the function object the mode receives to (category, api) or None (not an API: metadata,
 properties, autograd entry points, profiler ops). The decision is cached per function object. `Counters` gives

@@ -1,4 +1,4 @@
-"""seed_all: msprobe's helper to make runs repeatable (SPEC §3.1)."""
+"""seed_all: msprobe's helper to make runs repeatable (docs/design.md §2)."""
 from __future__ import annotations
 
 import os

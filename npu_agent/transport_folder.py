@@ -1,4 +1,4 @@
-"""The shared-folder transport (SPEC §4, last bullet): records as files instead of a gRPC stream.
+"""The shared-folder transport (docs/design.md §5, shared folder): records as files instead of a gRPC stream.
 
 Layout under `tensor.nfs_path` (the server reads the same folder as `run_ut.nfs_path`)::
 

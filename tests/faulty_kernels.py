@@ -1,4 +1,5 @@
-"""A simulated faulty device (SPEC §8): single aten kernels replaced, in the TRAINING process only, by subtly wrong
+"""A simulated faulty device (docs/design.md §8): single aten kernels replaced, in the TRAINING process only, by subtly
+wrong
 ones, plus the small training entry point that the faulty-device and no-false-alarm suites run in subprocesses.
 
 `install(case)` registers a Python kernel for the CPU dispatch key of one aten operator through

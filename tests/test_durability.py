@@ -1,4 +1,4 @@
-"""Nothing lost, nothing twice (SPEC §4 "Delivery", §5.1 resume): the durable spool and a server killed with -9.
+"""Nothing lost, nothing twice (docs/design.md §5 delivery, §6.3): the durable spool and a server killed with -9.
 
 The end-to-end tests use a real gpu-server subprocess, real gRPC and a real training subprocess; the spool tests
 drive gpu_server.spool directly on a real folder.

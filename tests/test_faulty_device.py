@@ -1,4 +1,5 @@
-"""The simulated faulty device (SPEC §8): real trainings whose process has one aten kernel replaced by a subtly
+"""The simulated faulty device (docs/design.md §8): real trainings whose process has one aten kernel replaced by a
+subtly
 wrong one (tests/faulty_kernels.py), one real gpu-server for the module, one rank per case. The reports must flag
 exactly the API whose kernel is wrong, in the direction that is wrong (forward or backward), and nothing else.
 Every case runs on the background of the second, correct device (tests/second_device.py): matmul, softmax,
@@ -18,7 +19,7 @@ Where the fault surfaces (API names are the Python-level calls, not the aten ker
   mm, so the backward of linear stays right too;
 - aten::native_layer_norm_backward                  -> Functional.layer_norm backward.
 
-The two-way status (accuracy_checking, SPEC §6.2) sees less: an output whose max abs error is below 0.001 passes
+The two-way status (accuracy_checking, docs/standards.md) sees less: an output whose max abs error is below 0.001 passes
 before any share is looked at, and gradients and small activations are that small. It cannot see the gelu_backward
 fault at all (gradients ~1e-4), nor the add fault on the first residual add (embeddings ~0.02), nor the addmm fault
 on the attention projections. What it flags is always the faulty API and direction; every output it lets pass with
@@ -143,7 +144,8 @@ def test_two_way_status_never_blames_another_api(out_dir, case):
         row = details[f"{name}.{direction}.output.0"]
         if (name, direction) in errors or row["Status"] == "Warning":   # it saw something of the fault
             continue
-        # SPEC §6.2: max abs error < 0.001 passes before any share is looked at; besides that, only the spread rule
+        # docs/standards.md: max abs error < 0.001 passes before any share is looked at; besides that, only the spread
+        # rule
         # (a Warning that a correct same-dtype run gets as well, docs/standards.md) hides a fault from this status
         assert row["Status"] == "pass", row
         assert float(row["最大绝对误差"]) < 0.001 or "a correct same-dtype run" in row["Message"], row

@@ -1,4 +1,4 @@
-"""The shared-folder transport (SPEC §4, last bullet): npu_agent/transport_folder.py -> a real folder ->
+"""The shared-folder transport (docs/design.md §5, shared folder): npu_agent/transport_folder.py -> a real folder ->
 gpu_server/folder.py -> the intake. In-process tests drive the real Sender, FolderTransport, FolderReader and Intake
 on a real folder; the end-to-end test runs a real training process and a real gpu-server process on it."""
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Hostile input (SPEC §4, §8): random and mutated frames and records never crash the decoder or the intake with
+"""Hostile input (docs/design.md §5, §8): random and mutated frames and records never crash the decoder or the intake
+with
 anything but WireError, never hang and never allocate beyond the limits; a real server answers every bad message
 with REJECTED and a reason and keeps serving; pickle bytes are never loaded; oversized messages get a clear error."""
 from __future__ import annotations

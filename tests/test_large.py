@@ -1,4 +1,5 @@
-"""Large records (SPEC §4): one 256 MiB tensor, far larger than one gRPC message, travels in 4 MiB chunks, is spooled,
+"""Large records (docs/design.md §5): one 256 MiB tensor, far larger than one gRPC message, travels in 4 MiB chunks, is
+spooled,
 checked and reported; memory stays bounded on both sides. 256 MiB is the largest this suite affords on the 2-core
 test machine within its time budget (about 10 s for this test); the server accepts up to --max-record-mb (by default
 half of --memory-mb). Real server subprocess, real gRPC, a real training subprocess."""

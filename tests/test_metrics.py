@@ -1,4 +1,4 @@
-"""Per-output metrics (SPEC §6.1). Every expected value is worked out by hand in the comments."""
+"""Per-output metrics (docs/standards.md). Every expected value is worked out by hand in the comments."""
 import dataclasses
 import math
 
@@ -53,7 +53,7 @@ def test_float32_every_metric_by_hand():
 
 
 def test_ulp_of_zero_bench_uses_min_exponent():
-    # SPEC fix (msprobe used eb = 0 for bench == 0). float16: p 10, min_eb -14, spacing at 0 = 2^-24.
+    # our fix, docs/standards.md (msprobe used eb = 0 for bench == 0). float16: p 10, min_eb -14, spacing at 0 = 2^-24.
     m = output_metrics(t([0.0, 0.0], F32), t([2.0 ** -24, 2.0 ** -13], F16))
     # ulp = [2^-24 * 2^24, 2^-13 * 2^24] = [1, 2048]; msprobe would give [2^-14, 2^-3]
     assert m.ulp_max == 2048.0
@@ -86,7 +86,7 @@ def test_float16_eps_is_the_float32_bench_eps():
 
 
 def test_bfloat16_parameters():
-    # eps 2^-8 (bfloat16), rtol 2^-8, small_value 2^-10, small_atol 2^-16 (SPEC fix: msprobe 1e-16)
+    # eps 2^-8 (bfloat16), rtol 2^-8, small_value 2^-10, small_atol 2^-16 (our fix, docs/standards.md: msprobe 1e-16)
     bench = t([2.0 ** -12, 2.0 ** -12, 1.0, 1.0], F32)
     device = t([2.0 ** -12 + 2.0 ** -17, 2.0 ** -12 + 2.0 ** -15, 1.0 + 2.0 ** -7, 1.0], BF16)
     m = output_metrics(bench, device)
@@ -112,7 +112,8 @@ def test_inf_nan_rules_float16():
     device = t([INF, 65504.0, NAN, NAN, INF, INF, INF, 1.0], F16)
     m = output_metrics(bench, device)
     # inf/nan elements: indices 0..6 (bench 70000 is inf in float16; index 7 is finite on both sides)
-    #   0: saturated 65504 vs 65504 -> pass       1: finite against an infinite bench -> fail (SPEC fix)
+    #   0: saturated 65504 vs 65504 -> pass       1: finite against an infinite bench -> fail (our fix,
+    # docs/standards.md)
     #   2: both NaN -> pass                       3: NaN on the device only -> fail
     #   4: same infinity -> pass                  5: opposite infinities -> fail
     #   6: saturated 65504 vs 100: 65404 / 100 > 2^-10 -> fail

@@ -1,10 +1,11 @@
-"""No false alarms (SPEC §8): clean trainings of two different models in float32, bfloat16 and float16, with and
+"""No false alarms (docs/design.md §8): clean trainings of two different models in float32, bfloat16 and float16, with
+and
 without dropout, checked by one real gpu-server, produce no `error` row in the api_precision_compare reports (and,
 here, none in the accuracy_checking reports either).
 
 On this CPU-only host the device under test and the bench are the same kernels, so a clean run is checked against a
 same-dtype run that should reproduce it bit for bit: any error here means the replay is not faithful (autocast,
-upcast rules, dropout masks, in-place copies, argument handling) or a metric is not computed as SPEC §6 says.
+upcast rules, dropout masks, in-place copies, argument handling) or a metric is not computed as docs/standards.md says.
 
 Both the server and the trainings use ONE intra-op thread. That matters: torch's CPU kernels split reductions by
 thread count, and some low-precision CPU kernels (layer_norm's backward for weight/bias in float16/bfloat16 among

@@ -1,4 +1,5 @@
-"""Many ranks (SPEC §3.2, §5.1): a 4-rank torch.distributed gloo job on the CPU, every rank streaming at once, against
+"""Many ranks (docs/design.md §3, §6.1): a 4-rank torch.distributed gloo job on the CPU, every rank streaming at once,
+against
 one server and spread over two (`tensor.host` as a list of endpoints); the agent's `rank` and the server's `rank_list`
 filters. Real server subprocesses, real gRPC, four real training processes."""
 from __future__ import annotations

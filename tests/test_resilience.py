@@ -1,4 +1,5 @@
-"""The agent against a server that is not there yet, or pauses (SPEC §3.3, §4): `block` loses nothing, `drop` loses
+"""The agent against a server that is not there yet, or pauses (docs/design.md §4, §5): `block` loses nothing, `drop`
+loses
 only what it counts, and the count reaches the server's summary. Real server subprocesses, real gRPC."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Mutual TLS end to end (SPEC §4 TLS bullet): certificates made by certs/make_certs.py in the test, a real
+"""Mutual TLS end to end (docs/security.md, TLS): certificates made by certs/make_certs.py in the test, a real
 gpu-server process with run_ut.tls_path, real training processes with tensor.tls_path.
 
 A valid client's records become report rows. A client without a certificate, with a certificate of another CA, with

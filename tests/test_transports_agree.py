@@ -1,4 +1,5 @@
-"""The transport does not change the result (SPEC §4): the same seeded training, in float32 and in bfloat16, through
+"""The transport does not change the result (docs/design.md §5): the same seeded training, in float32 and in bfloat16,
+through
 plaintext gRPC, mutual TLS and the shared folder, gives the same report rows: API names, statuses and every metric
 cell of the details CSVs (the timestamp in the file names aside). Real servers, real training processes."""
 from __future__ import annotations

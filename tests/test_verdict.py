@@ -1,4 +1,4 @@
-"""Two-way status of SPEC §6.2 and the API-level aggregation. Expected values are worked out in the comments."""
+"""Two-way status of docs/standards.md and the API-level aggregation. Expected values are worked out in the comments."""
 import pytest
 import torch
 

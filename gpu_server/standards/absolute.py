@@ -1,6 +1,6 @@
 """Absolute threshold (绝对阈值法): elementwise arithmetic (add, sub, mul, div, reciprocal, rsqrt, square, ...).
 
-Three error rates of the device output against the bench, all of which must be 0 (SPEC §6.1, §6.3):
+Three error rates of the device output against the bench, all of which must be 0 (docs/standards.md):
 inf/nan error rate (inf/nan elements whose saturated values differ by more than rtol relative; both NaN passes;
 a finite value against an infinite bench fails), relative error rate (normal elements with rel_err > rtol) and
 absolute error rate (small elements with abs_err > small_atol).

@@ -1,6 +1,6 @@
 """Binary consistency (二进制一致法): the device output must equal the bench element for element.
 
-Chosen for integer/bool outputs and for the exact operations SPEC §6.3 lists (abs, floor, gather, relu, ...).
+Chosen for integer/bool outputs and for the exact operations docs/standards.md lists (abs, floor, gather, relu, ...).
 Passes iff the binary error rate (share of elements with device != bench; both NaN counts as equal) is 0.
 """
 from __future__ import annotations

@@ -79,7 +79,7 @@ def status_of(ok: bool) -> str:
 
 
 def inf_nan_consistent(device_value: float, same_value: float | None) -> bool | None:
-    """SPEC §6.3: an inf/NaN device metric passes only if the same-dtype run has the same inf/NaN.
+    """docs/standards.md: an inf/NaN device metric passes only if the same-dtype run has the same inf/NaN.
     None when the device metric is finite (the rule does not apply)."""
     if math.isfinite(device_value):
         return None

@@ -1,4 +1,4 @@
-"""Which precision standard judges an output (SPEC §6.3): by output dtype, then by API name.
+"""Which precision standard judges an output (docs/standards.md): by output dtype, then by API name.
 
 Integer and bool outputs (and Python scalars) -> binary consistency. Otherwise the API name is reduced to one
 canonical spelling, so that the bare name, the method, the in-place method, the dunder and its in-place/reflected
@@ -6,7 +6,7 @@ forms, the Python-3 operator spellings and an aten overload all select alike:
     mul, mul_, __mul__, __imul__, __rmul__, mul.Tensor        -> mul
     div, div_, __div__, __idiv__, __rdiv__, __truediv__, __itruediv__, __rtruediv__ -> div
     sub, sub_, __sub__, __isub__, __rsub__                    -> sub      (rsub, the torch function, stays rsub)
-The name lists are SPEC §6.3's, verbatim; every name not listed (all npu_* fused ops included) -> benchmark.
+The name lists are docs/standards.md's, verbatim; every name not listed (all npu_* fused ops included) -> benchmark.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 
 ABSOLUTE, BINARY, ULP, THOUSANDTH, BENCHMARK = "absolute", "binary", "ulp", "thousandth", "benchmark"
 
-_SPEC_LISTS: dict[str, tuple[str, ...]] = {
+_NAME_LISTS: dict[str, tuple[str, ...]] = {
     ABSOLUTE: (
         "mul", "mul_", "__mul__", "__imul__", "__rmul__", "add", "add_", "__add__", "__iadd__", "__radd__", "div",
         "div_", "__div__", "__idiv__", "divide", "divide_", "leaky_relu", "leaky_relu_", "prelu", "reciprocal",
@@ -60,7 +60,7 @@ def canonical_name(api_name: str) -> str:
 
 def _build_table() -> dict[str, str]:
     table: dict[str, str] = {}
-    for standard, names in _SPEC_LISTS.items():
+    for standard, names in _NAME_LISTS.items():
         for name in names:
             key = canonical_name(name)
             if table.setdefault(key, standard) != standard:

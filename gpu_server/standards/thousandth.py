@@ -1,7 +1,8 @@
 """Double-thousandth (双千指标法): convolutions (conv1d, conv2d).
 
 Passes iff the share of elements with relative error < 0.001 is >= 0.999 (msprobe's >=; the two-way status of
-SPEC §6.2 uses a strict >), or (docs/standards.md, the spread) when the device's share of elements outside is not
+docs/standards.md uses a strict >), or (docs/standards.md, the spread) when the device's share of elements outside is
+not
 significantly above a correct same-dtype run's (lower vs upper Wilson bound): bfloat16 rounding alone puts about
 half of the elements outside.
 """

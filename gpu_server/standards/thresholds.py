@@ -1,8 +1,9 @@
-"""Every threshold and constant of the comparison layer (SPEC §6), as one named table: `THRESHOLDS`.
+"""Every threshold and constant of the comparison layer (docs/standards.md), as one named table: `THRESHOLDS`.
 
 Nothing numeric that decides a metric or a verdict is written anywhere else: `gpu_server.metrics`,
-`gpu_server.verdict` and the standards read it from here. The values are SPEC §6's (msprobe's StandardConfig and
-CompareConst with the fixes SPEC §6 lists; docs/standards.md shows where they differ from msprobe).
+`gpu_server.verdict` and the standards read it from here. The values are docs/standards.md's (msprobe's StandardConfig
+and
+CompareConst with the fixes docs/standards.md lists; docs/standards.md shows where they differ from msprobe).
 
 Per-dtype rows are keyed by the DEVICE dtype. float64 has a row so that per-output metrics are defined for it
 (it uses float64's own ULP parameters and float32's small-value, tolerance and ULP-threshold values); the
@@ -31,7 +32,7 @@ class DtypeThresholds:
     ratio_floor: float | None   # floor of the same-dtype metric in the ratio tests (benchmark, ULP)
     ulp_share_limit: float | None  # ULP standard passes when the over-threshold share is below this
     ulp_mean_limit: float | None   # ULP standard passes when the mean ULP error is below this (float32 only)
-    low_precision: bool         # True: the float16/bfloat16 branch of the two-way status (SPEC §6.2)
+    low_precision: bool         # True: the float16/bfloat16 branch of the two-way status (docs/standards.md)
     eps: float | None = None    # fixed eps of the relative error; None = machine eps of the bench dtype
 
 
@@ -54,11 +55,11 @@ class Thresholds:
     thousandth_pass: float
     ten_thousandth: float
     ten_thousandth_pass: float
-    # Double-thousandth precision standard: passes iff the share >= this (msprobe's >=, SPEC §6.3).
+    # Double-thousandth precision standard: passes iff the share >= this (msprobe's >=, docs/standards.md).
     thousandth_standard_pass: float
     # Benchmark standard: error when device metric / max(same metric, floor) exceeds the limit.
     benchmark_ratio_limits: Mapping[str, float]
-    # ULP standard: passes when the share ratio is at most this (SPEC fix: <=, msprobe <).
+    # ULP standard: passes when the share ratio is at most this (our fix, docs/standards.md: <=, msprobe <).
     ulp_ratio_limit: float
     # Elements processed at once in gpu_server.metrics (bounds the temporary memory).
     chunk_elements: int

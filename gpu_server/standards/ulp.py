@@ -4,7 +4,8 @@ ulp_err = |device - bench| / spacing of the device format at the bench's binade 
 min_eb), min_eb also where bench == 0). share = elements with ulp_err above 32 (float32) or 1 (float16,
 bfloat16); ratio = device share / max(same-dtype share, floor[dtype]).
 float32 passes if the mean ULP error < 64, or the share < 0.05, or the ratio <= 1; float16/bfloat16 pass if the
-share < 0.001 or the ratio <= 1 (SPEC fix: msprobe needed ratio < 1). An inf/NaN mean ULP error must match the
+share < 0.001 or the ratio <= 1 (our fix, docs/standards.md: msprobe needed ratio < 1). An inf/NaN mean ULP error must
+match the
 same-dtype run's.
 """
 from __future__ import annotations
