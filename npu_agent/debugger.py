@@ -22,6 +22,7 @@ from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.config import AgentConfig, load_config
 from npu_agent.sampling import Policy, Sampler
 from npu_agent.sender import Sender
+from npu_agent.snapshot import HELD
 from npu_agent.transport import Transport
 from protos.torch_compat import function_mode_stack
 
@@ -144,6 +145,10 @@ class PrecisionDebugger:
             elif mode in stack:
                 log.warning("online check: stop() called while another TorchFunctionMode is active above ours; "
                             "capture stops when that mode exits")
+            try:   # what the training does next is not seen by the mode: unsent references get their copies
+                HELD.protect_all()
+            except Exception:  # noqa: BLE001 - never raise into the training; such a record goes out SKIP
+                log.debug("online check: copying held tensors at stop() failed", exc_info=True)
 
     def step(self) -> None:
         self.current_step += 1

@@ -116,6 +116,29 @@ class HeldRefs:
             self.copied += n
         return n
 
+    def protect_all(self) -> int:
+        """When capture stops (debugger.stop()): the training's code that follows is not seen by the mode (a manual
+        `p -= lr * p.grad`, a custom optimizer), so every reference not yet serialised gets its private copy now.
+        Returns the number of tensors copied."""
+        if not self.pending:
+            return 0
+        n = 0
+        with self.lock, disable_torch_function(), torch.no_grad():
+            for sid, ref in list(self.pending.items()):
+                snap = ref()
+                if snap is None:
+                    if self.pending.get(sid) is ref:
+                        del self.pending[sid]
+                    continue
+                for entry in snap.held.values():
+                    t = entry[0]
+                    if entry[2] is None and tensor_version(t) == entry[1]:
+                        entry[2] = t.detach().clone(memory_format=torch.preserve_format)
+                        n += 1
+                        self.copied_bytes += t.numel() * t.element_size()
+            self.copied += n
+        return n
+
     def protect_tree(self, obj: Any) -> int:
         return self.protect(list(iter_tensors(obj))) if self.pending else 0
 

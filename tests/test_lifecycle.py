@@ -220,11 +220,11 @@ def test_300_ranks_under_ulimit_1024_all_get_their_reports(tmp_path):
     a, b = torch.randn(4), torch.randn(4)
     with capture(backward=False) as (mode, sink):
         with mode:
-            torch.add(a, b)
-    rec = sink.forward("Torch.add.0")
-    rec.seq = 0
+            for _ in range(ranks):   # one record per rank: a record is encoded once, for the rank that sends it
+                torch.add(a, b)
     try:
-        for rank in range(ranks):
+        for rank, rec in enumerate(sink):
+            rec.seq = 0
             _send_one(nfs, "many", rank, ranks, rec)
         code = server.proc.wait(timeout=90)     # --exit-when-done: once all 300 end markers are read
     finally:
