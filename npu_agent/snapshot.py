@@ -94,27 +94,13 @@ class HeldRefs:
         keys = {k for k in map(_storage_key, tensors) if k is not None}
         if not keys:
             return 0
-        n = 0
-        with self.lock, disable_torch_function(), torch.no_grad():
-            for sid, ref in list(self.pending.items()):
-                snap = ref()
-                if snap is None:
-                    if self.pending.get(sid) is ref:
-                        del self.pending[sid]
-                    continue
-                for entry in snap.held.values():
-                    if entry[2] is not None:
-                        continue
-                    key = entry[3]
-                    if key is None:
-                        key = entry[3] = _storage_key(entry[0])
-                    if key in keys:
-                        t = entry[0]
-                        entry[2] = t.detach().clone(memory_format=torch.preserve_format)
-                        n += 1
-                        self.copied_bytes += t.numel() * t.element_size()
-            self.copied += n
-        return n
+
+        def shares_storage(entry: list[Any]) -> bool:
+            if entry[3] is None:
+                entry[3] = _storage_key(entry[0])
+            return entry[3] in keys
+
+        return self._copy_where(shares_storage)
 
     def protect_all(self) -> int:
         """When capture stops (debugger.stop()): the training's code that follows is not seen by the mode (a manual
@@ -122,6 +108,11 @@ class HeldRefs:
         Returns the number of tensors copied."""
         if not self.pending:
             return 0
+        return self._copy_where(lambda entry: tensor_version(entry[0]) == entry[1])
+
+    def _copy_where(self, wanted: Callable[[list[Any]], bool]) -> int:
+        """Give a private copy to every held, not yet copied tensor of the pending snapshots for which `wanted` is
+        true; forget snapshots that are gone. Returns the number of tensors copied."""
         n = 0
         with self.lock, disable_torch_function(), torch.no_grad():
             for sid, ref in list(self.pending.items()):
@@ -131,8 +122,8 @@ class HeldRefs:
                         del self.pending[sid]
                     continue
                 for entry in snap.held.values():
-                    t = entry[0]
-                    if entry[2] is None and tensor_version(t) == entry[1]:
+                    if entry[2] is None and wanted(entry):
+                        t = entry[0]
                         entry[2] = t.detach().clone(memory_format=torch.preserve_format)
                         n += 1
                         self.copied_bytes += t.numel() * t.element_size()
