@@ -36,6 +36,7 @@ from gpu_server.intake import ByteBudget, FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.contract import SERVICE_NAME
+from protos.framing import split_batch
 from protos.limits import RUN_ID, Limits, log_text
 
 log = logging.getLogger("gpu_server")
@@ -101,6 +102,10 @@ class StreamHandler:
                 if isinstance(item, pb.Ack):
                     yield item
                     continue
+                if isinstance(item, _Batch):
+                    for ack in await self._batch_acks(item):
+                        yield ack
+                    continue
                 status, reason = await self._ticket(item)
                 yield pb.Ack(seq=item.seq, status=status, reason=reason)
         finally:
@@ -123,6 +128,24 @@ class StreamHandler:
         while not ticket.ready():
             await loop.run_in_executor(self._waits, ticket.wait, _TICKET_SLICE_S)
         return ticket.status, ticket.reason
+
+    async def _batch_acks(self, batch: "_Batch") -> list[pb.Ack]:
+        """The answers to one batch, once each record is durable: a run of consecutive records with the same
+        answer and no reason in one Ack (`count`), any other record in its own."""
+        out: list[pb.Ack] = []
+        for item in batch.items:
+            if isinstance(item, pb.Ack):
+                status, reason, seq = item.status, item.reason, item.seq
+            else:
+                status, reason = await self._ticket(item)
+                seq = item.seq
+            last = out[-1] if out else None
+            if (last is not None and not reason and not last.reason and last.status == status
+                    and seq == last.seq + max(1, last.count)):
+                last.count = max(1, last.count) + 1
+            else:
+                out.append(pb.Ack(seq=seq, status=status, reason=reason))
+        return out
 
     async def _read(self, request_iterator, acks: asyncio.Queue, peer: str) -> None:
         asm = FrameAssembler(self.limits, self.budget)
@@ -204,13 +227,15 @@ class StreamHandler:
                 return [pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED, reason=why)]
             await loop.run_in_executor(self._work, self.on_end, end)   # durable before END_ACCEPTED
             return [pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED)]
-        out = []
-        if body == "record" and asm.record is not None:   # the record before was cut off: refuse it, go on
+        out: list = []
+        if body in ("record", "batch") and asm.record is not None:   # the record before was cut off: refuse it
             cut, filled = asm.record.header.seq, asm.filled
             asm.reset()
             self.intake.rejected += 1
             out.append(pb.Ack(seq=cut, status=pb.Ack.REJECTED,
                               reason=f"record {cut} was cut off by the next record after {filled} bytes"))
+        if body == "batch":
+            return out + [await self._batch(frame, size)]
         seq = frame.record.header.seq if body == "record" else frame.chunk.seq if body == "chunk" else 0
         try:
             if body == "record":
@@ -235,6 +260,36 @@ class StreamHandler:
             return out + [self.intake.submit(record, payload, asm.take_reserved())]
         return out + [await loop.run_in_executor(self._work, self.intake.submit, record, payload,
                                                  asm.take_reserved())]
+
+    async def _batch(self, frame: pb.Frame, size: int) -> "_Batch":
+        """Several complete records in one message: reserved together, then validated and stored one by one,
+        each answered as if it had come alone."""
+        try:
+            parts = split_batch(frame, self.limits)
+        except WireError as exc:
+            seqs = [r.header.seq for r in frame.batch.records[:self.limits.max_batch_records]]
+            self.intake.rejected += max(1, len(seqs))
+            return _Batch([pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc)) for seq in seqs] or
+                          [pb.Ack(status=pb.Ack.REJECTED, reason=str(exc))])
+        del frame
+        total = sum(len(payload) for _, payload in parts)
+        if self.budget is not None:
+            await self.budget.acquire_async(total)   # a stream waiting here reads nothing: back-pressure
+
+        def submit_all() -> list:
+            return [self.intake.submit(record, payload, len(payload) if self.budget is not None else 0)
+                    for record, payload in parts]
+
+        if size <= _INLINE_BYTES:
+            return _Batch(submit_all())
+        return _Batch(await asyncio.get_running_loop().run_in_executor(self._work, submit_all))
+
+
+class _Batch:
+    """The answers to one Batch frame, in record order: tickets, and Acks for records refused at once."""
+
+    def __init__(self, items: list):
+        self.items = items
 
 
 def _put_last(acks: asyncio.Queue, item) -> None:

@@ -8,10 +8,10 @@ references to the training's tensors are dropped.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
-import functools
 import logging
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -64,18 +64,22 @@ class _Encoded:
 
 
 class _PayloadEncoder(RecordEncoder):
-    """RecordEncoder that only lays tensors out (meta, offset); `fill()` copies them into one payload."""
+    """RecordEncoder that only lays tensors out (their TensorMeta, built in place in the Record's table, and their
+    offset); `copy_payload()` copies them into one payload."""
 
-    def __init__(self) -> None:
+    def __init__(self, table: Any) -> None:   # table: the Record's repeated TensorMeta field
         super().__init__()
+        self.table = table
         self.places: list[tuple[int, int, torch.Tensor]] = []   # (offset, nbytes, tensor as referenced)
 
     def tensor(self, t: torch.Tensor, requires_grad: bool | None = None, device: str | None = None) -> int:
         if t.layout != torch.strided:
             raise TypeError(f"{t.layout} tensors are not supported on the wire")
-        meta = pb.TensorMeta(dtype=dtype_name(t.dtype), shape=list(t.shape),
-                             requires_grad=t.requires_grad if requires_grad is None else requires_grad,
-                             device=device or str(t.device))
+        meta = self.table.add()
+        meta.dtype = dtype_name(t.dtype)
+        meta.shape.extend(t.shape)
+        meta.requires_grad = t.requires_grad if requires_grad is None else requires_grad
+        meta.device = device or _device_name(t.device)
         if not t.is_contiguous():
             stride = _clone_stride(t)
             if stride is not None:
@@ -85,28 +89,20 @@ class _PayloadEncoder(RecordEncoder):
         meta.offset, meta.nbytes = self.size, nbytes
         self.places.append((self.size, nbytes, t))
         self.size += nbytes
-        self.metas.append(meta)
-        return len(self.metas) - 1
+        return len(self.table) - 1
 
-    def fill(self, snaps: list[Snapshot]) -> list[int]:
+    def copy_payload(self, snaps: list[Snapshot]) -> list[int]:
         """Copy every tensor into the payload; returns the ids of tensors found changed (not sendable)."""
-        small = self.size <= _SMALL
-        # small records: a zeroed bytearray and one memcpy per tensor; large: torch copies (any layout, device)
-        small_payload: bytearray | None = None
-        large_payload: torch.Tensor | None = None
-        copy_into: Callable[[int, int, torch.Tensor], None]
-        if small:
-            small_payload = bytearray(self.size)
-            copy_into = functools.partial(_copy_small, small_payload)
-        else:
-            large_payload = torch.empty(self.size, dtype=torch.uint8)
-            copy_into = functools.partial(_copy_large, large_payload)
+        # Small records: a zeroed bytearray. Large ones: an uninitialised tensor, its alignment gaps zeroed below.
+        payload: bytearray | torch.Tensor = bytearray(self.size) if self.size <= _SMALL else \
+            torch.empty(self.size, dtype=torch.uint8)
+        target = _Target(payload)
         reads = [(s, HELD.begin(s)) for s in snaps]
         source = {tid: src for _, read in reads for tid, src in read}
         with torch.no_grad(), disable_torch_function():
             for off, nbytes, t in self.places:
                 if nbytes:
-                    copy_into(off, nbytes, source.get(id(t), t))
+                    target.copy(off, nbytes, source.get(id(t), t))
             changed: list[int] = []
             again: dict[int, torch.Tensor] = {}
             for s, read in reads:
@@ -116,33 +112,70 @@ class _PayloadEncoder(RecordEncoder):
             if again:
                 for off, nbytes, t in self.places:
                     if id(t) in again and nbytes:
-                        copy_into(off, nbytes, again[id(t)])
-            if large_payload is not None:
+                        target.copy(off, nbytes, again[id(t)])
+            if isinstance(payload, torch.Tensor):
                 pos = 0
                 for off, nbytes, _ in self.places:   # alignment padding goes out as zeros
                     if off > pos:
-                        large_payload[pos:off].zero_()
+                        payload[pos:off].zero_()
                     pos = max(pos, off + nbytes)
+        target.close()
         if not self.size:
             self.buffers = []
-        elif small_payload is not None:
-            self.buffers = [(0, memoryview(small_payload))]
-        elif large_payload is not None:
-            self.buffers = [(0, large_payload.numpy().data.cast("B"))]
+        elif isinstance(payload, bytearray):
+            self.buffers = [(0, memoryview(payload))]
+        else:
+            self.buffers = [(0, payload.numpy().data.cast("B"))]
         return changed
 
 
+class _Target:
+    """A payload being filled. A dense CPU tensor is copied with one memmove from its memory: no torch call, no
+    OpenMP team started from this (non-main) thread on top of the training's, the GIL released. Anything else
+    (a strided view, a lazily conjugated or negated tensor, another device, a tensor without storage) is copied by
+    torch."""
+
+    def __init__(self, payload: bytearray | torch.Tensor):
+        self.payload = payload
+        self._view: Any = None
+        if isinstance(payload, torch.Tensor):
+            self.base = payload.data_ptr()
+        elif payload:
+            self._view = (ctypes.c_char * len(payload)).from_buffer(payload)   # pins the bytearray while it lives
+            self.base = ctypes.addressof(self._view)
+        else:
+            self.base = 0
+
+    def copy(self, off: int, nbytes: int, t: torch.Tensor) -> None:
+        if (t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
+                and t.numel() * t.element_size() == nbytes):   # (resized since the layout: torch's copy raises)
+            try:
+                src = t.data_ptr()
+            except RuntimeError:   # a wrapper subclass without storage
+                src = 0
+            if src:
+                ctypes.memmove(self.base + off, src, nbytes)
+                return
+        if isinstance(self.payload, torch.Tensor):
+            self.payload[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
+            return
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        self.payload[off:off + nbytes] = tensor_bytes(t.detach().resolve_conj().resolve_neg().contiguous())
+
+    def close(self) -> None:
+        self._view = None   # the bytearray may be handed on now
+
+
 _SMALL = 256 << 10
+_DEVICE_NAMES: dict[torch.device, str] = {}
 
 
-def _copy_large(payload: torch.Tensor, off: int, nbytes: int, t: torch.Tensor) -> None:
-    payload[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
-
-
-def _copy_small(payload: bytearray, off: int, nbytes: int, t: torch.Tensor) -> None:
-    if t.device.type != "cpu":
-        t = t.to("cpu")
-    payload[off:off + nbytes] = tensor_bytes(t.detach().contiguous())
+def _device_name(device: torch.device) -> str:
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES[device] = str(device)
+    return name
 
 
 def _clone_stride(t: torch.Tensor) -> tuple[int, ...] | None:
@@ -187,30 +220,30 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int) -> tuple[pb.Record
 
 def _encode(rec: PendingRecord, run_id: str, rank: int,
             with_tensors: bool = True) -> tuple[pb.Record, _PayloadEncoder, list[int]]:
-    enc = _PayloadEncoder()
-    out = pb.Record(
-        header=pb.RecordHeader(run_id=run_id, rank=rank, step=rec.step, seq=rec.seq, name=rec.name,
-                               direction=rec.direction),
-        grad_enabled=rec.grad_enabled, inplace=rec.inplace, backward_expected=rec.backward_expected,
-        skip_reason=rec.skip_reason,
-        autocast=pb.Autocast(enabled=rec.autocast[0], dtype=rec.autocast[1], device_type=rec.autocast[2]),
-        intra_op_threads=torch.get_num_threads() if rec.autocast[2] in ("cpu", "") else 0,
-    )
+    # Every message is built where it lives in the Record (no temporary messages, no CopyFrom).
+    out = pb.Record()
+    h = out.header
+    h.run_id, h.rank, h.step, h.seq, h.name, h.direction = run_id, rank, rec.step, rec.seq, rec.name, rec.direction
+    out.grad_enabled, out.inplace, out.backward_expected = rec.grad_enabled, rec.inplace, rec.backward_expected
+    out.skip_reason = rec.skip_reason
+    out.autocast.SetInParent()
+    out.autocast.enabled, out.autocast.dtype, out.autocast.device_type = rec.autocast
+    out.intra_op_threads = torch.get_num_threads() if rec.autocast[2] in ("cpu", "") else 0
+    enc = _PayloadEncoder(out.tensors)
     snaps: list[Snapshot] = []
-    no_grad = {"requires_grad": False}
 
     if with_tensors:
         if rec.inputs is not None and rec.inputs.tree is not None:
             grads = rec.inputs.requires_grad
             hook = lambda t: {"requires_grad": id(t) in grads}  # noqa: E731
             args, kwargs = rec.inputs.tree
-            out.args.CopyFrom(enc.value(tuple(args), hook).tuple)
-            out.kwargs.CopyFrom(enc.mapping(dict(kwargs), hook))
+            enc.fill_sequence(out.args, args, hook)
+            enc.fill_mapping(out.kwargs, kwargs, hook)
             snaps.append(rec.inputs)
         for field, snap in (("output", rec.output), ("grad_output", rec.grad_output),
                             ("grad_input", rec.grad_input)):
             if snap is not None and snap.tree is not None:
-                getattr(out, field).CopyFrom(enc.value(snap.tree, lambda t: no_grad))
+                enc.fill(getattr(out, field), snap.tree, _NO_GRAD)
                 snaps.append(snap)
         if rec.grad_input is not None:
             out.grad_input_positions.extend(rec.grad_input_positions)
@@ -220,10 +253,13 @@ def _encode(rec: PendingRecord, run_id: str, rank: int,
         if rec.mask is not None and with_tensors:
             out.random.mask = enc.tensor(rec.mask, requires_grad=False)
             out.random.has_mask = True
-    changed = enc.fill(snaps)
-    out.tensors.extend(enc.metas)
+    changed = enc.copy_payload(snaps)
     out.payload_bytes = enc.size
     return out, enc, changed
+
+
+def _NO_GRAD(t: torch.Tensor) -> dict[str, Any]:
+    return {"requires_grad": False}
 
 
 def end_frame(run_id: str, rank: int, world_size: int, counts: dict[str, Any]) -> bytes:

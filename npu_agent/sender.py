@@ -1,7 +1,8 @@
 """The background sender: a bounded queue between the training thread and the transport.
 
 The training thread only calls `submit()`. Everything else (host copies, encoding, sending, acknowledgements,
-re-sending after a reconnect) happens on the sender's own thread and the transport's threads. The Sender talks to
+re-sending after a reconnect) happens on the sender's own thread and the transport's threads. Small records that
+queued up while the transport was busy go to it together, as one batch. The Sender talks to
 its transport only through `npu_agent.transport.Transport`, and receives its events as `TransportEvents`.
 
 Memory: a record counts against the budget from `submit()` until the server acknowledges it (it is kept for
@@ -21,12 +22,17 @@ import threading
 import time
 from typing import Any
 
-from npu_agent.records import PendingRecord
+from npu_agent.records import PendingRecord, encode_record
 from npu_agent.transport import Counts, Refusal, Transport, end_frame
 
 log = logging.getLogger("npu_agent")
 
 WAIT_LOG_S = 30.0   # the period of the "still waiting" lines
+# Small records waiting together go out as one message (protos/framing.py, "Batch"): records up to
+# BATCH_RECORD_BYTES each, at most BATCH_RECORDS and BATCH_BYTES of tensors a message.
+BATCH_RECORD_BYTES = 64 << 10
+BATCH_BYTES = 1 << 20
+BATCH_RECORDS = 512
 
 
 class Sender:
@@ -102,23 +108,48 @@ class Sender:
                     if self._closing:
                         return
                     continue
-                rec = self._queue.popleft()
+                batch = self._take_batch()
                 gen = self._gen
-            try:
-                sent = self.transport.send_record(rec, gen)
-            except Exception as exc:  # noqa: BLE001 - an encoding bug must not stop the sender
-                log.warning("online check: could not encode %s (%s: %s); it is reported as lost", rec.name,
-                            type(exc).__name__, exc)
-                self._release(rec.seq, rejected=True)
+            ready = [rec for rec in batch if self._encode(rec)]
+            if not ready:
                 continue
+            sent = self.transport.send_records(ready, gen)
             with self._cv:
                 if not sent:
-                    # The stream changed under us: wait for the re-send that the new stream triggers (the record
-                    # stays in _unacked and goes out again in order).
+                    # The stream changed under us: wait for the re-send that the new stream triggers (the records
+                    # stay in _unacked and go out again in order).
                     while not self._resend and not self._closing and self._refusal is None:
                         self._cv.wait(1.0)
                     continue
-                self.counts.sent += 1
+                self.counts.sent += len(ready)
+
+    def _take_batch(self) -> list[PendingRecord]:
+        """The next record, with the small ones queued right behind it (under the lock). Nothing waits for more
+        records to come: a batch is what piled up while the transport was busy, so batching adds no delay."""
+        first = self._queue.popleft()
+        batch = [first]
+        total = first.nbytes
+        if total > BATCH_RECORD_BYTES:
+            return batch
+        while self._queue and len(batch) < BATCH_RECORDS:
+            size = self._queue[0].nbytes
+            if size > BATCH_RECORD_BYTES or total + size > BATCH_BYTES:
+                break
+            batch.append(self._queue.popleft())
+            total += size
+        return batch
+
+    def _encode(self, rec: PendingRecord) -> bool:
+        """Encode `rec` once (its copy of the tensors). False when that failed: the record is counted as lost."""
+        who = self.transport.identity
+        try:
+            encode_record(rec, who.run_id, who.rank)
+            return True
+        except Exception as exc:  # noqa: BLE001 - an encoding bug must not stop the sender
+            log.warning("online check: could not encode %s (%s: %s); it is reported as lost", rec.name,
+                        type(exc).__name__, exc)
+            self._release(rec.seq, rejected=True)
+            return False
 
     # -- transport events ----------------------------------------------------------------------------------
     def on_ack(self, seq: int, status: str, reason: str) -> None:

@@ -7,7 +7,7 @@ docs/design.md, "Transports".
 
 Streams and generations: a transport numbers the streams it opens (1, 2, ...; 0 before the first). When a stream
 opens, it calls `on_reconnect(generation)`, and the Sender re-sends everything not acknowledged, in order, on that
-stream. `send_record(rec, generation)` sends only on that stream and returns False when it is gone, so nothing new
+stream. `send_records(recs, generation)` sends only on that stream and returns False when it is gone, so nothing new
 overtakes the re-send. The folder has a single stream, generation 1, for its whole life.
 
 Refusals: a transport that learns it can never deliver (a TLS or certificate mismatch, another protocol version, a
@@ -85,9 +85,10 @@ class Transport(Protocol):
     def reached(self) -> bool:
         """True once the server (or the folder) has accepted a stream or a write."""
 
-    def send_record(self, rec: PendingRecord, generation: int) -> bool:
-        """Deliver `rec` on stream `generation`; False when that stream is gone or the transport closed first
-        (the record was not delivered and goes again on the next stream). Acknowledgements come via `on_ack`."""
+    def send_records(self, recs: list[PendingRecord], generation: int) -> bool:
+        """Deliver `recs` (encoded, in sequence order; several small ones may share one message) on stream
+        `generation`; False when that stream is gone or the transport closed first (they were not delivered and go
+        again on the next stream). Acknowledgements come via `on_ack`, one per record."""
 
     def send_end(self, frame: bytes, timeout: float) -> bool:
         """Deliver the end-of-stream frame (`end_frame`) within `timeout` s, then close. True when delivered."""

@@ -24,6 +24,7 @@ created inside it, through that open folder, with O_CREAT|O_EXCL|O_NOFOLLOW unde
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -33,8 +34,8 @@ from collections.abc import Callable, Iterable
 
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
-from protos.codec import encode_frames
 from protos.folder_format import file_chunks, folder_end_name, folder_record_name, rank_dir_name
+from protos.framing import encode_frames
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
@@ -176,18 +177,18 @@ class FolderTransport:
         assert self._events is not None
         self._events.on_refused(refusal)
 
-    def send_record(self, rec: PendingRecord, generation: int) -> bool:
-        """Write `rec` (the folder has one stream: `generation` is always 1) and acknowledge it once on disk."""
+    def send_records(self, recs: list[PendingRecord], generation: int) -> bool:
+        """Write each of `recs` to its own file (the folder has one stream: `generation` is always 1) and
+        acknowledge it once on disk."""
         assert self._events is not None
         who = self.identity
-        record, enc = encode_record(rec, who.run_id, who.rank)
-
-        def frames() -> Iterable[bytes]:
-            return encode_frames(record, enc.buffers, enc.size, self.chunk_bytes)
-
-        if not self._write(folder_record_name(who.run_id, who.rank, rec.seq), frames, f"record {rec.seq} ({rec.name})"):
-            return False
-        self._events.on_ack(rec.seq, "ACCEPTED", "")
+        for rec in recs:
+            record, enc = encode_record(rec, who.run_id, who.rank)
+            frames = functools.partial(encode_frames, record, enc.buffers, enc.size, self.chunk_bytes)
+            if not self._write(folder_record_name(who.run_id, who.rank, rec.seq), frames,
+                               f"record {rec.seq} ({rec.name})"):
+                return False
+            self._events.on_ack(rec.seq, "ACCEPTED", "")
         return True
 
     def send_end(self, frame: bytes, timeout: float) -> bool:

@@ -12,7 +12,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -22,8 +22,8 @@ from npu_agent.records import PendingRecord, encode_record
 from npu_agent.refusal import classify, client_certificate_refusal, plaintext_refusal, tls_config_refusal
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos import online_check_pb2 as pb
-from protos.codec import encode_frames
 from protos.contract import STREAM_METHOD
+from protos.framing import encode_batch, encode_frames
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
@@ -78,7 +78,7 @@ class GrpcTransport:
 
     @property
     def generation(self) -> int:
-        """The number of the current stream (0: never connected). `send_record` sends only on the stream the
+        """The number of the current stream (0: never connected). `send_records` sends only on the stream the
         sender names, so that after a reconnect nothing overtakes the in-order re-send of what was not acknowledged."""
         return self._generation
 
@@ -216,7 +216,8 @@ class GrpcTransport:
         if status == "END_ACCEPTED":
             self._end_acked.set()
             return
-        self._events.on_ack(ack.seq, status, ack.reason)
+        for seq in range(ack.seq, ack.seq + max(1, ack.count)):   # one answer may cover a run of records
+            self._events.on_ack(seq, status, ack.reason)
 
     def _probe(self, channel: grpc.Channel) -> tuple[str | None, Refusal | None]:
         """One health check, failing fast: (None, None) when the server answers, else why not, in words a user can
@@ -291,11 +292,19 @@ class GrpcTransport:
             except queue.Full:
                 continue
 
-    def send_record(self, rec: PendingRecord, generation: int) -> bool:
-        """Queue all frames of `rec` on stream `generation`. False when that stream is gone (or the transport
-        closed) before the last frame was queued: the record was not sent and goes again later."""
-        record, enc = encode_record(rec, self.identity.run_id, self.identity.rank)
-        for frame in encode_frames(record, enc.buffers, enc.size, self.chunk_bytes):
+    def send_records(self, recs: list[PendingRecord], generation: int) -> bool:
+        """Queue the frames of `recs` on stream `generation`: several records in one Batch frame, a single one in
+        its own frames. False when that stream is gone (or the transport closed) before the last frame was queued:
+        the records were not sent and go again later."""
+        who = self.identity
+        encoded = [encode_record(rec, who.run_id, who.rank) for rec in recs]
+        frames: Iterable[bytes]
+        if len(encoded) > 1:
+            frames = [encode_batch([(record.SerializeToString(), enc.buffers, enc.size) for record, enc in encoded])]
+        else:
+            record, enc = encoded[0]
+            frames = encode_frames(record, enc.buffers, enc.size, self.chunk_bytes)
+        for frame in frames:
             if self._put(frame, generation) is None:
                 return False
         return True

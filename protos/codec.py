@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -110,60 +110,77 @@ class RecordEncoder:
 
     def value(self, obj: Any, tensor_hook: TensorHook | None = None) -> pb.Value:
         """Encode `obj`. `tensor_hook(t) -> dict` may give TensorMeta overrides (requires_grad, device)."""
-        if obj is None:
-            return pb.Value(none=True)
-        if isinstance(obj, torch.Tensor):
-            extra = tensor_hook(obj) if tensor_hook else {}
-            return pb.Value(tensor=self.tensor(obj, **extra))
-        if isinstance(obj, bool):
-            return pb.Value(b=obj)
-        if isinstance(obj, int):
-            if -(1 << 63) <= obj < (1 << 63):
-                return pb.Value(i=obj)
-            return pb.Value(f=float(obj))
-        if isinstance(obj, float):
-            return pb.Value(f=obj)
-        if isinstance(obj, complex):
-            return pb.Value(c=pb.Complex(real=obj.real, imag=obj.imag))
-        if isinstance(obj, str):
-            return pb.Value(s=obj)
-        if isinstance(obj, torch.dtype):
-            return pb.Value(dtype=dtype_name(obj))
-        if isinstance(obj, torch.device):
-            return pb.Value(device=str(obj))
-        if isinstance(obj, torch.Size):
-            return pb.Value(size=pb.Sequence(items=[pb.Value(i=int(v)) for v in obj]))
-        if isinstance(obj, torch.memory_format):
-            return pb.Value(memory_format=_MEMORY_FORMAT_NAMES.get(obj, str(obj)))
-        if isinstance(obj, torch.layout):
-            return pb.Value(layout=_LAYOUT_NAMES.get(obj, str(obj)))
-        if obj is Ellipsis:
-            return pb.Value(ellipsis=True)
-        if isinstance(obj, slice):
-            return pb.Value(slice=pb.Slice(start=self.value(obj.start, tensor_hook),
-                                           stop=self.value(obj.stop, tensor_hook),
-                                           step=self.value(obj.step, tensor_hook)))
-        if isinstance(obj, tuple):
-            items = [self.value(v, tensor_hook) for v in obj]
-            if hasattr(obj, "n_fields") or hasattr(obj, "_fields"):
-                return pb.Value(named_tuple=pb.Sequence(items=items))
-            return pb.Value(tuple=pb.Sequence(items=items))
-        if isinstance(obj, list):
-            return pb.Value(list=pb.Sequence(items=[self.value(v, tensor_hook) for v in obj]))
-        if isinstance(obj, dict):
-            keys, values = [], []
-            for k, v in obj.items():
-                if not isinstance(k, str):
-                    return pb.Value(opaque=f"dict with {type(k).__name__} keys")
-                keys.append(k)
-                values.append(self.value(v, tensor_hook))
-            return pb.Value(dict=pb.Mapping(keys=keys, values=values))
-        if isinstance(obj, Opaque):
-            return pb.Value(opaque=obj.type_name)
-        return pb.Value(opaque=type(obj).__qualname__[:200])
+        v = pb.Value()
+        self.fill(v, obj, tensor_hook)
+        return v
 
     def mapping(self, obj: dict[str, Any], tensor_hook: TensorHook | None = None) -> pb.Mapping:
         return self.value(obj, tensor_hook).dict
+
+    def fill(self, v: pb.Value, obj: Any, tensor_hook: TensorHook | None = None) -> None:
+        """Encode `obj` into the empty Value `v`, in place (nested values are built where they live: no copies)."""
+        if obj is None:
+            v.none = True
+        elif isinstance(obj, torch.Tensor):
+            v.tensor = self.tensor(obj, **tensor_hook(obj)) if tensor_hook else self.tensor(obj)
+        elif isinstance(obj, bool):
+            v.b = obj
+        elif isinstance(obj, int):
+            if -(1 << 63) <= obj < (1 << 63):
+                v.i = obj
+            else:
+                v.f = float(obj)
+        elif isinstance(obj, float):
+            v.f = obj
+        elif isinstance(obj, torch.Size):   # before tuple: a Size is one
+            v.size.SetInParent()
+            for n in obj:
+                v.size.items.add().i = int(n)
+        elif isinstance(obj, tuple):
+            seq = v.named_tuple if hasattr(obj, "n_fields") or hasattr(obj, "_fields") else v.tuple
+            self.fill_sequence(seq, obj, tensor_hook)
+        elif isinstance(obj, list):
+            self.fill_sequence(v.list, obj, tensor_hook)
+        elif isinstance(obj, dict):
+            if not all(isinstance(k, str) for k in obj):
+                bad = next(k for k in obj if not isinstance(k, str))
+                v.opaque = f"dict with {type(bad).__name__} keys"
+            else:
+                self.fill_mapping(v.dict, obj, tensor_hook)
+        elif isinstance(obj, complex):
+            v.c.real, v.c.imag = obj.real, obj.imag
+        elif isinstance(obj, str):
+            v.s = obj
+        elif isinstance(obj, torch.dtype):
+            v.dtype = dtype_name(obj)
+        elif isinstance(obj, torch.device):
+            v.device = str(obj)
+        elif isinstance(obj, torch.memory_format):
+            v.memory_format = _MEMORY_FORMAT_NAMES.get(obj, str(obj))
+        elif isinstance(obj, torch.layout):
+            v.layout = _LAYOUT_NAMES.get(obj, str(obj))
+        elif obj is Ellipsis:
+            v.ellipsis = True
+        elif isinstance(obj, slice):
+            v.slice.SetInParent()
+            self.fill(v.slice.start, obj.start, tensor_hook)
+            self.fill(v.slice.stop, obj.stop, tensor_hook)
+            self.fill(v.slice.step, obj.step, tensor_hook)
+        elif isinstance(obj, Opaque):
+            v.opaque = obj.type_name
+        else:
+            v.opaque = type(obj).__qualname__[:200]
+
+    def fill_sequence(self, seq: pb.Sequence, items: Sequence[Any], tensor_hook: TensorHook | None = None) -> None:
+        seq.SetInParent()   # an empty tuple is still a tuple
+        for item in items:
+            self.fill(seq.items.add(), item, tensor_hook)
+
+    def fill_mapping(self, m: pb.Mapping, obj: dict[str, Any], tensor_hook: TensorHook | None = None) -> None:
+        m.SetInParent()
+        for k, item in obj.items():
+            m.keys.append(k)
+            self.fill(m.values.add(), item, tensor_hook)
 
 
 class RecordDecoder:
@@ -335,65 +352,11 @@ def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
-def encode_frames(record: pb.Record, buffers: list[tuple[int, memoryview]], payload_bytes: int,
-                  chunk_bytes: int) -> Iterator[bytes]:
-    """Yield one record as Frame messages (bytes) carrying at most chunk_bytes of payload each.
-
-    The payload is appended as Frame.data (field 15, the last on the wire) by concatenation, so each tensor's
-    bytes are copied exactly once, into the outgoing message.
-    """
-    record.payload_bytes = payload_bytes
-    seq = record.header.seq
-    first = True
-    head = pb.Frame(record=record).SerializeToString()
-    pos = 0
-    pieces: list[bytes | memoryview] = []
-    chunk_start = 0
-    bi = 0
-    while True:
-        # Gather up to chunk_bytes of payload starting at `pos` (padding between tensors is zeros).
-        want = min(chunk_bytes, payload_bytes - pos)
-        chunk_start = pos
-        pieces = []
-        while want > 0:
-            if bi < len(buffers) and buffers[bi][0] <= pos:
-                off, view = buffers[bi]
-                start = pos - off
-                take = min(want, view.nbytes - start)
-                if take > 0:
-                    pieces.append(view[start:start + take])
-                    pos += take
-                    want -= take
-                if pos >= off + view.nbytes:
-                    bi += 1
-                continue
-            gap_end = buffers[bi][0] if bi < len(buffers) else payload_bytes
-            take = min(want, gap_end - pos)
-            pieces.append(bytes(take))
-            pos += take
-            want -= take
-        n = sum(p.nbytes if isinstance(p, memoryview) else len(p) for p in pieces)
-        prefix = head if first else pb.Frame(chunk=pb.Chunk(seq=seq, offset=chunk_start)).SerializeToString()
-        first = False
-        yield b"".join([prefix, b"\x7a", _varint(n), *pieces]) if n else prefix
-        if pos >= payload_bytes:
-            return
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
 # The shared-folder transport's names and layout moved to protos/folder_format.py; re-exported here until every
 # importer uses that module.
 from protos.folder_format import FOLDER_MAGIC as FOLDER_MAGIC  # noqa: E402
 from protos.folder_format import folder_end_name as folder_end_name  # noqa: E402
 from protos.folder_format import folder_record_name as folder_record_name  # noqa: E402
+
+# Framing moved to protos/framing.py; re-exported here until every importer uses that module.
+from protos.framing import encode_frames as encode_frames  # noqa: E402

@@ -35,6 +35,7 @@ class Limits:
     max_depth: int = 32                            # nesting of tuples/lists/dicts
     max_values: int = 1_000_000                    # Values in one record
     max_pending_records: int = 1 << 20             # records being assembled per stream
+    max_batch_records: int = 4096                  # records in one Batch frame (protos/framing.py)
     # the gRPC transport (gpu_server/service.py)
     max_streams: int = 1024                        # agent streams served at once; more are refused with a reason
     record_timeout_s: float = 60.0                 # a record half received waits at most this long for its next

@@ -182,6 +182,12 @@ class Record(_message.Message):
     intra_op_threads: int
     def __init__(self, header: _Optional[_Union[RecordHeader, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., args: _Optional[_Union[Sequence, _Mapping]] = ..., kwargs: _Optional[_Union[Mapping, _Mapping]] = ..., output: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., autocast: _Optional[_Union[Autocast, _Mapping]] = ..., inplace: _Optional[bool] = ..., random: _Optional[_Union[Random, _Mapping]] = ..., grad_output: _Optional[_Union[Value, _Mapping]] = ..., grad_input: _Optional[_Union[Value, _Mapping]] = ..., backward_expected: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., grad_input_positions: _Optional[_Iterable[int]] = ..., intra_op_threads: _Optional[int] = ...) -> None: ...
 
+class Batch(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[Record]
+    def __init__(self, records: _Optional[_Iterable[_Union[Record, _Mapping]]] = ...) -> None: ...
+
 class Chunk(_message.Message):
     __slots__ = ("seq", "offset")
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -232,21 +238,23 @@ class Hello(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., agent_version: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("record", "chunk", "end", "hello", "data")
+    __slots__ = ("record", "chunk", "end", "hello", "batch", "data")
     RECORD_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     record: Record
     chunk: Chunk
     end: End
     hello: Hello
+    batch: Batch
     data: bytes
-    def __init__(self, record: _Optional[_Union[Record, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, record: _Optional[_Union[Record, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Ack(_message.Message):
-    __slots__ = ("seq", "status", "reason")
+    __slots__ = ("seq", "status", "reason", "count")
     class Status(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         STATUS_UNSPECIFIED: _ClassVar[Ack.Status]
@@ -262,7 +270,9 @@ class Ack(_message.Message):
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
     seq: int
     status: Ack.Status
     reason: str
-    def __init__(self, seq: _Optional[int] = ..., status: _Optional[_Union[Ack.Status, str]] = ..., reason: _Optional[str] = ...) -> None: ...
+    count: int
+    def __init__(self, seq: _Optional[int] = ..., status: _Optional[_Union[Ack.Status, str]] = ..., reason: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...

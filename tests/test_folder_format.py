@@ -75,7 +75,7 @@ def written(tmp_path, one_thread):
     x = torch.tensor([-1.0, 2.0])
     rec = PendingRecord(name="Functional.relu.0", step=2, inputs=snapshot(((x,), {})), output=snapshot(torch.relu(x)),
                         seq=5)
-    assert transport.send_record(rec, 1)
+    assert transport.send_records([rec], 1)
     assert transport.send_end(end_frame(transport.identity, Counts(captured=6, sent=6, acknowledged=6), 6), 5.0)
     assert events.acks == [(5, "ACCEPTED", "")]
     return tmp_path / "rank3"

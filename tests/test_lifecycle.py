@@ -46,7 +46,7 @@ def _send_one(nfs: str, run_id: str, rank: int, ranks: int, rec) -> None:
 
     transport = FolderTransport(nfs, run_id, rank, ranks)
     transport.start(_Acks())
-    assert transport.send_record(rec, transport.generation)
+    assert transport.send_records([rec], transport.generation)
     transport.send_end(end_frame(transport.identity, Counts(captured=1, sent=1, acknowledged=1), 1), 5)
 
 # argv: config, go-file. Forward of a small MLP, then waits for the go-file before the backward.

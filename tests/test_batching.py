@@ -1,0 +1,165 @@
+"""Small records travel several to a message (protos/framing.py, "Batch"; docs/design.md §5): the hand-built
+encoding is exactly protobuf's own, a broken batch is refused record by record with the reason, every record of a
+batch is validated, stored and answered as if it had come alone, and a real agent against a real server gets
+every record checked exactly once."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from npu_agent.config import Endpoint
+from npu_agent.records import PendingRecord, encode_record
+from npu_agent.sender import Sender
+from npu_agent.snapshot import snapshot
+from npu_agent.transport import StreamIdentity
+from npu_agent.transport_grpc import GrpcTransport
+from protos import online_check_pb2 as pb
+from protos.codec import WireError
+from protos.framing import encode_batch, split_batch
+from protos.limits import DEFAULT_LIMITS
+from tests import support
+from tests.test_hostile import RawStream, hello
+
+
+def _relu(seq: int, n: int = 8, name: str = "relu") -> PendingRecord:
+    x = torch.linspace(-2, 2, n)
+    return PendingRecord(name=f"Functional.{name}.{seq}", step=0, inputs=snapshot(((x,), {})),
+                         output=snapshot(torch.relu(x)), seq=seq)
+
+
+def _encoded(recs: list[PendingRecord], run_id: str = "batch") -> list[tuple[bytes, list, int]]:
+    out = []
+    for rec in recs:
+        record, enc = encode_record(rec, run_id, 0)
+        out.append((record.SerializeToString(), enc.buffers, enc.size))
+    return out
+
+
+def test_batch_bytes_are_protobufs_own_encoding():
+    parts = _encoded([_relu(0, 8), _relu(1, 0), _relu(2, 100)])
+    frame = encode_batch(parts)
+    payloads = [b"".join(bytes(v) for _, v in buffers).ljust(size, b"\0") for _, buffers, size in parts]
+    expect = pb.Frame(batch=pb.Batch(records=[pb.Record.FromString(s) for s, _, _ in parts]),
+                      data=b"".join(payloads)).SerializeToString()
+    assert frame == expect
+    split = split_batch(pb.Frame.FromString(frame), DEFAULT_LIMITS)
+    assert [r.header.seq for r, _ in split] == [0, 1, 2]
+    assert [p for _, p in split] == payloads
+
+
+def test_broken_batches_are_refused_before_anything_is_held():
+    parts = _encoded([_relu(0), _relu(1)])
+    good = pb.Frame.FromString(encode_batch(parts))
+    short = pb.Frame()
+    short.CopyFrom(good)
+    short.data = good.data[:-1]
+    with pytest.raises(WireError, match="announces .* payload bytes but carries"):
+        split_batch(short, DEFAULT_LIMITS)
+    with pytest.raises(WireError, match="without records"):
+        split_batch(pb.Frame(batch=pb.Batch()), DEFAULT_LIMITS)
+    with pytest.raises(WireError, match="above the limit of 1"):
+        split_batch(good, DEFAULT_LIMITS.replace(max_batch_records=1))
+    with pytest.raises(WireError, match="record 0 of a batch announces"):
+        split_batch(good, DEFAULT_LIMITS.replace(max_record_bytes=16))
+
+
+def test_sender_batches_only_small_records_that_queued_up():
+    sent: list[list[int]] = []
+    busy = threading.Event()
+
+    class Recording:   # a transport that records what it is given; busy with the first until released
+        identity = StreamIdentity("batch", 0, 1)
+        connect_timeout_s = 0.1
+        reached = True
+        generation = 1
+
+        def start(self, events):
+            self.events = events
+            events.on_reconnect(1)
+
+        def send_records(self, recs, generation):
+            sent.append([r.seq for r in recs])
+            busy.wait(30)
+            for r in recs:
+                self.events.on_ack(r.seq, "ACCEPTED", "")
+            return True
+
+        def send_end(self, frame, timeout):
+            return True
+
+        def close(self):
+            pass
+
+        def describe_state(self):
+            return "recording"
+
+    sender = Sender(Recording(), budget_bytes=1 << 30)
+    big = torch.zeros(1 << 16)   # 256 KiB of tensor: above the batching limit, always alone
+    for seq in range(6):
+        sender.submit(_relu(seq) if seq != 3 else PendingRecord(name="Functional.relu.3", step=0,
+                                                                inputs=snapshot(((big,), {}))))
+        if seq == 0:
+            while not sent:   # the first record is with the transport: the others queue up behind it
+                time.sleep(0.001)
+    busy.set()
+    counts = sender.close(timeout=30)
+    assert counts["acknowledged"] == 6
+    assert sent == [[0], [1, 2], [3], [4, 5]]
+
+
+def test_a_batch_is_answered_record_by_record(tmp_path):
+    with support.Server(str(tmp_path)) as server:
+        stream = RawStream(server.port)
+        try:
+            recs = [_relu(seq) for seq in range(5)]
+            bad = _relu(5, name="no_such_api_xyz")
+            stream.send(hello("batch"), encode_batch(_encoded(recs + [bad, _relu(6)])))
+            acks = stream.wait(3)
+            covered = {}
+            for ack in acks[:3]:
+                for seq in range(ack.seq, ack.seq + max(1, ack.count)):
+                    covered[seq] = (pb.Ack.Status.Name(ack.status), ack.reason)
+            assert sorted(covered) == list(range(7))
+            assert all(covered[s] == ("ACCEPTED", "") for s in (0, 1, 2, 3, 4, 6))
+            assert covered[5][0] == "REJECTED" and "no_such_api_xyz" in covered[5][1]
+            assert acks[0].count == 5   # consecutive records with the same answer share one
+            # the same batch again: every record is a duplicate, nothing is checked twice
+            stream.send(encode_batch(_encoded(recs)))
+            again = stream.wait(4)[3]
+            assert (pb.Ack.Status.Name(again.status), again.seq, again.count) == ("DUPLICATE", 0, 5)
+            # a batch whose sizes do not add up: each of its records is refused, the stream goes on
+            frame = pb.Frame.FromString(encode_batch(_encoded([_relu(7), _relu(8)])))
+            frame.data = frame.data + b"x"
+            stream.send(frame.SerializeToString(), encode_batch(_encoded([_relu(9), _relu(10)])))
+            later = stream.wait(7)[4:7]
+            assert [(pb.Ack.Status.Name(a.status), a.seq) for a in later[:2]] == [("REJECTED", 7), ("REJECTED", 8)]
+            assert "but carries" in later[0].reason
+            assert (pb.Ack.Status.Name(later[2].status), later[2].seq, later[2].count) == ("ACCEPTED", 9, 2)
+        finally:
+            stream.close()
+
+
+def test_agent_with_batches_gets_every_record_checked_once(tmp_path):
+    with support.Server(str(tmp_path)) as server:
+        transport = GrpcTransport(Endpoint("127.0.0.1", server.port), "", "batched", 0, 1)
+        sizes: list[int] = []
+        send = transport.send_records
+
+        def observed(recs, generation):
+            sizes.append(len(recs))
+            return send(recs, generation)
+
+        transport.send_records = observed  # type: ignore[method-assign]
+        sender = Sender(transport, budget_bytes=256 << 20)
+        n = 400
+        for seq in range(n):
+            sender.submit(_relu(seq, 16 + seq % 5))
+        counts = sender.close(timeout=120)
+        assert counts["acknowledged"] == n and counts["rejected"] == 0
+    assert max(sizes) > 1, "records queued behind a busy transport should have gone out together"
+    rows = support.read_csv(server.out, "accuracy_checking_result")
+    names = [r["API name"] for r in rows]
+    assert len(names) == len(set(names)) == n
