@@ -114,7 +114,29 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
     sys.stdin.read()
 
 
+_RUN: dict = {}   # the run being timed: its receiving child, and the clocks at its start; then its CPU seconds
+
+
+def _start() -> None:
+    child = _RUN["child"]
+    _RUN.update(t=time.perf_counter(), client=time.process_time(), server=child.cpu())
+
+
+def _stop() -> float:
+    """Seconds since `_start`; leaves the CPU seconds of the sending and the receiving process in _RUN."""
+    dt = time.perf_counter() - _RUN["t"]
+    _RUN["client"] = time.process_time() - _RUN["client"]
+    _RUN["server"] = _RUN["child"].cpu() - _RUN["server"]
+    return dt
+
+
 class Child:
+    def cpu(self) -> float:
+        """CPU seconds (user + system) of the receiving process so far."""
+        with open(f"/proc/{self.proc.pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def __init__(self, mode: str, tls_dir: str = "", nfs: str = ""):
         env = dict(os.environ, PYTHONPATH=ROOT)
         self.proc = subprocess.Popen([sys.executable, __file__, "--serve", mode, "--tls", tls_dir, "--nfs", nfs],
@@ -123,6 +145,7 @@ class Child:
         if not line.startswith("PORT"):
             raise RuntimeError(f"{mode} server did not start: {line!r}")
         self.port = int(line.split()[1])
+        _RUN["child"] = self
 
     def wait_line(self, prefix: str) -> str:
         while True:
@@ -160,13 +183,13 @@ def run_ours(make_transport, size: int, n: int, on_done=None) -> float:
     sender.submit(recs[0])   # warm-up: connecting (and the TLS handshake) is not what is measured
     while sender.counts.acknowledged < 1:
         time.sleep(0.001)
-    t0 = time.perf_counter()
+    _start()
     for r in recs[1:]:
         sender.submit(r)
     counts = sender.close(timeout=600)
     if on_done is not None:
         on_done()
-    dt = time.perf_counter() - t0
+    dt = _stop()
     if counts["acknowledged"] != n + 1:
         raise RuntimeError(f"only {counts['acknowledged']} of {n + 1} records acknowledged: {counts}")
     return dt
@@ -226,9 +249,9 @@ def bench_raw_grpc(size: int, n: int) -> float:
             grpc.channel_ready_future(ch).result(timeout=30)
             push = ch.stream_unary(RAW_METHOD, request_serializer=None, response_deserializer=None)
             push(iter(pieces))   # warm-up, as for ours
-            t0 = time.perf_counter()
+            _start()
             got = push(p for _ in range(n) for p in pieces)
-            dt = time.perf_counter() - t0
+            dt = _stop()
         if int.from_bytes(got, "little") != size * n:
             raise RuntimeError("raw gRPC: bytes lost")
         return dt
@@ -242,14 +265,14 @@ def bench_raw_tcp(size: int, n: int) -> float:
     try:
         with socket.create_connection(("127.0.0.1", child.port)) as s:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t0 = time.perf_counter()
+            _start()
             s.sendall((size * n).to_bytes(8, "little"))
             for _ in range(n):
                 for i in range(0, size, RAW_CHUNK):
                     s.sendall(data[i:i + RAW_CHUNK])
             if s.recv(1) != b"k":
                 raise RuntimeError("raw TCP: no final ack")
-            return time.perf_counter() - t0
+            return _stop()
     finally:
         child.close()
 
@@ -281,7 +304,8 @@ def main(argv=None) -> int:
         pki = make_pki(os.path.join(tmp, "pki"))
         client_tls, server_tls = os.path.join(pki, "clients", "bench"), os.path.join(pki, "server")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        header = f"{'tensor':>8} {'transport':<14} {'MB/s':>9} {'records/s':>10} {'s':>7}"
+        header = (f"{'tensor':>8} {'transport':<14} {'MB/s':>9} {'records/s':>10} {'s':>7} "
+                  f"{'sender CPU us/rec':>17} {'receiver CPU us/rec':>19}")
         print(header)
         print("-" * len(header))
         for size in SIZES:
@@ -297,7 +321,8 @@ def main(argv=None) -> int:
                 dt = fn(size, n, *extra)
                 rows[name] = dt
                 label = f"{size // 1024} KiB" if size < MiB else f"{size // MiB} MiB"
-                print(f"{label:>8} {name:<14} {size * n / dt / 1e6:9.0f} {n / dt:10.0f} {dt:7.2f}", flush=True)
+                print(f"{label:>8} {name:<14} {size * n / dt / 1e6:9.0f} {n / dt:10.0f} {dt:7.2f} "
+                      f"{_RUN['client'] / n * 1e6:17.1f} {_RUN['server'] / n * 1e6:19.1f}", flush=True)
             ours = rows["ours (gRPC)"]
             print(f"{'':>8} ratios: ours/raw gRPC {rows['raw gRPC'] / ours:.2f}, mTLS/raw gRPC "
                   f"{rows['raw gRPC'] / rows['ours (mTLS)']:.2f}, ours/raw TCP {rows['raw TCP'] / ours:.2f}, "

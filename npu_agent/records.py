@@ -1,23 +1,27 @@
 """A captured call as it waits on the agent (snapshots, not yet encoded), and its encoding into wire frames.
 
 Encoding runs on the sender thread. It copies each tensor once, straight from the training's memory into the
-record's payload (the layout the codec defines: 64-byte aligned, contiguous, padding zeroed), with the copy-on-write
+record's payload (the layout the codec defines: 64-byte aligned, contiguous, padding zeroed; where the bytes go:
+npu_agent/payload.py), with the copy-on-write
 handshake of npu_agent.snapshot: a tensor changed without a copy is never sent; its record goes out skipped, with
 the reason. The encoding is kept on the record (a re-send after a reconnect sends the same bytes) and the
 references to the training's tensors are dropped.
 """
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from npu_agent.payload import FRAMES_IN_PLACE, FramePayload, SmallPayload
 from npu_agent.snapshot import HELD, Snapshot
 from protos import online_check_pb2 as pb
-from protos.codec import _ALIGN, RecordEncoder, dtype_name, tensor_bytes
+from protos.codec import _ALIGN, RecordEncoder, dtype_name
+from protos.framing import encode_frames
+from protos.limits import CHUNK_BYTES
 from protos.torch_compat import disable_torch_function
 
 FORWARD, BACKWARD = pb.FORWARD, pb.BACKWARD
@@ -46,7 +50,7 @@ class PendingRecord:
     mask: Any = None                  # dropout family: the true keep-mask (bool tensor)
     skip_reason: str = ""
     seq: int = -1                     # assigned when the sender accepts it
-    encoded: Any = None               # (pb.Record, buffers, size) once encoded
+    encoded: Any = None               # (pb.Record, Encoded) once encoded
 
     @property
     def nbytes(self) -> int:
@@ -56,11 +60,20 @@ class PendingRecord:
         return total + len(self.rng_state)
 
 
-class _Encoded:
-    __slots__ = ("buffers", "size")
+class Encoded:
+    """A record ready for the wire: its payload as `buffers` (small records), or its complete `frames` (large ones,
+    written straight into them: npu_agent/payload.py)."""
 
-    def __init__(self, buffers: list[tuple[int, memoryview]], size: int) -> None:
-        self.buffers, self.size = buffers, size
+    __slots__ = ("buffers", "size", "frames")
+
+    def __init__(self, buffers: list[tuple[int, memoryview]], size: int, frames: list[bytes] | None = None) -> None:
+        self.buffers, self.size, self.frames = buffers, size, frames
+
+    def wire_frames(self, record: pb.Record, chunk_bytes: int) -> Iterable[bytes]:
+        """The record's frames (any chunking below the limit is valid on the wire)."""
+        if self.frames is not None:
+            return self.frames
+        return encode_frames(record, self.buffers, self.size, chunk_bytes)
 
 
 class _PayloadEncoder(RecordEncoder):
@@ -71,6 +84,7 @@ class _PayloadEncoder(RecordEncoder):
         super().__init__()
         self.table = table
         self.places: list[tuple[int, int, torch.Tensor]] = []   # (offset, nbytes, tensor as referenced)
+        self.frames: list[bytes] | None = None
 
     def tensor(self, t: torch.Tensor, requires_grad: bool | None = None, device: str | None = None) -> int:
         if t.layout != torch.strided:
@@ -91,12 +105,15 @@ class _PayloadEncoder(RecordEncoder):
         self.size += nbytes
         return len(self.table) - 1
 
-    def copy_payload(self, snaps: list[Snapshot]) -> list[int]:
-        """Copy every tensor into the payload; returns the ids of tensors found changed (not sendable)."""
-        # Small records: a zeroed bytearray. Large ones: an uninitialised tensor, its alignment gaps zeroed below.
-        payload: bytearray | torch.Tensor = bytearray(self.size) if self.size <= _SMALL else \
-            torch.empty(self.size, dtype=torch.uint8)
-        target = _Target(payload)
+    def copy_payload(self, snaps: list[Snapshot], head: Callable[[], bytes], seq: int, chunk_bytes: int) -> list[int]:
+        """Copy every tensor into the payload; returns the ids of tensors found changed (not sendable). `head()`:
+        the serialized Frame carrying the Record (complete but for the payload), for a payload written straight
+        into its frames."""
+        target: SmallPayload | FramePayload
+        if self.size > _SMALL and FRAMES_IN_PLACE:
+            target = FramePayload(head(), seq, self.size, chunk_bytes, self.places)
+        else:
+            target = SmallPayload(self.size)
         reads = [(s, HELD.begin(s)) for s in snaps]
         source = {tid: src for _, read in reads for tid, src in read}
         with torch.no_grad(), disable_torch_function():
@@ -113,61 +130,14 @@ class _PayloadEncoder(RecordEncoder):
                 for off, nbytes, t in self.places:
                     if id(t) in again and nbytes:
                         target.copy(off, nbytes, again[id(t)])
-            if isinstance(payload, torch.Tensor):
-                pos = 0
-                for off, nbytes, _ in self.places:   # alignment padding goes out as zeros
-                    if off > pos:
-                        payload[pos:off].zero_()
-                    pos = max(pos, off + nbytes)
-        target.close()
-        if not self.size:
-            self.buffers = []
-        elif isinstance(payload, bytearray):
-            self.buffers = [(0, memoryview(payload))]
+        if isinstance(target, FramePayload):
+            self.buffers, self.frames = [], target.frames
         else:
-            self.buffers = [(0, payload.numpy().data.cast("B"))]
+            self.buffers, self.frames = target.close(), None
         return changed
 
 
-class _Target:
-    """A payload being filled. A dense CPU tensor is copied with one memmove from its memory: no torch call, no
-    OpenMP team started from this (non-main) thread on top of the training's, the GIL released. Anything else
-    (a strided view, a lazily conjugated or negated tensor, another device, a tensor without storage) is copied by
-    torch."""
-
-    def __init__(self, payload: bytearray | torch.Tensor):
-        self.payload = payload
-        self._view: Any = None
-        if isinstance(payload, torch.Tensor):
-            self.base = payload.data_ptr()
-        elif payload:
-            self._view = (ctypes.c_char * len(payload)).from_buffer(payload)   # pins the bytearray while it lives
-            self.base = ctypes.addressof(self._view)
-        else:
-            self.base = 0
-
-    def copy(self, off: int, nbytes: int, t: torch.Tensor) -> None:
-        if (t.device.type == "cpu" and t.is_contiguous() and not (t.is_conj() or t.is_neg())
-                and t.numel() * t.element_size() == nbytes):   # (resized since the layout: torch's copy raises)
-            try:
-                src = t.data_ptr()
-            except RuntimeError:   # a wrapper subclass without storage
-                src = 0
-            if src:
-                ctypes.memmove(self.base + off, src, nbytes)
-                return
-        if isinstance(self.payload, torch.Tensor):
-            self.payload[off:off + nbytes].view(t.dtype).view(t.shape).copy_(t)
-            return
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        self.payload[off:off + nbytes] = tensor_bytes(t.detach().resolve_conj().resolve_neg().contiguous())
-
-    def close(self) -> None:
-        self._view = None   # the bytearray may be handed on now
-
-
-_SMALL = 256 << 10
+_SMALL = 256 << 10   # larger payloads are written straight into their frames
 _DEVICE_NAMES: dict[torch.device, str] = {}
 
 
@@ -192,13 +162,15 @@ def _clone_stride(t: torch.Tensor) -> tuple[int, ...] | None:
     return t.stride()
 
 
-def encode_record(rec: PendingRecord, run_id: str, rank: int) -> tuple[pb.Record, _Encoded]:
-    """Build the protobuf Record and its payload (each tensor copied once from the training's memory). A record
-    is encoded once; later calls (re-sends) return the same encoding."""
+def encode_record(rec: PendingRecord, run_id: str, rank: int,
+                  chunk_bytes: int = CHUNK_BYTES) -> tuple[pb.Record, Encoded]:
+    """Build the protobuf Record and its payload (each tensor copied once from the training's memory; a large
+    payload straight into frames of at most chunk_bytes). A record is encoded once; later calls (re-sends) return
+    the same encoding."""
     if rec.encoded is not None:
-        out, buffers, size = rec.encoded
-        return out, _Encoded(buffers, size)
-    out, enc, changed = _encode(rec, run_id, rank)
+        out, done = rec.encoded
+        return out, done
+    out, enc, changed = _encode(rec, run_id, rank, chunk_bytes)
     if changed:
         with HELD.lock:
             first = HELD.changed == len(changed)
@@ -209,16 +181,17 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int) -> tuple[pb.Record
         for s in (rec.inputs, rec.output, rec.grad_output, rec.grad_input):
             if s is not None:
                 s.tree = None
-        out, enc, _ = _encode(rec, run_id, rank, with_tensors=False)
-    rec.encoded = (out, enc.buffers, enc.size)
+        out, enc, _ = _encode(rec, run_id, rank, chunk_bytes, with_tensors=False)
+    done = Encoded(enc.buffers, enc.size, enc.frames)
+    rec.encoded = (out, done)
     for s in (rec.inputs, rec.output, rec.grad_output, rec.grad_input):
         if s is not None:   # the payload holds the values now: let the training's tensors go
             s.tree = None
             s.held = {}
-    return out, _Encoded(enc.buffers, enc.size)
+    return out, done
 
 
-def _encode(rec: PendingRecord, run_id: str, rank: int,
+def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int,
             with_tensors: bool = True) -> tuple[pb.Record, _PayloadEncoder, list[int]]:
     # Every message is built where it lives in the Record (no temporary messages, no CopyFrom).
     out = pb.Record()
@@ -253,8 +226,8 @@ def _encode(rec: PendingRecord, run_id: str, rank: int,
         if rec.mask is not None and with_tensors:
             out.random.mask = enc.tensor(rec.mask, requires_grad=False)
             out.random.has_mask = True
-    changed = enc.copy_payload(snaps)
     out.payload_bytes = enc.size
+    changed = enc.copy_payload(snaps, lambda: pb.Frame(record=out).SerializeToString(), rec.seq, chunk_bytes)
     return out, enc, changed
 
 

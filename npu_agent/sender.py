@@ -143,7 +143,7 @@ class Sender:
         """Encode `rec` once (its copy of the tensors). False when that failed: the record is counted as lost."""
         who = self.transport.identity
         try:
-            encode_record(rec, who.run_id, who.rank)
+            encode_record(rec, who.run_id, who.rank, self.transport.chunk_bytes)
             return True
         except Exception as exc:  # noqa: BLE001 - an encoding bug must not stop the sender
             log.warning("online check: could not encode %s (%s: %s); it is reported as lost", rec.name,

@@ -73,6 +73,7 @@ class TransportEvents(Protocol):
 class Transport(Protocol):
     identity: StreamIdentity
     connect_timeout_s: float   # how long `close()` waits for a server (or folder) that was never reached
+    chunk_bytes: int           # the most payload bytes one frame carries
 
     def start(self, events: TransportEvents) -> None:
         """Begin connecting in the background; events go to `events` from now on (so none is ever missed)."""

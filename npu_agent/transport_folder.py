@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterable
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos.folder_format import file_chunks, folder_end_name, folder_record_name, rank_dir_name
-from protos.framing import encode_frames
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
@@ -183,8 +182,8 @@ class FolderTransport:
         assert self._events is not None
         who = self.identity
         for rec in recs:
-            record, enc = encode_record(rec, who.run_id, who.rank)
-            frames = functools.partial(encode_frames, record, enc.buffers, enc.size, self.chunk_bytes)
+            record, enc = encode_record(rec, who.run_id, who.rank, self.chunk_bytes)
+            frames = functools.partial(enc.wire_frames, record, self.chunk_bytes)
             if not self._write(folder_record_name(who.run_id, who.rank, rec.seq), frames,
                                f"record {rec.seq} ({rec.name})"):
                 return False

@@ -23,7 +23,7 @@ from npu_agent.refusal import classify, client_certificate_refusal, plaintext_re
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos import online_check_pb2 as pb
 from protos.contract import STREAM_METHOD
-from protos.framing import encode_batch, encode_frames
+from protos.framing import encode_batch
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
@@ -297,13 +297,12 @@ class GrpcTransport:
         its own frames. False when that stream is gone (or the transport closed) before the last frame was queued:
         the records were not sent and go again later."""
         who = self.identity
-        encoded = [encode_record(rec, who.run_id, who.rank) for rec in recs]
+        encoded = [encode_record(rec, who.run_id, who.rank, self.chunk_bytes) for rec in recs]
         frames: Iterable[bytes]
-        if len(encoded) > 1:
+        if len(encoded) > 1 and all(enc.frames is None for _, enc in encoded):
             frames = [encode_batch([(record.SerializeToString(), enc.buffers, enc.size) for record, enc in encoded])]
         else:
-            record, enc = encoded[0]
-            frames = encode_frames(record, enc.buffers, enc.size, self.chunk_bytes)
+            frames = (frame for record, enc in encoded for frame in enc.wire_frames(record, self.chunk_bytes))
         for frame in frames:
             if self._put(frame, generation) is None:
                 return False

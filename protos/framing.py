@@ -20,7 +20,7 @@ from protos.limits import Limits
 Buffers = list[tuple[int, memoryview]]   # (offset inside the payload, bytes); the gaps between them are zeros
 
 # Frame field numbers and wire types, as online_check.proto declares them (tests/test_protos.py pins them).
-_DATA_TAG = b"\x7a"        # Frame.data = 15, length-delimited
+DATA_TAG = b"\x7a"        # Frame.data = 15, length-delimited
 _BATCH_TAG = b"\x2a"       # Frame.batch = 5, length-delimited
 _RECORD_TAG = b"\x0a"      # Batch.records = 1, length-delimited
 
@@ -35,7 +35,7 @@ def encode_frames(record: pb.Record, buffers: Buffers, payload_bytes: int, chunk
     while True:
         n = min(chunk_bytes, payload_bytes - pos)
         prefix = head if pos == 0 else pb.Frame(chunk=pb.Chunk(seq=seq, offset=pos)).SerializeToString()
-        yield b"".join([prefix, _DATA_TAG, varint(n), *cursor.take(n)]) if n else prefix
+        yield b"".join([prefix, DATA_TAG, varint(n), *cursor.take(n)]) if n else prefix
         pos += n
         if pos >= payload_bytes:
             return
@@ -51,7 +51,7 @@ def encode_batch(records: list[tuple[bytes, Buffers, int]]) -> bytes:
     total = sum(size for _, _, size in records)
     out: list[bytes | memoryview] = [_BATCH_TAG, varint(len(batch)), batch]
     if total:
-        out += [_DATA_TAG, varint(total)]
+        out += [DATA_TAG, varint(total)]
         for _, buffers, size in records:
             out += _Cursor(buffers, size).take(size)
     return b"".join(out)

@@ -50,6 +50,39 @@ def test_batch_bytes_are_protobufs_own_encoding():
     assert [p for _, p in split] == payloads
 
 
+def _large_record(seq: int) -> PendingRecord:
+    g = torch.Generator().manual_seed(seq)
+    dense = torch.randn(300, 257, generator=g)                                  # 308 KB, memmove
+    transposed = torch.randn(64, 96, generator=g).t()                            # strided: torch makes it dense
+    half = torch.randn(1000, 33, generator=g).to(torch.bfloat16)                 # odd size: padding follows
+    conj = torch.randn(50, 3, dtype=torch.complex64, generator=g).conj()         # lazily conjugated
+    return PendingRecord(name=f"Functional.mul.{seq}", step=0, seq=seq,
+                         inputs=snapshot(((dense, transposed, half, conj), {})), output=snapshot(dense * 2))
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 100_003])
+def test_large_payload_written_into_its_frames_is_the_generic_encoding(monkeypatch, chunk_bytes):
+    import npu_agent.records as records
+    from gpu_server.intake import FrameAssembler
+    from protos.codec import RecordDecoder
+
+    assert records.FRAMES_IN_PLACE, "CPython: large payloads are written straight into their frames"
+    record, enc = encode_record(_large_record(1), "big", 0, chunk_bytes)
+    assert enc.frames is not None and len(enc.frames) == -(-enc.size // chunk_bytes)
+    monkeypatch.setattr(records, "FRAMES_IN_PLACE", False)
+    ref_record, ref = encode_record(_large_record(1), "big", 0, chunk_bytes)
+    assert ref.frames is None
+    assert list(enc.wire_frames(record, chunk_bytes)) == list(ref.wire_frames(ref_record, chunk_bytes))
+    asm = FrameAssembler()
+    done = [asm.feed(pb.Frame.FromString(f)) for f in enc.frames][-1]
+    got_record, payload = done
+    dec = RecordDecoder(got_record, payload, DEFAULT_LIMITS)
+    args = [dec.value(v) for v in got_record.args.items]
+    src = _large_record(1).inputs.tree[0]
+    for a, b in zip(args, src):
+        assert a.dtype == b.dtype and torch.equal(a, b.resolve_conj())
+
+
 def test_broken_batches_are_refused_before_anything_is_held():
     parts = _encoded([_relu(0), _relu(1)])
     good = pb.Frame.FromString(encode_batch(parts))
@@ -73,6 +106,7 @@ def test_sender_batches_only_small_records_that_queued_up():
     class Recording:   # a transport that records what it is given; busy with the first until released
         identity = StreamIdentity("batch", 0, 1)
         connect_timeout_s = 0.1
+        chunk_bytes = 1 << 20
         reached = True
         generation = 1
 
