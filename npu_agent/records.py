@@ -64,16 +64,22 @@ class Encoded:
     """A record ready for the wire: its payload as `buffers` (small records), or its complete `frames` (large ones,
     written straight into them: npu_agent/payload.py)."""
 
-    __slots__ = ("buffers", "size", "frames")
+    __slots__ = ("_buffers", "size", "frames")
 
     def __init__(self, buffers: list[tuple[int, memoryview]], size: int, frames: list[bytes] | None = None) -> None:
-        self.buffers, self.size, self.frames = buffers, size, frames
+        self._buffers, self.size, self.frames = buffers, size, frames
+
+    @property
+    def buffers(self) -> list[tuple[int, memoryview]]:
+        if self.frames is not None:
+            raise ValueError("this record's payload was written straight into its frames: use wire_frames()")
+        return self._buffers
 
     def wire_frames(self, record: pb.Record, chunk_bytes: int) -> Iterable[bytes]:
         """The record's frames (any chunking below the limit is valid on the wire)."""
         if self.frames is not None:
             return self.frames
-        return encode_frames(record, self.buffers, self.size, chunk_bytes)
+        return encode_frames(record, self._buffers, self.size, chunk_bytes)
 
 
 class _PayloadEncoder(RecordEncoder):

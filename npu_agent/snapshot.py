@@ -9,7 +9,9 @@ it (copy on write):
   `_foreach_*_` kernels, ...) first calls `HELD.protect(...)` with the tensors it may write: every pending
   snapshot that references the same storage gets a private copy of the value before the write;
 - `optimizer.step()` and `zero_grad(set_to_none=False)` run outside the mode in most loops: `install()` adds a
-  global optimizer step pre-hook and wraps `zero_grad` to protect params, their gradients and the optimizer state.
+  global optimizer step pre-hook and wraps `zero_grad` to protect params, their gradients and the optimizer state;
+- when capture stops, the parameters and gradients still referenced get their copies (`protect_all`): the code
+  between `stop()` and the next `start()` is not seen by the mode, and a manual update writes exactly those.
 
 The sender thread serialises a snapshot by copying each tensor once, straight from its memory into the record's
 payload (npu_agent.records), then checks under the lock: a tensor copied on write meanwhile is taken from its copy
@@ -103,12 +105,40 @@ class HeldRefs:
         return self._copy_where(shares_storage)
 
     def protect_all(self) -> int:
-        """When capture stops (debugger.stop()): the training's code that follows is not seen by the mode (a manual
-        `p -= lr * p.grad`, a custom optimizer), so every reference not yet serialised gets its private copy now.
+        """When capture stops (debugger.stop()): the training's code that follows is not seen by the mode. What
+        such code changes in place is the model's parameters and their gradients (a manual `p -= lr * p.grad`, a
+        custom optimizer, `p.grad.zero_()`), so the references not yet serialised to parameters (leaves that
+        require grad) and to their gradients get a private copy now. Activations and other gradients are left as
+        they are: nothing in a training loop writes them after the step, and copying them all here cost as much as
+        the step itself (a mid-size transformer: ~0.9 GB a step). Should code outside the mode write one anyway,
+        its record is not sent with the changed value (the version check) but goes out skipped, with the reason.
         Returns the number of tensors copied."""
         if not self.pending:
             return 0
-        return self._copy_where(lambda entry: tensor_version(entry[0]) == entry[1])
+        grads = set()
+        with self.lock:
+            for ref in list(self.pending.values()):
+                snap = ref()
+                for entry in snap.held.values() if snap is not None else ():
+                    t = entry[0]
+                    if t.is_leaf and t.requires_grad and t.grad is not None:
+                        key = _storage_key(t.grad)
+                        if key is not None:
+                            grads.add(key)
+
+        def parameter_or_gradient(entry: list[Any]) -> bool:
+            t = entry[0]
+            if tensor_version(t) != entry[1]:
+                return False   # changed already: the version check skips its record; a copy now would be wrong
+            if t.is_leaf and t.requires_grad:
+                return True
+            if not grads:
+                return False
+            if entry[3] is None:
+                entry[3] = _storage_key(t)
+            return entry[3] in grads
+
+        return self._copy_where(parameter_or_gradient)
 
     def _copy_where(self, wanted: Callable[[list[Any]], bool]) -> int:
         """Give a private copy to every held, not yet copied tensor of the pending snapshots for which `wanted` is

@@ -8,7 +8,7 @@ Layout under `tensor.nfs_path` (the server reads the same folder as `run_ut.nfs_
 
 File format and names (`protos.folder_format`, shared with `gpu_server/folder.py`): the 8 bytes `FOLDER_MAGIC`, then
 frames, each as a 4-byte little-endian length followed by one serialized `Frame` (the same bytes
-`protos.codec.encode_frames` yields).
+`protos.framing` builds).
 
 Publishing a file: write it under the temporary name, fsync it, rename it to the final name (atomic within a
 folder), fsync the folder. Only then is the record acknowledged to the Sender: an acknowledged record is on disk

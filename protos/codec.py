@@ -357,6 +357,3 @@ def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:
 from protos.folder_format import FOLDER_MAGIC as FOLDER_MAGIC  # noqa: E402
 from protos.folder_format import folder_end_name as folder_end_name  # noqa: E402
 from protos.folder_format import folder_record_name as folder_record_name  # noqa: E402
-
-# Framing moved to protos/framing.py; re-exported here until every importer uses that module.
-from protos.framing import encode_frames as encode_frames  # noqa: E402

@@ -144,14 +144,13 @@ def to_job(rec, run_id: str = "test", rank: int = 0):
     from gpu_server.intake import FrameAssembler, decode_job
     from npu_agent.records import encode_record
     from protos import online_check_pb2 as pb
-    from protos.codec import encode_frames
 
     if rec.seq < 0:
         rec.seq = 0
     record, enc = encode_record(rec, run_id, rank)
     asm = FrameAssembler()
     done = None
-    for frame in encode_frames(record, enc.buffers, enc.size, 1 << 20):
+    for frame in enc.wire_frames(record, 1 << 20):
         done = asm.feed(pb.Frame.FromString(frame))
     assert done is not None, "frames did not complete a record"
     return decode_job(*done)

@@ -21,7 +21,6 @@ from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import apis
 from protos import online_check_pb2 as pb
-from protos.codec import encode_frames
 from tests import support
 from tests.support import capture, to_job
 
@@ -289,7 +288,7 @@ class _Evil:
 def _frames(name: str, args: tuple, kwargs: dict, out, seq: int, rank: int, run_id: str) -> list[bytes]:
     rec = PendingRecord(name=name, step=0, inputs=snapshot((args, kwargs)), output=snapshot(out), seq=seq)
     record, enc = encode_record(rec, run_id, rank)
-    return list(encode_frames(record, enc.buffers, enc.size, 1 << 20))
+    return list(enc.wire_frames(record, 1 << 20))
 
 
 def _stream(port: int, messages: list[bytes], want: int, timeout: float = 30) -> list[pb.Ack]:

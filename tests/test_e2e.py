@@ -11,7 +11,6 @@ from gpu_server.columns import DETAILS_HEADER, PRECISION_DETAILS_HEADER, PRECISI
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
-from protos.codec import encode_frames
 from protos.contract import STREAM_METHOD
 from tests.support import Server, agent_config, by_name, read_csv, read_header, run_training
 
@@ -110,7 +109,7 @@ def _raw_record(name: str, seq: int, tensors=(), corrupt=False) -> list[bytes]:
     record, enc = encode_record(rec, "rawclient", 0)
     if corrupt:
         record.tensors[0].nbytes += 4   # bytes no longer match the shape
-    return list(encode_frames(record, enc.buffers, enc.size, 1 << 20))
+    return list(enc.wire_frames(record, 1 << 20))
 
 
 def test_malformed_record_and_unknown_api_get_an_error_answer_and_a_skip_row(tmp_path):

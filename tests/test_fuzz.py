@@ -20,7 +20,7 @@ from gpu_server.intake import FrameAssembler, Intake
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
-from protos.codec import RecordDecoder, WireError, encode_frames
+from protos.codec import RecordDecoder, WireError
 from protos.contract import STREAM_METHOD
 from protos.limits import Limits, MiB
 from tests import support
@@ -39,7 +39,7 @@ def valid_record(seq: int = 0, name: str = "Functional.linear.0") -> tuple[pb.Re
     args = ((x, w, [1, 2.5, None, (torch.arange(3), {"k": slice(0, 2)})]), {"bias": None, "dt": torch.bfloat16})
     rec = PendingRecord(name=name, step=0, inputs=snapshot(args), output=snapshot(x.to(torch.bfloat16)), seq=seq)
     record, enc = encode_record(rec, "fuzzrun", 0)
-    frames = list(encode_frames(record, enc.buffers, enc.size, chunk_bytes=96))
+    frames = list(enc.wire_frames(record, 96))
     return record, frames
 
 

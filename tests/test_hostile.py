@@ -18,7 +18,6 @@ import torch
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
-from protos.codec import encode_frames
 from protos.contract import STREAM_METHOD
 from protos.limits import API_NAME, RUN_ID, log_text, valid_call_name
 from tests import support
@@ -106,7 +105,7 @@ def relu_frames(run_id: str, seq: int, rank: int = 0) -> list[bytes]:
     rec = PendingRecord(name=f"Functional.relu.{seq}", step=0, inputs=snapshot(((x,), {})),
                         output=snapshot(torch.relu(x)), seq=seq)
     record, enc = encode_record(rec, run_id, rank)
-    return list(encode_frames(record, enc.buffers, enc.size, 1 << 20))
+    return list(enc.wire_frames(record, 1 << 20))
 
 
 def header(seq: int, payload_bytes: int, data: bytes = b"", run_id: str = "hostile") -> bytes:

@@ -145,7 +145,6 @@ def _captured_add(run: str, rank: int, seq: int, shape=(2, 2)):
     from gpu_server.intake import FrameAssembler
     from npu_agent.records import encode_record
     from protos import online_check_pb2 as pb
-    from protos.codec import encode_frames
     from tests.support import capture
 
     a, b = torch.randn(*shape), torch.randn(*shape)
@@ -156,7 +155,7 @@ def _captured_add(run: str, rank: int, seq: int, shape=(2, 2)):
     rec.seq = seq
     record, enc = encode_record(rec, run, rank)
     asm, done = FrameAssembler(), None
-    for frame in encode_frames(record, enc.buffers, enc.size, 1 << 20):
+    for frame in enc.wire_frames(record, 1 << 20):
         done = asm.feed(pb.Frame.FromString(frame))
     return done[0], bytearray(done[1])
 

@@ -15,7 +15,6 @@ import torch
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
-from protos.codec import encode_frames
 from protos.contract import STREAM_METHOD
 from tests import support
 
@@ -29,7 +28,7 @@ def record_frames(run_id: str, seq: int = 0) -> list[bytes]:
     rec = PendingRecord(name="Functional.relu.0", step=0, inputs=snapshot(((x,), {})), output=snapshot(torch.relu(x)),
                         seq=seq)
     record, enc = encode_record(rec, run_id, 0)
-    return list(encode_frames(record, enc.buffers, enc.size, 1 << 20))
+    return list(enc.wire_frames(record, 1 << 20))
 
 
 def hello(run_id: str) -> bytes:

@@ -28,7 +28,6 @@ from npu_agent.capture import autocast_state
 from npu_agent.records import BACKWARD, PendingRecord, encode_record
 from npu_agent.snapshot import iter_tensors, snapshot
 from protos import online_check_pb2 as pb
-from protos.codec import encode_frames
 from protos.contract import STREAM_METHOD
 from tests.support import Server, agent_config, by_name, capture, read_csv, run_training
 
@@ -196,7 +195,7 @@ def send_raw(port: int, recs: list[PendingRecord]) -> list:
     frames = []
     for rec in recs:
         record, enc = encode_record(rec, RUN_ID, 0)
-        frames += list(encode_frames(record, enc.buffers, enc.size, 1 << 20))
+        frames += list(enc.wire_frames(record, 1 << 20))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         stream = channel.stream_stream(STREAM_METHOD, request_serializer=None,

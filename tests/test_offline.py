@@ -122,7 +122,6 @@ from gpu_server.intake import FrameAssembler
 from gpu_server.spool import Spool
 from npu_agent.records import encode_record
 from protos import online_check_pb2 as pb
-from protos.codec import encode_frames
 from tests import support
 from tests.faulty_kernels import install
 
@@ -142,7 +141,7 @@ for seq, rec in enumerate(sink):
     rec.seq = seq
     record, enc = encode_record(rec, "run1", 0)
     asm, done = FrameAssembler(), None
-    for frame in encode_frames(record, enc.buffers, enc.size, 1 << 20):
+    for frame in enc.wire_frames(record, 1 << 20):
         done = asm.feed(pb.Frame.FromString(frame))
     tickets.append(spool.append(*done))
 assert all(t.wait(30)[0] == pb.Ack.ACCEPTED for t in tickets)
