@@ -1,12 +1,15 @@
 """Transport throughput, side by side in one run on loopback (docs/design.md §5, §8: ratios, not promises).
 
-    python bench/transport.py            # 64 KiB, 1 MiB and 16 MiB float32 tensors, ~256 MiB each (< ~2 min)
-    python bench/transport.py --quick    # a smoke run (~32 MiB each)
+    python bench/transport.py            # 4 KiB (20,000 records), 64 KiB, 1 MiB, 16 MiB (~256 MiB each; ~5 min)
+    python bench/transport.py --quick    # a smoke run (~32 MiB each, 5,000 small records)
 
-For each tensor size it measures, with the receiving side in a separate process:
+For each tensor size it measures, with the receiving side in a separate process, after one warm-up record (the
+connection and TLS handshake are not timed):
 
 * ours (gRPC):   the real agent path: Sender + GrpcTransport -> gpu_server StreamHandler + Intake (decode included;
-                 the intake's dispatch only counts, so no replay), until every record is acknowledged;
+                 the intake's dispatch only counts, so no replay), until every record is acknowledged; small
+                 records that queue up travel together (Batch frames);
+* one a message: the same with the sender's batching turned off;
 * ours (mTLS):   the same over mutual TLS (certificates made with certs/make_certs.py in a temporary folder);
 * ours (folder): Sender + FolderTransport -> a temporary folder -> FolderReader + Intake, until the reader has
                  taken the end-of-stream marker (every record read, decoded and deleted);
@@ -14,7 +17,9 @@ For each tensor size it measures, with the receiving side in a separate process:
                  raw chunks of at most 4 MiB (the best case of reference/limits.md);
 * raw TCP:       the same bytes over a plain socket (sendall / recv_into).
 
-It prints MB/s and records/s for each, and the ratios ours / raw gRPC and ours / raw TCP.
+It prints MB/s, records/s and the CPU time per record of the sending and the receiving process (the receiver's
+from /proc, in clock ticks) for each, then the ratios: ours / raw gRPC (the goal: >= 0.8), mTLS / raw gRPC,
+ours / raw TCP, batched / one a message, folder / ours.
 """
 from __future__ import annotations
 
