@@ -139,9 +139,10 @@ class Checker:
         return self.pending.forward_done(job)
 
     def _forward_complete(self, job: Job, outcome: Outcome) -> Completion:
-        """A forward that gets no replay. A restored one (its SKIP or result may have differed at first) waits for
-        its backward record again all the same: its result row is not written yet."""
-        if not self._write_rows:
+        """A forward that gets no replay. One whose backward record is to come waits for it (one call, one result
+        row), and so does a restored one (its SKIP or result may have differed at first): its result row is not
+        written yet."""
+        if not self._write_rows or job.backward_expected:
             return self._hold(job, outcome)
         self._finish(job, outcome, None)
         return self.pending.forward_done(job)
@@ -162,6 +163,9 @@ class Checker:
             [SKIP], [SKIP], "forward record of this call was not received")
         if job.skip_reason:
             bwd = self._skip_rows(rep, job, "backward", job.skip_reason)
+        elif fwd_job is not None and fwd_job.skip_reason:
+            bwd = self._skip_rows(rep, job, "backward", f"backward not replayed: its forward record was skipped "
+                                                        f"({fwd_job.skip_reason})")
         elif fwd_job is None:
             why = ("its forward inputs were evicted from the server's backward memory; raise --backward-memory-mb"
                    if waiting is not None and waiting.evicted else "its forward record was not received")

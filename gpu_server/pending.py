@@ -8,6 +8,7 @@ decision about what is reported and journaled is made here, whatever ends the wa
 |------------------------------------|-------------------------------------|---------------------------------------|
 | forward checked, no backward comes | details + result                    | record `d` (done)                     |
 | forward checked, backward expected | details; the call waits here        | record `h` (half: stays in the spool) |
+| forward SKIP, backward expected    | SKIP details; the call waits here   | record `h` (its backward: SKIP too)   |
 | its backward checked               | backward details + result           | both records `d`                      |
 | the rank ended (End message)       | result, backward SKIP "never came"  | the forward `d`                       |
 | forward inputs evicted (memory)    | later: backward SKIP naming the cap | unchanged until the backward comes    |
