@@ -5,9 +5,11 @@ written by `npu_agent/transport_folder.py` and feeds them to the intake.
 Rules:
 
 * Only names the agent writes are read: `{run_id}.rank{r}.{seq:012d}.rec` and `{run_id}.rank{r}.end` inside
-  `rank{r}/` (the same r). Nothing from a file's content is ever used as a path. Hidden files (temporary files
-  being written, NFS silly-renames) are ignored. Any other file, and any file whose content is not one valid
-  record matching its name, is reported once and moved aside to `nfs_path/rejected/`.
+  `rank{r}/` (the same r). A `.rec` file holds one record, or one Batch frame of consecutive records from the
+  sequence number of its name on (small records written together: one file, one fsync). Nothing from a file's
+  content is ever used as a path. Hidden files (temporary files being written, NFS silly-renames) are ignored. Any
+  other file, and any file whose content is not one valid record (or batch) matching its name, is reported once
+  and moved aside to `nfs_path/rejected/`.
 * Each run and rank is processed in sequence order. A missing sequence number is waited for; it is skipped (with a
   warning) only when that run's end marker has been present for `gap_grace_s`, since the agent writes the marker
   after every record it will ever write. The end marker is handled after every record before it.
@@ -42,6 +44,7 @@ from gpu_server.intake import FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.folder_format import END_FILE, FOLDER_MAGIC, FRAME_LENGTH, RANK_DIR, RECORD_FILE
+from protos.framing import split_batch
 from protos.limits import DEFAULT_LIMITS, Limits, log_text
 
 log = logging.getLogger("gpu_server")
@@ -202,7 +205,7 @@ class FolderReader:
                 return busy
             if seq < st.next_seq:
                 # Older than what this process already handled (a re-published file): the intake dedupes it.
-                busy |= self._process_record(folder, files[seq], run_id, rank, seq)
+                busy |= self._process_record(folder, files[seq], run_id, rank, seq) > 0
                 continue
             if seq > st.next_seq:
                 end_settled = st.end_seen_at is not None and now - st.end_seen_at >= self.gap_grace_s
@@ -218,9 +221,10 @@ class FolderReader:
                 log.warning("shared folder: run %s rank %d: records %d..%d never arrived (the agent ended without "
                             "them); going on with %d", run_id, rank, st.next_seq, seq - 1, seq)
                 st.next_seq = seq
-            if not self._process_record(folder, files[seq], run_id, rank, seq):
+            covered = self._process_record(folder, files[seq], run_id, rank, seq)
+            if not covered:
                 return busy
-            st.next_seq = seq + 1
+            st.next_seq = seq + covered
             st.gap_since, st.gap_reported = None, False
             busy = True
         handled = set(files.values())
@@ -274,13 +278,20 @@ class FolderReader:
                     raise BadFile(f"the {n}-byte frame at byte {pos - n} is not a valid Frame") from None
                 yield frame, size - pos
 
-    def _load_record(self, folder: _Dir, name: str, run_id: str, rank: int, seq: int) -> tuple[pb.Record, bytearray]:
+    def _load_records(self, folder: _Dir, name: str, run_id: str, rank: int,
+                      seq: int) -> list[tuple[pb.Record, bytes | bytearray]]:
+        """The records of one file: one record (its frames), or a batch of consecutive records starting at the
+        name's sequence number (one Batch frame). Raises BadFile when the content is not what the name says."""
         asm = FrameAssembler(self.limits)
         done = None
         for frame, remaining in self._read_frames(folder, name):
             if done is not None:
                 raise BadFile("more frames follow the complete record")
             body = frame.WhichOneof("body")
+            if body == "batch":
+                if remaining:
+                    raise BadFile("more frames follow the batch")
+                return self._batch_records(frame, run_id, rank, seq)
             if body == "record":
                 h = frame.record.header
                 if (h.run_id, h.rank, h.seq) != (run_id, rank, seq):
@@ -299,33 +310,49 @@ class FolderReader:
                 raise BadFile(str(exc)) from None
         if done is None:
             raise BadFile("the file ends before the record is complete")
-        return done
+        return [done]
 
-    def _process_record(self, folder: _Dir, name: str, run_id: str, rank: int, seq: int) -> bool:
-        """Handle one record file. False when it could not be read now (retry later, keep the order)."""
+    def _batch_records(self, frame: pb.Frame, run_id: str, rank: int, seq: int) -> list[tuple[pb.Record, bytes]]:
+        try:
+            parts = split_batch(frame, self.limits)
+        except WireError as exc:
+            raise BadFile(str(exc)) from None
+        for i, (rec, _) in enumerate(parts):
+            h = rec.header
+            if (h.run_id, h.rank, h.seq) != (run_id, rank, seq + i):
+                raise BadFile(f"its record {i} is run {h.run_id[:64]!r} rank {h.rank} seq {h.seq}, not record "
+                              f"{seq + i} of the run and rank its name says")
+        return parts
+
+    def _process_record(self, folder: _Dir, name: str, run_id: str, rank: int, seq: int) -> int:
+        """Handle one record file: the number of sequence numbers it covered (a batch file covers several), or 0
+        when it could not be read now (retry later, keep the order)."""
         path = folder.join(name)
         try:
-            record, payload = self._load_record(folder, name, run_id, rank, seq)
+            records = self._load_records(folder, name, run_id, rank, seq)
         except FileNotFoundError:
-            return True  # removed meanwhile (another reader of the same folder); nothing to do
+            return 1  # removed meanwhile (another reader of the same folder); nothing to do
         except OSError as exc:
             if exc.errno != errno.ELOOP:  # a read error (NFS hiccup, permissions): try again on a later poll
                 self._report_once(path, "shared folder: cannot read %s (%s); retrying", path, exc)
-                return False
+                return 0
             exc = BadFile("it is a symbolic link")
             self.intake.rejected += 1
             self._move_aside(folder, name, str(exc))
-            return True
+            return 1
         except BadFile as exc:
             self.intake.rejected += 1
             self._move_aside(folder, name, str(exc))
-            return True
-        status, reason = self.intake.accept(record, payload)
-        del payload
-        if status == pb.Ack.REJECTED:
-            log.warning("shared folder: %s rejected: %s", name, reason)
+            return 1
+        n = len(records)
+        while records:
+            record, payload = records.pop(0)
+            status, reason = self.intake.accept(record, payload)
+            del payload
+            if status == pb.Ack.REJECTED:
+                log.warning("shared folder: %s (record %d) rejected: %s", name, record.header.seq, reason)
         self._remove(folder, name)
-        return True
+        return n
 
     def _process_end(self, folder: _Dir, name: str, run_id: str, rank: int, st: _Stream) -> None:
         path = folder.join(name)

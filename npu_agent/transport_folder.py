@@ -2,7 +2,8 @@
 
 Layout under `tensor.nfs_path` (the server reads the same folder as `run_ut.nfs_path`)::
 
-    rank{r}/{run_id}.rank{r}.{seq:012d}.rec     one record: its Frames, exactly as on the gRPC stream
+    rank{r}/{run_id}.rank{r}.{seq:012d}.rec     one record: its Frames, exactly as on the gRPC stream; or small
+                                                records seq, seq+1, ... in one Batch frame
     rank{r}/{run_id}.rank{r}.end                end of stream: one End Frame with the counts
     rank{r}/.{final name}.{pid}.{random}.tmp    being written (hidden: the server never reads it)
 
@@ -35,6 +36,7 @@ from collections.abc import Callable, Iterable
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos.folder_format import file_chunks, folder_end_name, folder_record_name, rank_dir_name
+from protos.framing import encode_batch
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
@@ -177,12 +179,23 @@ class FolderTransport:
         self._events.on_refused(refusal)
 
     def send_records(self, recs: list[PendingRecord], generation: int) -> bool:
-        """Write each of `recs` to its own file (the folder has one stream: `generation` is always 1) and
-        acknowledge it once on disk."""
+        """Write `recs` (the folder has one stream: `generation` is always 1) and acknowledge each once on disk.
+        Small records with consecutive sequence numbers share one file (one Batch frame, named by the first: one
+        fsync for all); any other record gets its own file."""
         assert self._events is not None
         who = self.identity
-        for rec in recs:
-            record, enc = encode_record(rec, who.run_id, who.rank, self.chunk_bytes)
+        encoded = [(rec, *encode_record(rec, who.run_id, who.rank, self.chunk_bytes)) for rec in recs]
+        consecutive = all(b[0].seq == a[0].seq + 1 for a, b in zip(encoded, encoded[1:]))
+        if len(encoded) > 1 and consecutive and all(enc.frames is None for _, _, enc in encoded):
+            first = recs[0]
+            batch = encode_batch([(record.SerializeToString(), enc.buffers, enc.size) for _, record, enc in encoded])
+            if not self._write(folder_record_name(who.run_id, who.rank, first.seq), lambda: [batch],
+                               f"records {first.seq}..{recs[-1].seq}"):
+                return False
+            for rec in recs:
+                self._events.on_ack(rec.seq, "ACCEPTED", "")
+            return True
+        for rec, record, enc in encoded:
             frames = functools.partial(enc.wire_frames, record, self.chunk_bytes)
             if not self._write(folder_record_name(who.run_id, who.rank, rec.seq), frames,
                                f"record {rec.seq} ({rec.name})"):

@@ -2,7 +2,8 @@
 
 `npu_agent/transport_folder.py` writes, `gpu_server/folder.py` reads (docs/design.md §5)::
 
-    {nfs_path}/rank{r}/{run_id}.rank{r}.{seq:012d}.rec    one record: its Frames, exactly as on the gRPC stream
+    {nfs_path}/rank{r}/{run_id}.rank{r}.{seq:012d}.rec    one record: its Frames, exactly as on the gRPC stream;
+                                                          or one Batch frame of records seq, seq+1, ...
     {nfs_path}/rank{r}/{run_id}.rank{r}.end               end of stream: one End Frame with the counts
 
 A file is :data:`FOLDER_MAGIC`, then frames, each a 4-byte little-endian length (:data:`FRAME_LENGTH`) and one

@@ -4,6 +4,7 @@ batch is validated, stored and answered as if it had come alone, and a real agen
 every record checked exactly once."""
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -18,6 +19,7 @@ from npu_agent.transport import StreamIdentity
 from npu_agent.transport_grpc import GrpcTransport
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
+from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH
 from protos.framing import encode_batch, split_batch
 from protos.limits import DEFAULT_LIMITS
 from tests import support
@@ -197,3 +199,46 @@ def test_agent_with_batches_gets_every_record_checked_once(tmp_path):
     rows = support.read_csv(server.out, "accuracy_checking_result")
     names = [r["API name"] for r in rows]
     assert len(names) == len(set(names)) == n
+
+
+class _Acks:
+    def __init__(self):
+        self.acks = []
+
+    def on_ack(self, seq, status, reason):
+        self.acks.append((seq, status))
+
+    def on_reconnect(self, generation):
+        pass
+
+    def on_refused(self, refusal):
+        raise AssertionError(refusal)
+
+
+def test_folder_small_records_share_one_file_and_are_read_in_order(tmp_path):
+    from npu_agent.transport import Counts, end_frame
+    from npu_agent.transport_folder import FolderTransport
+    from protos.folder_format import folder_end_name, folder_record_name
+    from tests.test_folder import Collect
+
+    nfs = tmp_path / "nfs"
+    transport = FolderTransport(str(nfs), "folderbatch", 0, 1)
+    events = _Acks()
+    transport.start(events)
+    assert transport.send_records([_relu(seq) for seq in range(4)], 1)
+    assert transport.send_records([_relu(4), _relu(6)], 1)   # not consecutive: a file each
+    assert events.acks == [(s, "ACCEPTED") for s in (0, 1, 2, 3, 4, 6)]
+    assert transport.send_end(end_frame(transport.identity, Counts(captured=7, sent=7, acknowledged=7), 10), 5)
+    assert sorted(os.listdir(nfs / "rank0")) == sorted([folder_end_name("folderbatch", 0)] + [
+        folder_record_name("folderbatch", 0, s) for s in (0, 4, 6)])
+    # a forged batch file: its second record claims another sequence number
+    forged = encode_batch(_encoded([_relu(7), _relu(9)], run_id="folderbatch"))
+    (nfs / "rank0" / folder_record_name("folderbatch", 0, 7)).write_bytes(
+        FOLDER_MAGIC + FRAME_LENGTH.pack(len(forged)) + forged)
+    c = Collect()
+    reader = c.reader(nfs, gap_grace_s=0.0)
+    while reader.poll_once():
+        pass
+    assert [j.seq for j in c.jobs] == [0, 1, 2, 3, 4, 6] and len(c.ends) == 1
+    rejected = os.listdir(nfs / "rejected")
+    assert len(rejected) == 1 and folder_record_name("folderbatch", 0, 7) in rejected[0]

@@ -49,11 +49,16 @@ class Collect:
 
 
 def write_run(nfs, n: int, run_id: str = RUN, rank: int = 0, chunk_bytes: int = 1 << 20, big: int = 16) -> dict:
-    """Send n records through the real Sender and FolderTransport, end of stream included; return the counts."""
+    """Send n records through the real Sender and FolderTransport, end of stream included; return the counts. Each
+    record is written before the next is submitted, so each gets its own file (records that queue up share one:
+    tests/test_batching.py)."""
     transport = FolderTransport(str(nfs), run_id, rank, 1, chunk_bytes=chunk_bytes)
     sender = Sender(transport, budget_bytes=64 << 20)
     for i in range(n):
         assert sender.submit(make_record(i, big if i == 1 else 16))
+        deadline = time.monotonic() + 30
+        while sender.counts.acknowledged <= i and time.monotonic() < deadline:
+            time.sleep(0.001)
     return sender.close(timeout=30)
 
 

@@ -57,8 +57,11 @@ def test_the_transport_writes_around_a_planted_link_and_loses_nothing(tmp_path, 
     (nfs / "rank0" / folder_record_name(RUN, 0, 1)).symlink_to(precious)
     transport = FolderTransport(str(nfs), RUN, 0, 1, max_retry_s=0.05)
     sender = Sender(transport, budget_bytes=64 << 20)
-    for i in range(2):
+    for i in range(2):   # one at a time: each record its own file (records that queue up would share one)
         assert sender.submit(make_record(i))
+        deadline = time.monotonic() + 30
+        while sender.counts.acknowledged <= i and time.monotonic() < deadline:
+            time.sleep(0.001)
     counts = sender.close(timeout=30)
     assert counts["acknowledged"] == 2 and counts["unacknowledged"] == 0, counts
     assert precious.read_text() == "the user's own file"
