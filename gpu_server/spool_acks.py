@@ -17,17 +17,20 @@ log = logging.getLogger("gpu_server")
 BATCH_BYTES = 256 << 20        # one group commit writes at most this much (then the next batch starts)
 
 
+_ANSWERED = threading.Event()
+_ANSWERED.set()
+
+
 class Ticket:
     """The acknowledgement of one record, ready once the record is durable (or at once for immediate answers)."""
 
     __slots__ = ("_event", "status", "reason", "seq", "after")
 
     def __init__(self, seq: int = 0, status: int | None = None, reason: str = "", after: Ticket | None = None):
-        self._event = threading.Event()
+        # An answer known at once shares one event that is set for good (most records of a busy stream).
+        self._event = _ANSWERED if status is not None else threading.Event()
         self.seq, self.status, self.reason = seq, status, reason
         self.after = after   # answer only once this earlier ticket is ready (a duplicate, a spooled rejection)
-        if status is not None:
-            self._event.set()
 
     def set(self, status: int, reason: str = "") -> None:
         if not self._event.is_set():

@@ -215,7 +215,7 @@ class RecordDecoder:
             numel *= d
             if numel > lim.max_numel:
                 raise WireError(f"tensor {i}: shape {list(meta.shape)} exceeds the limit of {lim.max_numel} elements")
-        elsize = torch.empty((), dtype=dtype).element_size()
+        elsize = dtype.itemsize
         if meta.nbytes != numel * elsize:
             raise WireError(f"tensor {i}: {meta.nbytes} bytes do not match shape {list(meta.shape)} of {meta.dtype} "
                             f"({numel * elsize} bytes)")
