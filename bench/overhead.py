@@ -19,6 +19,7 @@ are totals over the rounds divided by the steps. Ratios are printed last.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -111,6 +112,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@contextlib.contextmanager
+def checking_server(work: str, server_cfg: str, port: int):
+    """A real gpu-server on the server core (one torch thread), listening on `port` for the block; then killed (its
+    checking backlog is not what these benches measure)."""
+    log = open(os.path.join(work, "server.log"), "w")
+    pin = (lambda: os.sched_setaffinity(0, {SERVER_CORE})) if SERVER_CORE is not None else None
+    server = subprocess.Popen([sys.executable, "-m", "gpu_server.cli", "--config", server_cfg, "--out",
+                               os.path.join(work, "out"), "--quiet"], stdout=log, stderr=subprocess.STDOUT,
+                              env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=pin)
+    try:
+        for _ in range(600):
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        yield server
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=60)
+        log.close()
+
+
 def _round(model, opt, data, dbg) -> tuple[float, float]:
     c0, w0 = time.process_time(), time.perf_counter()
     for idx, tgt in data:
@@ -159,25 +182,11 @@ def main() -> None:
     with open(agent_cfg, "w") as fh:
         json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "host": "127.0.0.1",
                                                                  "port": port, "online_memory_mb": 4096}}, fh)
-    log = open(os.path.join(work, "server.log"), "w")
-    pin = (lambda: os.sched_setaffinity(0, {SERVER_CORE})) if SERVER_CORE is not None else None
-    server = subprocess.Popen([sys.executable, "-m", "gpu_server.cli", "--config", server_cfg, "--out",
-                               os.path.join(work, "out"), "--quiet"], stdout=log, stderr=subprocess.STDOUT,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"), preexec_fn=pin)
     results = []
-    try:
-        for _ in range(600):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
+    with checking_server(work, server_cfg, port):
         for name in ns.models.split(","):
             steps = ns.tiny_steps if name == "tiny" else ns.mid_steps
             results.append(bench_model(name, steps, ns.rounds, agent_cfg))
-    finally:
-        server.send_signal(signal.SIGKILL)   # its checking backlog is not what this bench measures
-        server.wait(timeout=60)
-        log.close()
     print(f"training on core {TRAIN_CORE}, server on core {SERVER_CORE}, torch threads {torch.get_num_threads()}")
     for r in results:
         c = r["counts"]

@@ -14,17 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import overhead  # noqa: E402  (pins this process to one core and torch to one thread on import)
 import torch  # noqa: E402
-from gpu_server.demo import TinyLM, batches  # noqa: E402
+from examples.demo import TinyLM, batches  # noqa: E402
 
 POLICIES = {
     "every call": {},
@@ -54,20 +51,7 @@ def main() -> None:
             json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "host": "127.0.0.1",
                                                                      "port": port, "online_memory_mb": 4096,
                                                                      **keys}}, fh)
-    log = open(os.path.join(work, "server.log"), "w")
-    core = overhead.SERVER_CORE
-    server = subprocess.Popen([sys.executable, "-m", "gpu_server.cli", "--config", server_cfg, "--out",
-                               os.path.join(work, "out"), "--quiet"], stdout=log, stderr=subprocess.STDOUT,
-                              env=dict(os.environ, OMP_NUM_THREADS="1"),
-                              preexec_fn=(lambda: os.sched_setaffinity(0, {core})) if core is not None else None)
-    try:
-        import socket
-
-        for _ in range(600):
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.1)
+    with overhead.checking_server(work, server_cfg, port):
         torch.manual_seed(0)
         model = TinyLM(vocab=96, d=64, heads=4, layers=ns.layers, seq=32, dropout=0.0)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -82,10 +66,6 @@ def main() -> None:
                 cpu[name] += c
                 wall[name] += w
         counts = {name: dbg.dbg.close() for name, dbg in variants.items() if dbg is not None}
-    finally:
-        server.send_signal(signal.SIGKILL)
-        server.wait(timeout=60)
-        log.close()
     n = ns.steps * ns.rounds
     every = counts["every call"]
     calls = every["forward_calls"]
