@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -183,10 +184,13 @@ def main() -> None:
         json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "host": "127.0.0.1",
                                                                  "port": port, "online_memory_mb": 4096}}, fh)
     results = []
-    with checking_server(work, server_cfg, port):
-        for name in ns.models.split(","):
-            steps = ns.tiny_steps if name == "tiny" else ns.mid_steps
-            results.append(bench_model(name, steps, ns.rounds, agent_cfg))
+    try:
+        with checking_server(work, server_cfg, port):
+            for name in ns.models.split(","):
+                steps = ns.tiny_steps if name == "tiny" else ns.mid_steps
+                results.append(bench_model(name, steps, ns.rounds, agent_cfg))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)   # the server's spool and reports: gigabytes on the mid model
     print(f"training on core {TRAIN_CORE}, server on core {SERVER_CORE}, torch threads {torch.get_num_threads()}")
     for r in results:
         c = r["counts"]

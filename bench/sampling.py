@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import overhead  # noqa: E402  (pins this process to one core and torch to one thread on import)
 import torch  # noqa: E402
+
 from examples.demo import TinyLM, batches  # noqa: E402
 
 POLICIES = {
@@ -51,21 +53,24 @@ def main() -> None:
             json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "host": "127.0.0.1",
                                                                      "port": port, "online_memory_mb": 4096,
                                                                      **keys}}, fh)
-    with overhead.checking_server(work, server_cfg, port):
-        torch.manual_seed(0)
-        model = TinyLM(vocab=96, d=64, heads=4, layers=ns.layers, seq=32, dropout=0.0)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        data = list(batches(ns.steps, batch=4, seq=32))
-        overhead._round(model, opt, data[:2], None)
-        variants = {"off": None, **{name: overhead._Online(cfg) for name, cfg in cfgs.items()}}
-        cpu = dict.fromkeys(variants, 0.0)
-        wall = dict.fromkeys(variants, 0.0)
-        for _ in range(ns.rounds):
-            for name, dbg in variants.items():
-                c, w = overhead._round(model, opt, data, dbg)
-                cpu[name] += c
-                wall[name] += w
-        counts = {name: dbg.dbg.close() for name, dbg in variants.items() if dbg is not None}
+    try:
+        with overhead.checking_server(work, server_cfg, port):
+            torch.manual_seed(0)
+            model = TinyLM(vocab=96, d=64, heads=4, layers=ns.layers, seq=32, dropout=0.0)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+            data = list(batches(ns.steps, batch=4, seq=32))
+            overhead._round(model, opt, data[:2], None)
+            variants = {"off": None, **{name: overhead._Online(cfg) for name, cfg in cfgs.items()}}
+            cpu = dict.fromkeys(variants, 0.0)
+            wall = dict.fromkeys(variants, 0.0)
+            for _ in range(ns.rounds):
+                for name, dbg in variants.items():
+                    c, w = overhead._round(model, opt, data, dbg)
+                    cpu[name] += c
+                    wall[name] += w
+            counts = {name: dbg.dbg.close() for name, dbg in variants.items() if dbg is not None}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     n = ns.steps * ns.rounds
     every = counts["every call"]
     calls = every["forward_calls"]
