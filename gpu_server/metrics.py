@@ -211,16 +211,14 @@ def _analyse_floats(bench: torch.Tensor, devices: list, chunk: int) -> list[Anal
         accs.append(acc)
         # every element finite on both sides and in the device dtype: the inf/nan terms are all zero
         fast.append(bench_ok and dmax_value < _FAST_LIMIT)
+    quick = [(acc, d) for acc, d, q in zip(accs, flat_ds, fast) if q]
+    slow = [(acc, d) for acc, d, q in zip(accs, flat_ds, fast) if not q]
     for start in range(0, numel, chunk):
-        b = flat_b[start:start + chunk]
-        terms = None
-        for acc, d, quick in zip(accs, flat_ds, fast):
-            if quick:
-                if terms is None:
-                    terms = _BenchTerms(b, acc, bmax)
-                acc.add_finite(terms, d[start:start + chunk])
-            else:
-                acc.add(b, d[start:start + chunk])
+        stop = min(numel, start + chunk)
+        if quick:
+            _add_finite_chunk(flat_b, quick, bmax, start, stop)
+        for acc, d in slow:
+            acc.add(flat_b[start:stop], d[start:stop])
     return [Analysis(acc.metrics(numel), acc.cosine(numel), numel, device_dtype, True) for acc in accs]
 
 
@@ -338,43 +336,6 @@ class _Accumulator:
         self._sum("bb", bn.square())
         self._sum("dd", dn.square())
 
-    def add_finite(self, terms: "_BenchTerms", device: torch.Tensor) -> None:
-        """`add` for a chunk whose bench, device and bench-in-the-device-dtype values are all finite and below
-        2^900 (checked on the whole output by the caller): the same values, without the inf/nan terms (all zero
-        there) and with the bench's own terms computed once for every output compared with it."""
-        p, t = self.p, THRESHOLDS
-        b, d = terms.b, device.double()
-        diff = d - b                 # finite: d > b <=> diff > 0, d != b <=> diff != 0 (no NaN)
-        abs_err = diff.abs()
-        rel = abs_err / terms.denom
-        self._max("abs", abs_err)
-        self._count("hundredth", rel < t.hundredth)
-        self._count("thousandth", rel < t.thousandth)
-        self._count("ten_thousandth", rel < t.ten_thousandth)
-        above, below = torch.count_nonzero(diff > 0), torch.count_nonzero(diff < 0)
-        self.counts["binary"] = self.counts["binary"] + above + below
-        self.counts["above"] = self.counts["above"] + above
-        self.counts["below"] = self.counts["below"] + below
-        normal = terms.normal
-        self.counts["small"] = self.counts["small"] + terms.small_count
-        self._count("small_bad", terms.small & (abs_err > p.small_atol))
-        self.counts["normal"] = self.counts["normal"] + (b.numel() - terms.small_count)
-        self._count("rel_bad", normal & (rel > p.rtol))
-        # abs_err and rel are finite below 2^900: times a 0/1 mask they are `where(normal, x, 0.0)` exactly; the
-        # max of the masked rel differs from `add`'s (-1 for no normal element) only where `metrics` reads 0 anyway
-        self._sum("sq", (abs_err * terms.normal_f).square())
-        rel_normal = rel.mul_(terms.normal_f)
-        self._sum("rel", rel_normal)
-        self._max("rel", rel_normal)
-        ulp = abs_err * terms.spacing * (2.0 ** p.ulp_precision)
-        self._max("ulp", ulp)
-        self._sum("ulp", ulp)
-        self._count("ulp_over", ulp > p.ulp_threshold)
-        dn = d / self.dmax
-        self._sum("dot", terms.bn * dn)
-        self.sums["bb"] = self.sums["bb"].to(b.device) + terms.bb
-        self._sum("dd", dn.square())
-
     def _resolve(self) -> tuple[dict[str, int], dict[str, float]]:
         """Every count and float statistic as Python numbers, in two transfers (no device sync per statistic)."""
         if self._resolved is None:
@@ -432,23 +393,131 @@ class _Accumulator:
         )
 
 
-class _BenchTerms:
-    """The bench's own per-element terms of one chunk (all values finite), shared by every output compared with it;
-    each is computed exactly as `_Accumulator.add` computes it."""
+# -- the finite fast path: one pass over a chunk in cache-sized tiles, into reused buffers ---------------------------
+_TILE = 1 << 15   # elements per tile on a CPU bench: every float64 temporary of a tile stays in the core's cache
 
-    def __init__(self, bench: torch.Tensor, acc: _Accumulator, bmax: torch.Tensor):
-        p = acc.p
-        self.b = b = bench.double()
-        abs_b = b.abs()
-        self.denom = abs_b + acc.eps
-        self.small = abs_b <= p.small_value
-        self.normal = ~self.small
-        self.small_count = torch.count_nonzero(self.small)
-        self.normal_f = self.normal.double()
-        # `add`'s exp2(-eb), eb = max(floor(log2|b|), min_eb), from the bits: the biased exponent of a float64 is
+
+class _Scratch:
+    """Buffers of one thread, reused from output to output (no allocation, no page faults per metric)."""
+
+    def __init__(self):
+        self._bufs: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
+
+
+def _scratch() -> _Scratch:
+    s = getattr(_local, "scratch", None)
+    if s is None:
+        s = _local.scratch = _Scratch()
+    return s
+
+
+_SUMS = ("sq", "rel", "ulp", "dot", "dd")
+
+
+def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, stop: int) -> None:
+    """`_Accumulator.add` of elements [start, stop) for outputs whose bench, device and bench-in-the-device-dtype
+    values are all finite and below 2^900 (checked on the whole output by the caller): the same values, without the
+    inf/nan terms (all zero there), the bench's own terms computed once for every output compared with it.
+
+    The elementwise terms are computed tile by tile into reused buffers (cache-sized on a CPU bench; the whole chunk
+    on a GPU); counts and maxima are exact whatever the tiling, and every sum is taken over the whole chunk's
+    summands at once, so each statistic is bit for bit what one pass over the chunk computes."""
+    n, dev = stop - start, flat_b.device
+    sc = _scratch()
+    f64 = torch.float64
+    acc0 = quick[0][0]
+    p, t = acc0.p, THRESHOLDS
+    tile = _TILE if dev.type == "cpu" else n
+    scale = 2.0 ** p.ulp_precision
+    # whole-chunk summands (summed once per chunk, like one pass would) and per-tile scratch
+    bb = sc.get("bb", n, f64, dev)
+    sums = [{k: sc.get(f"{k}{j}", n, f64, dev) for k in _SUMS} for j in range(len(quick))]
+    size = min(tile, n)
+    b_t, absb, denom, normal_f, bn = (sc.get(k, size, f64, dev) for k in ("b", "absb", "denom", "normalf", "bn"))
+    d_t, diff, abs_err, rel, tmp = (sc.get(k, size, f64, dev) for k in ("d", "diff", "abserr", "rel", "tmp"))
+    small, normal, mask = (sc.get(k, size, torch.bool, dev) for k in ("small", "normal", "mask"))
+    bits, spacing = sc.get("bits", size, torch.int64, dev), sc.get("spacing", size, torch.int64, dev)
+    counts = [dict.fromkeys(("hundredth", "thousandth", "ten_thousandth", "above", "below", "small", "small_bad",
+                             "rel_bad", "ulp_over"), 0) for _ in quick]
+    maxima: list[dict] = [{} for _ in quick]
+    for lo in range(0, n, tile):
+        hi = min(n, lo + tile)
+        m = hi - lo
+        src = flat_b[start + lo:start + hi]
+        b = src if src.dtype == f64 else b_t[:m].copy_(src)
+        ab, den, sm, nm, nf, bnt = absb[:m], denom[:m], small[:m], normal[:m], normal_f[:m], bn[:m]
+        torch.abs(b, out=ab)
+        torch.add(ab, acc0.eps, out=den)
+        torch.le(ab, p.small_value, out=sm)
+        small_count = torch.count_nonzero(sm)
+        torch.logical_not(sm, out=nm)
+        nf.copy_(nm)
+        # exp2(-eb), eb = max(floor(log2|b|), min_eb), from the bits: the biased exponent of a float64 is
         # floor(log2|b|) + 1023 for normal numbers; zero and subnormals read -1023 and are clamped to min_eb
         # (>= -1022) like frexp's; 2^-eb for -1022 <= eb <= 900 is the float64 with biased exponent 1023 - eb
-        eb = (((b.view(torch.int64) >> 52) & 0x7FF) - 1023).clamp_min_(p.ulp_min_exponent)
-        self.spacing = ((1023 - eb) << 52).view(torch.float64)
-        self.bn = b / bmax
-        self.bb = self.bn.square().sum()
+        eb = bits[:m]
+        torch.bitwise_right_shift(b.view(torch.int64), 52, out=eb)
+        eb.bitwise_and_(0x7FF).sub_(1023).clamp_min_(p.ulp_min_exponent)
+        sp = spacing[:m]
+        torch.sub(1023, eb, out=sp)   # rsub
+        sp.bitwise_left_shift_(52)
+        spf = sp.view(f64)
+        torch.div(b, bmax, out=bnt)
+        torch.square(bnt, out=bb[lo:hi])
+        for j, (acc, flat_d) in enumerate(quick):
+            c, mx, sj = counts[j], maxima[j], sums[j]
+            d = d_t[:m].copy_(flat_d[start + lo:start + hi])
+            df, ae, rl, tm, mk = diff[:m], abs_err[:m], rel[:m], tmp[:m], mask[:m]
+            torch.sub(d, b, out=df)            # finite: d > b <=> diff > 0, d != b <=> diff != 0 (no NaN)
+            torch.abs(df, out=ae)
+            torch.div(ae, den, out=rl)
+            _tile_max(mx, "abs", ae)
+            for key, bound in (("hundredth", t.hundredth), ("thousandth", t.thousandth),
+                               ("ten_thousandth", t.ten_thousandth)):
+                c[key] = c[key] + torch.count_nonzero(torch.lt(rl, bound, out=mk))
+            c["above"] = c["above"] + torch.count_nonzero(torch.gt(df, 0, out=mk))
+            c["below"] = c["below"] + torch.count_nonzero(torch.lt(df, 0, out=mk))
+            c["small"] = c["small"] + small_count
+            c["small_bad"] = c["small_bad"] + torch.count_nonzero(torch.gt(ae, p.small_atol, out=mk).logical_and_(sm))
+            c["rel_bad"] = c["rel_bad"] + torch.count_nonzero(torch.gt(rl, p.rtol, out=mk).logical_and_(nm))
+            # abs_err and rel are finite below 2^900: times a 0/1 mask they are `where(normal, x, 0.0)` exactly;
+            # the max of the masked rel differs from `add`'s (-1 for no normal element) only where `metrics` reads
+            # 0 anyway
+            torch.mul(ae, nf, out=tm)
+            torch.square(tm, out=sj["sq"][lo:hi])
+            rel_normal = torch.mul(rl, nf, out=sj["rel"][lo:hi])
+            _tile_max(mx, "rel", rel_normal)
+            torch.mul(ae, spf, out=tm)
+            ulp = torch.mul(tm, scale, out=sj["ulp"][lo:hi])
+            _tile_max(mx, "ulp", ulp)
+            c["ulp_over"] = c["ulp_over"] + torch.count_nonzero(torch.gt(ulp, p.ulp_threshold, out=mk))
+            dn = torch.div(d, acc.dmax, out=tm)
+            torch.mul(bnt, dn, out=sj["dot"][lo:hi])
+            torch.square(dn, out=sj["dd"][lo:hi])
+    bb_sum = bb.sum()
+    for j, (acc, _) in enumerate(quick):
+        c, mx, sj = counts[j], maxima[j], sums[j]
+        acc.counts["binary"] = acc.counts["binary"] + c["above"] + c["below"]
+        for key, value in c.items():
+            acc.counts[key] = acc.counts[key] + value
+        acc.counts["normal"] = acc.counts["normal"] + (n - c["small"])
+        for key in ("sq", "rel", "ulp"):
+            acc._sum(key, sj[key])
+        for key in ("abs", "rel", "ulp"):
+            acc.maxima[key] = torch.maximum(acc.maxima[key].to(dev), mx[key])
+        acc._sum("dot", sj["dot"])
+        acc.sums["bb"] = acc.sums["bb"].to(dev) + bb_sum
+        acc._sum("dd", sj["dd"])
+
+
+def _tile_max(maxima: dict, key: str, values: torch.Tensor) -> None:
+    m = values.max()
+    old = maxima.get(key)
+    maxima[key] = m if old is None else torch.maximum(old, m)
