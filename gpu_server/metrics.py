@@ -155,12 +155,28 @@ def prefetch(bench: Any, others: list) -> None:
     group = [o for o in others if isinstance(o, torch.Tensor) and o.dtype.is_floating_point and o.numel()
              and tuple(o.shape) == tuple(bench.shape) and (id(bench), id(o), None) not in memo]
     by_dtype: dict[torch.dtype, list] = {}
+    twins: list[tuple[torch.Tensor, torch.Tensor]] = []   # (output, an earlier output with the same bits)
     for o in group:
-        if all(o is not x for x in by_dtype.get(o.dtype, [])):
-            by_dtype.setdefault(o.dtype, []).append(o)
+        seen = by_dtype.setdefault(o.dtype, [])
+        twin = next((x for x in seen if x is o or _same_bits(x, o)), None)
+        if twin is None:
+            seen.append(o)
+        elif twin is not o:
+            twins.append((o, twin))
     for members in by_dtype.values():
         for o, result in zip(members, _analyse_floats(bench, members, THRESHOLDS.chunk_elements)):
             memo[(id(bench), id(o), None)] = (bench, o, result)
+    for o, twin in twins:   # bit-identical outputs have identical metrics: computed once
+        memo[(id(bench), id(o), None)] = (bench, o, memo[(id(bench), id(twin), None)][2])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (a device output bit-identical to the same-dtype run: the usual case when the
+    training ran on the bench's device type)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    a, b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def _analyse_one(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int | None) -> Analysis:
