@@ -176,7 +176,11 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
         return False
     a, b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    bits = _BITS.get(a.element_size(), torch.uint8)   # compared as integers of the element's width
+    return torch.equal(a.view(bits), b.view(bits))
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _analyse_one(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int | None) -> Analysis:
@@ -196,9 +200,13 @@ def _analyse_one(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int 
 
 
 def _absmax(chunk: torch.Tensor) -> torch.Tensor:
-    """max |x| of a chunk as a float64 0-dim tensor (NaN if any NaN), without a float64 copy of a float chunk."""
+    """max |x| of a chunk as a float64 0-dim tensor (NaN if any NaN), in one pass without a copy of a float chunk
+    (max |x| is max(|min x|, |max x|); aminmax propagates NaN)."""
     if chunk.dtype.is_floating_point:
-        return chunk.abs().max().double()
+        if chunk.numel() == 0:
+            return chunk.abs().max().double()   # raises like before
+        lo, hi = torch.aminmax(chunk)
+        return torch.maximum(lo.abs(), hi.abs()).double()
     return chunk.double().abs().max()
 
 
@@ -460,9 +468,15 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
     d_t, diff, abs_err, rel, tmp = (sc.get(k, size, f64, dev) for k in ("d", "diff", "abserr", "rel", "tmp"))
     small, normal, mask = (sc.get(k, size, torch.bool, dev) for k in ("small", "normal", "mask"))
     bits, spacing = sc.get("bits", size, torch.int64, dev), sc.get("spacing", size, torch.int64, dev)
-    counts = [dict.fromkeys(("hundredth", "thousandth", "ten_thousandth", "above", "below", "small", "small_bad",
-                             "rel_bad", "ulp_over"), 0) for _ in quick]
+    counts = [dict.fromkeys(("hundredth", "thousandth", "ten_thousandth", "small", "small_bad", "rel_bad",
+                             "ulp_over"), 0) for _ in quick]
+    signs = [[0, 0] for _ in quick]   # sums of sign(d - b) and of sign(|d - b|): above - below, above + below
     maxima: list[dict] = [{} for _ in quick]
+    on_cpu = dev.type == "cpu"       # shortcuts that read a value back: only where that costs no device sync
+    zero = torch.zeros((), dtype=f64, device=dev)
+    # an output equal to the bench has d / dmax == b / bmax element by element when the two maxima are equal
+    same_norm = [on_cpu and bool(acc.dmax == bmax) for acc, _ in quick]
+    exact: list[list[tuple[int, int]]] = [[] for _ in quick]   # tiles where the output equals the bench
     for lo in range(0, n, tile):
         hi = min(n, lo + tile)
         m = hi - lo
@@ -470,46 +484,69 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
         b = src if src.dtype == f64 else b_t[:m].copy_(src)
         ab, den, sm, nm, nf, bnt = absb[:m], denom[:m], small[:m], normal[:m], normal_f[:m], bn[:m]
         torch.abs(b, out=ab)
-        torch.add(ab, acc0.eps, out=den)
-        torch.le(ab, p.small_value, out=sm)
-        small_count = torch.count_nonzero(sm)
-        torch.logical_not(sm, out=nm)
-        nf.copy_(nm)
-        # exp2(-eb), eb = max(floor(log2|b|), min_eb), from the bits: the biased exponent of a float64 is
-        # floor(log2|b|) + 1023 for normal numbers; zero and subnormals read -1023 and are clamped to min_eb
-        # (>= -1022) like frexp's; 2^-eb for -1022 <= eb <= 900 is the float64 with biased exponent 1023 - eb
-        eb = bits[:m]
-        torch.bitwise_right_shift(b.view(torch.int64), 52, out=eb)
-        eb.bitwise_and_(0x7FF).sub_(1023).clamp_min_(p.ulp_min_exponent)
-        sp = spacing[:m]
-        torch.sub(1023, eb, out=sp)   # rsub
-        sp.bitwise_left_shift_(52)
-        spf = sp.view(f64)
+        torch.gt(ab, p.small_value, out=nm)
+        small_count = m - torch.count_nonzero(nm)
+        any_small = not on_cpu or bool(small_count)
         torch.div(b, bmax, out=bnt)
         torch.square(bnt, out=bb[lo:hi])
+        error_terms = False   # the bench's terms of the error metrics: computed once an output differs here
         for j, (acc, flat_d) in enumerate(quick):
             c, mx, sj = counts[j], maxima[j], sums[j]
             d = d_t[:m].copy_(flat_d[start + lo:start + hi])
-            df, ae, rl, tm, mk = diff[:m], abs_err[:m], rel[:m], tmp[:m], mask[:m]
+            c["small"] = c["small"] + small_count
+            df, ae = diff[:m], abs_err[:m]
             torch.sub(d, b, out=df)            # finite: d > b <=> diff > 0, d != b <=> diff != 0 (no NaN)
             torch.abs(df, out=ae)
+            tile_abs = ae.amax()
+            mx["abs"] = tile_abs if "abs" not in mx else torch.maximum(mx["abs"], tile_abs)
+            if on_cpu and not tile_abs:
+                # the device output equals the bench here (an exact op: copies, relu, transpose ...): every error
+                # term is zero; the values the general path computes, without computing them
+                for key in ("hundredth", "thousandth", "ten_thousandth"):
+                    c[key] = c[key] + m
+                for key in ("rel", "ulp"):
+                    _tile_max(mx, key, zero)
+                exact[j].append((lo, hi))   # its summands are written only if another tile needs the buffers
+                if not same_norm[j]:
+                    dn = torch.div(d, acc.dmax, out=tmp[:m])
+                    torch.mul(bnt, dn, out=sj["dot"][lo:hi])
+                    torch.square(dn, out=sj["dd"][lo:hi])
+                continue
+            if not error_terms:
+                error_terms = True
+                torch.add(ab, acc0.eps, out=den)
+                nf.copy_(nm)
+                if any_small:
+                    torch.logical_not(nm, out=sm)
+                # exp2(-eb), eb = max(floor(log2|b|), min_eb), from the bits: the biased exponent of a float64 is
+                # floor(log2|b|) + 1023 for normal numbers; zero and subnormals read -1023 and are clamped to
+                # min_eb (>= -1022) like frexp's; 2^-eb for -1022 <= eb <= 900 is the float64 with biased exponent
+                # 1023 - eb
+                eb = bits[:m]
+                torch.bitwise_right_shift(b.view(torch.int64), 52, out=eb)
+                eb.bitwise_and_(0x7FF).sub_(1023).clamp_min_(p.ulp_min_exponent)
+                torch.sub(1023, eb, out=spacing[:m])   # rsub
+                spacing[:m].bitwise_left_shift_(52)
+            spf = spacing[:m].view(f64)
+            rl, tm, mk = rel[:m], tmp[:m], mask[:m]
             torch.div(ae, den, out=rl)
-            _tile_max(mx, "abs", ae)
             for key, bound in (("hundredth", t.hundredth), ("thousandth", t.thousandth),
                                ("ten_thousandth", t.ten_thousandth)):
                 c[key] = c[key] + torch.count_nonzero(torch.lt(rl, bound, out=mk))
-            c["above"] = c["above"] + torch.count_nonzero(torch.gt(df, 0, out=mk))
-            c["below"] = c["below"] + torch.count_nonzero(torch.lt(df, 0, out=mk))
-            c["small"] = c["small"] + small_count
-            c["small_bad"] = c["small_bad"] + torch.count_nonzero(torch.gt(ae, p.small_atol, out=mk).logical_and_(sm))
-            c["rel_bad"] = c["rel_bad"] + torch.count_nonzero(torch.gt(rl, p.rtol, out=mk).logical_and_(nm))
+            sg = signs[j]
+            sg[0] = sg[0] + torch.sign(df, out=tm).sum()   # sums of +-1 and 0: exact integers in float64
+            sg[1] = sg[1] + torch.sign(ae, out=tm).sum()
+            if any_small:
+                c["small_bad"] = c["small_bad"] + torch.count_nonzero(
+                    torch.gt(ae, p.small_atol, out=mk).logical_and_(sm))
             # abs_err and rel are finite below 2^900: times a 0/1 mask they are `where(normal, x, 0.0)` exactly;
             # the max of the masked rel differs from `add`'s (-1 for no normal element) only where `metrics` reads
-            # 0 anyway
+            # 0 anyway; rtol > 0, so `normal & (rel > rtol)` is `rel * normal > rtol`
             torch.mul(ae, nf, out=tm)
             torch.square(tm, out=sj["sq"][lo:hi])
             rel_normal = torch.mul(rl, nf, out=sj["rel"][lo:hi])
             _tile_max(mx, "rel", rel_normal)
+            c["rel_bad"] = c["rel_bad"] + torch.count_nonzero(torch.gt(rel_normal, p.rtol, out=mk))
             torch.mul(ae, spf, out=tm)
             ulp = torch.mul(tm, scale, out=sj["ulp"][lo:hi])
             _tile_max(mx, "ulp", ulp)
@@ -520,20 +557,37 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
     bb_sum = bb.sum()
     for j, (acc, _) in enumerate(quick):
         c, mx, sj = counts[j], maxima[j], sums[j]
-        acc.counts["binary"] = acc.counts["binary"] + c["above"] + c["below"]
+        everywhere = sum(hi - lo for lo, hi in exact[j]) == n
+        if not everywhere:   # the zero (and, with equal maxima, bn * bn) summands of the exact tiles
+            for lo, hi in exact[j]:
+                for key in ("sq", "rel", "ulp"):
+                    sj[key][lo:hi].zero_()
+                if same_norm[j]:
+                    sj["dot"][lo:hi].copy_(bb[lo:hi])   # bn * bn is bn.square() bit for bit
+                    sj["dd"][lo:hi].copy_(bb[lo:hi])
+        net, moved = (torch.as_tensor(v, dtype=f64, device=dev) for v in signs[j])
+        above, below = ((moved + net) / 2).to(torch.int64), ((moved - net) / 2).to(torch.int64)
+        acc.counts["binary"] = acc.counts["binary"] + above + below
+        acc.counts["above"] = acc.counts["above"] + above
+        acc.counts["below"] = acc.counts["below"] + below
         for key, value in c.items():
             acc.counts[key] = acc.counts[key] + value
         acc.counts["normal"] = acc.counts["normal"] + (n - c["small"])
         for key in ("sq", "rel", "ulp"):
-            acc._sum(key, sj[key])
+            # equal everywhere: a sum of +0.0 terms, +0.0
+            acc._sum(key, zero if everywhere else sj[key])
         for key in ("abs", "rel", "ulp"):
             acc.maxima[key] = torch.maximum(acc.maxima[key].to(dev), mx[key])
-        acc._sum("dot", sj["dot"])
+        for key in ("dot", "dd"):
+            # equal everywhere with equal maxima: the summands, and so their sum, are bb's
+            if everywhere and same_norm[j]:
+                acc.sums[key] = acc.sums[key].to(dev) + bb_sum
+            else:
+                acc._sum(key, sj[key])
         acc.sums["bb"] = acc.sums["bb"].to(dev) + bb_sum
-        acc._sum("dd", sj["dd"])
 
 
 def _tile_max(maxima: dict, key: str, values: torch.Tensor) -> None:
-    m = values.max()
+    m = values.amax()
     old = maxima.get(key)
     maxima[key] = m if old is None else torch.maximum(old, m)
