@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -73,7 +74,7 @@ def _to_bench(device_output: Any, bench: Any) -> Any:
 class _Graphs:
     """The forward replays of a call waiting for its backward record, with their autograd graphs."""
 
-    job: Job
+    job: weakref.ref          # the forward job (weakly: an eviction from gpu_server/pending.py frees its inputs)
     bench: KeptForward | None
     same: KeptForward | None
 
@@ -163,7 +164,7 @@ class Checker:
         except ReplayError as exc:
             same, same_graph, same_error = None, None, f"same-dtype run failed: {exc}"
         if bench_graph is not None or same_graph is not None:
-            self._keep_graphs(job, _Graphs(job, bench_graph, same_graph))
+            self._keep_graphs(job, _Graphs(weakref.ref(job), bench_graph, same_graph))
         members = (spread.LazyRuns(lambda: spread.forward_members(job, self.device, self.match_threads))
                    if same is not None else None)
         outcome = self._compare(rep, job, "forward", flatten_outputs(job.output), flatten_outputs(bench),
@@ -205,7 +206,7 @@ class Checker:
         elif job.grad_input is None or not flatten_outputs(job.grad_input):
             bwd = Outcome()   # no gradient reached this call's inputs: no backward rows (" ")
         else:
-            bwd = self._replay_backward(rep, fwd_job, job, graphs if graphs and graphs.job is fwd_job else None)
+            bwd = self._replay_backward(rep, fwd_job, job, graphs if graphs and graphs.job() is fwd_job else None)
         self._finish(job, forward, bwd, fwd_job=fwd_job, bwd_job=job)
         return self.pending.backward_done(job, waiting)
 
