@@ -157,7 +157,7 @@ def main() -> None:
                 shutil.rmtree(keep, ignore_errors=True)
                 with open(os.path.join(ns.keep, "bench.json"), "w", encoding="utf-8") as fh:
                     json.dump({"plain": plain, "recorded": recorded, "steps": ns.steps, "ranks": ns.ranks}, fh)
-            shutil.copytree(nfs, keep)
+            shutil.copytree(nfs, keep, copy_function=_link_or_copy)
         rows = []
         codes = [("", ROOT)] + ([(" (baseline)", os.path.abspath(ns.baseline))] if ns.baseline else [])
         for workers in (1, 2) if ns.ranks >= 2 else (1,):
