@@ -1,7 +1,6 @@
 """The server's fast paths give exactly what the plain paths give (issue 13): the metrics' tiled finite pass against
 the general per-chunk pass, bit-identical outputs analysed once, and a backward replay on the forward's kept graph
 against a full backward replay."""
-import dataclasses
 import os
 import tempfile
 
@@ -74,18 +73,6 @@ def test_bit_identical_outputs_are_analysed_once_with_the_same_result():
         metrics._analyse_floats = original
     assert calls == [1]                   # one output analysed, the twin shares its result
     assert a.metrics == b.metrics == metrics.analyse(bench, twin).metrics
-
-
-def _linear_records(inplace: bool = False):
-    lin = torch.nn.Linear(16, 8)
-    x = torch.randn(4, 16, requires_grad=True)
-    with capture() as (mode, sink):
-        with mode:
-            y = lin(x)
-            if inplace:
-                y = (y + 1.0).mul_(2.0)
-        (y * torch.arange(8.0)).sum().backward()
-    return sink
 
 
 @pytest.mark.parametrize("name", ["Functional.linear.0", "Functional.layer_norm.0", "Tensor.mul_.0"])
@@ -170,15 +157,30 @@ def test_checker_rows_are_the_same_with_and_without_kept_graphs():
 
 
 def test_kept_graphs_stay_within_their_budget_oldest_dropped_first():
-    sink = _linear_records()
-    fwd = to_job(sink.forward("Functional.linear.0"))
-    with tempfile.TemporaryDirectory() as tmp:
-        checker = Checker(tmp, "ts", CPU, Summary(), pending=PendingCalls(1 << 30), graph_budget=1)
-        torch.set_grad_enabled(False)
-        try:
-            checker.check(fwd)
-        finally:
-            torch.set_grad_enabled(True)
-        assert not checker._graphs and checker._graph_bytes == 0   # larger than the budget: not kept
-        checker.close()
-    assert dataclasses.is_dataclass(replay.KeptForward)
+    lin1, lin2 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with capture() as (mode, sink):
+        with mode:
+            y = lin2(lin1(x))
+        y.sum().backward()
+    first, second = to_job(sink.forward("Functional.linear.0")), to_job(sink.forward("Functional.linear.1"))
+
+    def kept(budget: int, *jobs) -> tuple[list[str], int]:
+        """The calls whose graphs a checker keeps after these forward jobs, and their bytes."""
+        with tempfile.TemporaryDirectory() as tmp:
+            checker = Checker(tmp, "ts", CPU, Summary(), pending=PendingCalls(1 << 30), graph_budget=budget)
+            torch.set_grad_enabled(False)
+            try:
+                for seq, job in enumerate(jobs):
+                    job.seq = seq
+                    checker.check(job)
+                return [k.name for k in checker._graphs], checker._graph_bytes
+            finally:
+                torch.set_grad_enabled(True)
+                checker.close()
+
+    names, size = kept(1 << 30, first)
+    assert size > 0 and names == [first.name]
+    names, held = kept(size + size // 2, first, second)   # room for one: the older call's graphs are dropped
+    assert names == [second.name] and held <= size + size // 2
+    assert kept(1, first) == ([], 0)   # larger than the budget: not kept at all
