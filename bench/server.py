@@ -2,6 +2,7 @@
 """The server's checking time per training step against the training's own step time, side by side in one run.
 
     python bench/server.py [--steps 6] [--layers 4] [--d 512] [--seq 128] [--batch 8] [--device cpu|cuda]
+                           [--keep DIR | --records DIR] [--baseline SRC]
 
 1. The training alone: a mid-size transformer (d=512, 4 layers, seq 128, batch 8, float32, SGD), pinned to one
    core, no checker: seconds per step.
@@ -11,6 +12,10 @@
 3. `gpu-server` in folder mode on that folder with `--workers 1` (one core), then `--workers 2` (two cores, one
    worker per rank; needs `--ranks 2`), `--exit-when-done`: from start to exit (start-up included), divided by the
    training steps recorded (all ranks).
+
+`--keep DIR` keeps the recorded folder (and the training's step time) in DIR; `--records DIR` reuses such a folder
+instead of training again. `--baseline SRC` also times the server code of another source tree (e.g. a `git archive`
+of main) on the same records, in the same run, so that before and after are printed side by side.
 
 Prints records/s, the server's seconds per training step for each worker count, and the ratio to the training's
 step time last. `--device cuda` runs the server on the GPU (bench/gpu_check.sh).
@@ -67,6 +72,14 @@ def _pin(cores: list[int]):
     return lambda: os.sched_setaffinity(0, chosen)
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link where the file system allows one (no second copy of gigabytes of records), else a copy."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def _json_line(stdout: str) -> dict:
     return json.loads([x for x in stdout.splitlines() if x.startswith("BENCH ")][-1][6:])
 
@@ -87,7 +100,7 @@ def train(work: str, ns, checked: bool, rank: int = 0) -> dict:
     return _json_line(proc.stdout)
 
 
-def serve(work: str, nfs: str, workers: int, ranks: int, device: str) -> tuple[float, int, float]:
+def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str = ROOT) -> tuple[float, int, float]:
     """Seconds from the server's start to its exit once every rank's records are checked, records checked, and the
     server's CPU seconds (user + system; steadier than wall time on a shared machine)."""
     out = tempfile.mkdtemp(prefix="out-", dir=work)
@@ -102,7 +115,7 @@ def serve(work: str, nfs: str, workers: int, ranks: int, device: str) -> tuple[f
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_pin(list(range(1, 1 + workers))),
-                          env=dict(os.environ, PYTHONPATH=ROOT), timeout=7200)
+                          env=dict(os.environ, PYTHONPATH=root), timeout=7200)
     seconds = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
@@ -122,27 +135,45 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ranks", type=int, default=2, help="training processes writing records (2 for --workers 2)")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--keep", help="keep the recorded folder and the training's step time in this folder")
+    p.add_argument("--records", help="time the server on a folder kept with --keep instead of training again")
+    p.add_argument("--baseline", help="also time the server code of this source tree on the same records")
     ns = p.parse_args()
     work = tempfile.mkdtemp(prefix="bench-server-")
     try:
-        plain = train(work, ns, checked=False)
-        recorded = [train(work, ns, checked=True, rank=r) for r in range(ns.ranks)]
         nfs = os.path.join(work, "nfs")
-        keep = os.path.join(work, "nfs-recorded")
-        shutil.copytree(nfs, keep)
+        if ns.records:
+            with open(os.path.join(ns.records, "bench.json"), encoding="utf-8") as fh:
+                meta = json.load(fh)
+            plain, recorded = meta["plain"], meta["recorded"]
+            ns.steps, ns.ranks = meta["steps"], meta["ranks"]
+            keep = os.path.join(ns.records, "nfs")
+        else:
+            plain = train(work, ns, checked=False)
+            recorded = [train(work, ns, checked=True, rank=r) for r in range(ns.ranks)]
+            keep = os.path.join(ns.keep or work, "nfs" if ns.keep else "nfs-recorded")
+            if ns.keep:
+                os.makedirs(ns.keep, exist_ok=True)
+                shutil.rmtree(keep, ignore_errors=True)
+                with open(os.path.join(ns.keep, "bench.json"), "w", encoding="utf-8") as fh:
+                    json.dump({"plain": plain, "recorded": recorded, "steps": ns.steps, "ranks": ns.ranks}, fh)
+            shutil.copytree(nfs, keep, copy_function=_link_or_copy)
         rows = []
+        codes = [("", ROOT)] + ([(" (baseline)", os.path.abspath(ns.baseline))] if ns.baseline else [])
         for workers in (1, 2) if ns.ranks >= 2 else (1,):
-            shutil.rmtree(nfs)
-            shutil.copytree(keep, nfs)
-            seconds, records, cpu = serve(work, nfs, workers, ns.ranks, ns.device)
-            rows.append((workers, seconds, records, cpu))
+            for label, root in codes:
+                shutil.rmtree(nfs, ignore_errors=True)
+                shutil.copytree(keep, nfs, copy_function=_link_or_copy)   # the server consumes its folder
+                seconds, records, cpu = serve(work, nfs, workers, ns.ranks, ns.device, root)
+                rows.append((f"{workers}{label}", seconds, records, cpu))
         base = plain["cpu_per_step"]
         print(f"training alone (1 core): {base * 1e3:.0f} ms CPU/step ({plain['wall_per_step'] * 1e3:.0f} ms wall); "
               f"with the agent writing to a folder: {recorded[0]['cpu_per_step'] * 1e3:.0f} ms CPU/step; "
               f"{recorded[0]['captured']} records per rank ({ns.steps + 1} steps, {ns.ranks} ranks)")
         for workers, seconds, records, cpu in rows:
             per_step = seconds / (ns.steps + 1) / ns.ranks
-            print(f"server --workers {workers} on {ns.device} ({workers} core(s)): {records} records in "
+            cores = workers.split()[0]
+            print(f"server --workers {workers} on {ns.device} ({cores} core(s)): {records} records in "
                   f"{seconds:.1f} s = {records / seconds:.0f} records/s; {per_step:.2f} s per training step "
                   f"= {per_step / base:.1f}x the training's step; server CPU {cpu:.1f} s = "
                   f"{cpu / (ns.steps + 1) / ns.ranks / base:.1f}x the training's CPU per step")

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -18,8 +20,16 @@ from gpu_server import error_data, metrics, spread
 from gpu_server.columns import BLANK
 from gpu_server.intake import Job
 from gpu_server.output_kind import classify
-from gpu_server.pending import Completion, PendingCalls, Waiting
-from gpu_server.replay import ReplayError, flatten_outputs, run_backward, run_forward
+from gpu_server.pending import CallKey, Completion, PendingCalls, Waiting, call_key
+from gpu_server.replay import (
+    KeptForward,
+    ReplayError,
+    backward_from,
+    flatten_outputs,
+    run_backward,
+    run_forward,
+    run_forward_kept,
+)
 from gpu_server.reports import NULL_REPORTS, RankReports, ReportWriteError
 from gpu_server.standards.judging import judge_pair
 from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING
@@ -60,12 +70,29 @@ def _to_bench(device_output: Any, bench: Any) -> Any:
     return device_output.to(bench.device)
 
 
+@dataclasses.dataclass
+class _Graphs:
+    """The forward replays of a call waiting for its backward record, with their autograd graphs."""
+
+    job: weakref.ref          # the forward job (weakly: an eviction from gpu_server/pending.py frees its inputs)
+    bench: KeptForward | None
+    same: KeptForward | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes for k in (self.bench, self.same) if k is not None)
+
+
 class Checker:
-    """Owns the report files of the ranks routed to it; called from one worker thread."""
+    """Owns the report files of the ranks routed to it; called from one worker thread.
+
+    The forward replays of a call whose backward record will come keep their autograd graphs (up to `graph_budget`
+    bytes, the oldest dropped first): its backward replay then runs on them instead of replaying the forward again
+    (a call whose graph was dropped is replayed in full, with the same rows)."""
 
     def __init__(self, out_dir: str, ts: str, device: torch.device, summary: Summary, backward_budget: int = 4 << 30,
                  error_data_base: str | None = None, pending: PendingCalls | None = None,
-                 evidence: error_data.Evidence | None = None):
+                 evidence: error_data.Evidence | None = None, graph_budget: int = 2 << 30):
         self.out_dir = out_dir
         self.ts = ts
         self.device = device
@@ -75,6 +102,9 @@ class Checker:
         self._reports: dict[int, RankReports] = {}
         self._write_rows = True
         self.match_threads = True     # CPU same-dtype runs take the training's thread count (one CPU worker only)
+        self.graph_budget = graph_budget
+        self._graphs: OrderedDict[CallKey, _Graphs] = OrderedDict()   # oldest first
+        self._graph_bytes = 0
 
     def reports(self, rank: int) -> RankReports:
         if not self._write_rows:
@@ -119,16 +149,22 @@ class Checker:
         if job.skip_reason:
             out = self._skip_rows(rep, job, "forward", job.skip_reason)
             return self._forward_complete(job, out)
+        keep = job.backward_expected and self.graph_budget > 0
         try:
-            bench = run_forward(job, self.device, bench=True)
+            bench, bench_graph = (run_forward_kept(job, self.device, bench=True) if keep
+                                  else (run_forward(job, self.device, bench=True), None))
         except ReplayError as exc:
             out = self._skip_rows(rep, job, "forward", str(exc))
             return self._forward_complete(job, out)
         try:
-            same = run_forward(job, self.device, bench=False, match_threads=self.match_threads)
+            same, same_graph = (run_forward_kept(job, self.device, bench=False, match_threads=self.match_threads)
+                                if keep else (run_forward(job, self.device, bench=False,
+                                                          match_threads=self.match_threads), None))
             same_error = ""
         except ReplayError as exc:
-            same, same_error = None, f"same-dtype run failed: {exc}"
+            same, same_graph, same_error = None, None, f"same-dtype run failed: {exc}"
+        if bench_graph is not None or same_graph is not None:
+            self._keep_graphs(job, _Graphs(weakref.ref(job), bench_graph, same_graph))
         members = (spread.LazyRuns(lambda: spread.forward_members(job, self.device, self.match_threads))
                    if same is not None else None)
         outcome = self._compare(rep, job, "forward", flatten_outputs(job.output), flatten_outputs(bench),
@@ -158,6 +194,7 @@ class Checker:
     # -- backward ----------------------------------------------------------------------------------------------
     def _check_backward(self, job: Job, waiting: Waiting | None) -> Completion:
         rep = self.reports(job.rank)
+        graphs = self._drop_graphs(call_key(job))   # used by this backward replay, or by none
         fwd_job = waiting.job if waiting is not None else None
         forward = waiting.outcome if waiting is not None else Outcome(
             [SKIP], [SKIP], "forward record of this call was not received")
@@ -173,17 +210,37 @@ class Checker:
         elif job.grad_input is None or not flatten_outputs(job.grad_input):
             bwd = Outcome()   # no gradient reached this call's inputs: no backward rows (" ")
         else:
-            bwd = self._replay_backward(rep, fwd_job, job)
+            bwd = self._replay_backward(rep, fwd_job, job, graphs if graphs and graphs.job() is fwd_job else None)
         self._finish(job, forward, bwd, fwd_job=fwd_job, bwd_job=job)
         return self.pending.backward_done(job, waiting)
 
-    def _replay_backward(self, rep: RankReports, fwd: Job, bwd: Job) -> Outcome:
+    # -- forward graphs kept for the backward replay -------------------------------------------------------------
+    def _keep_graphs(self, job: Job, graphs: _Graphs) -> None:
+        key = call_key(job)
+        self._drop_graphs(key)
+        self._graphs[key] = graphs
+        self._graph_bytes += graphs.nbytes
+        while self._graph_bytes > self.graph_budget and self._graphs:
+            self._drop_graphs(next(iter(self._graphs)))
+
+    def _drop_graphs(self, key: CallKey) -> _Graphs | None:
+        graphs = self._graphs.pop(key, None)
+        if graphs is not None:
+            self._graph_bytes -= graphs.nbytes
+        return graphs
+
+    def _backward_run(self, graph: KeptForward | None, fwd: Job, bwd: Job, bench: bool) -> list:
+        if graph is not None:
+            return backward_from(graph, fwd, bwd, self.device, match_threads=self.match_threads)
+        return run_backward(fwd, bwd, self.device, bench=bench, match_threads=self.match_threads)
+
+    def _replay_backward(self, rep: RankReports, fwd: Job, bwd: Job, graphs: _Graphs | None = None) -> Outcome:
         try:
-            bench = run_backward(fwd, bwd, self.device, bench=True)
+            bench = self._backward_run(graphs.bench if graphs else None, fwd, bwd, bench=True)
         except ReplayError as exc:
             return self._skip_rows(rep, bwd, "backward", str(exc))
         try:
-            same, same_error = run_backward(fwd, bwd, self.device, bench=False, match_threads=self.match_threads), ""
+            same, same_error = self._backward_run(graphs.same if graphs else None, fwd, bwd, bench=False), ""
         except ReplayError as exc:
             same, same_error = None, f"same-dtype run failed: {exc}"
         device = list(bwd.grad_input) if isinstance(bwd.grad_input, (list, tuple)) else [bwd.grad_input]
@@ -260,6 +317,8 @@ class Checker:
     def flush_run(self, run_id: str, rank: int, why: str) -> Completion:
         """The rank ended: calls still waiting for a backward record get their result row."""
         done = Completion()
+        for key in [k for k in self._graphs if k.run_id == run_id and k.rank == rank]:
+            self._drop_graphs(key)
         for (rid, rk, step, name), waiting in self.pending.rank_ended(run_id, rank):
             self._finish_waiting(rid, rk, step, name, waiting, f"backward record never arrived ({why})")
             done.done.append(waiting.record)
@@ -268,5 +327,7 @@ class Checker:
     def close(self) -> None:
         """Close the reports. Calls still waiting for their backward record get no result row: that is
         gpu_server/pending.py's decision (they stay in the spool for a restart)."""
+        self._graphs.clear()
+        self._graph_bytes = 0
         for rep in self._reports.values():
             rep.close()

@@ -155,12 +155,32 @@ def prefetch(bench: Any, others: list) -> None:
     group = [o for o in others if isinstance(o, torch.Tensor) and o.dtype.is_floating_point and o.numel()
              and tuple(o.shape) == tuple(bench.shape) and (id(bench), id(o), None) not in memo]
     by_dtype: dict[torch.dtype, list] = {}
+    twins: list[tuple[torch.Tensor, torch.Tensor]] = []   # (output, an earlier output with the same bits)
     for o in group:
-        if all(o is not x for x in by_dtype.get(o.dtype, [])):
-            by_dtype.setdefault(o.dtype, []).append(o)
+        seen = by_dtype.setdefault(o.dtype, [])
+        twin = next((x for x in seen if x is o or _same_bits(x, o)), None)
+        if twin is None:
+            seen.append(o)
+        elif twin is not o:
+            twins.append((o, twin))
     for members in by_dtype.values():
         for o, result in zip(members, _analyse_floats(bench, members, THRESHOLDS.chunk_elements)):
             memo[(id(bench), id(o), None)] = (bench, o, result)
+    for o, twin in twins:   # bit-identical outputs have identical metrics: computed once
+        memo[(id(bench), id(o), None)] = (bench, o, memo[(id(bench), id(twin), None)][2])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (a device output bit-identical to the same-dtype run: the usual case when the
+    training ran on the bench's device type)."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return False
+    a, b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
+    bits = _BITS.get(a.element_size(), torch.uint8)   # compared as integers of the element's width
+    return torch.equal(a.view(bits), b.view(bits))
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _analyse_one(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int | None) -> Analysis:
@@ -180,9 +200,13 @@ def _analyse_one(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int 
 
 
 def _absmax(chunk: torch.Tensor) -> torch.Tensor:
-    """max |x| of a chunk as a float64 0-dim tensor (NaN if any NaN), without a float64 copy of a float chunk."""
+    """max |x| of a chunk as a float64 0-dim tensor (NaN if any NaN), in one pass without a copy of a float chunk
+    (max |x| is max(|min x|, |max x|); aminmax propagates NaN)."""
     if chunk.dtype.is_floating_point:
-        return chunk.abs().max().double()
+        if chunk.numel() == 0:
+            return chunk.abs().max().double()   # raises like before
+        lo, hi = torch.aminmax(chunk)
+        return torch.maximum(lo.abs(), hi.abs()).double()
     return chunk.double().abs().max()
 
 
@@ -211,16 +235,14 @@ def _analyse_floats(bench: torch.Tensor, devices: list, chunk: int) -> list[Anal
         accs.append(acc)
         # every element finite on both sides and in the device dtype: the inf/nan terms are all zero
         fast.append(bench_ok and dmax_value < _FAST_LIMIT)
+    quick = [(acc, d) for acc, d, q in zip(accs, flat_ds, fast) if q]
+    slow = [(acc, d) for acc, d, q in zip(accs, flat_ds, fast) if not q]
     for start in range(0, numel, chunk):
-        b = flat_b[start:start + chunk]
-        terms = None
-        for acc, d, quick in zip(accs, flat_ds, fast):
-            if quick:
-                if terms is None:
-                    terms = _BenchTerms(b, acc, bmax)
-                acc.add_finite(terms, d[start:start + chunk])
-            else:
-                acc.add(b, d[start:start + chunk])
+        stop = min(numel, start + chunk)
+        if quick:
+            _add_finite_chunk(flat_b, quick, bmax, start, stop)
+        for acc, d in slow:
+            acc.add(flat_b[start:stop], d[start:stop])
     return [Analysis(acc.metrics(numel), acc.cosine(numel), numel, device_dtype, True) for acc in accs]
 
 
@@ -338,43 +360,6 @@ class _Accumulator:
         self._sum("bb", bn.square())
         self._sum("dd", dn.square())
 
-    def add_finite(self, terms: "_BenchTerms", device: torch.Tensor) -> None:
-        """`add` for a chunk whose bench, device and bench-in-the-device-dtype values are all finite and below
-        2^900 (checked on the whole output by the caller): the same values, without the inf/nan terms (all zero
-        there) and with the bench's own terms computed once for every output compared with it."""
-        p, t = self.p, THRESHOLDS
-        b, d = terms.b, device.double()
-        diff = d - b                 # finite: d > b <=> diff > 0, d != b <=> diff != 0 (no NaN)
-        abs_err = diff.abs()
-        rel = abs_err / terms.denom
-        self._max("abs", abs_err)
-        self._count("hundredth", rel < t.hundredth)
-        self._count("thousandth", rel < t.thousandth)
-        self._count("ten_thousandth", rel < t.ten_thousandth)
-        above, below = torch.count_nonzero(diff > 0), torch.count_nonzero(diff < 0)
-        self.counts["binary"] = self.counts["binary"] + above + below
-        self.counts["above"] = self.counts["above"] + above
-        self.counts["below"] = self.counts["below"] + below
-        normal = terms.normal
-        self.counts["small"] = self.counts["small"] + terms.small_count
-        self._count("small_bad", terms.small & (abs_err > p.small_atol))
-        self.counts["normal"] = self.counts["normal"] + (b.numel() - terms.small_count)
-        self._count("rel_bad", normal & (rel > p.rtol))
-        # abs_err and rel are finite below 2^900: times a 0/1 mask they are `where(normal, x, 0.0)` exactly; the
-        # max of the masked rel differs from `add`'s (-1 for no normal element) only where `metrics` reads 0 anyway
-        self._sum("sq", (abs_err * terms.normal_f).square())
-        rel_normal = rel.mul_(terms.normal_f)
-        self._sum("rel", rel_normal)
-        self._max("rel", rel_normal)
-        ulp = abs_err * terms.spacing * (2.0 ** p.ulp_precision)
-        self._max("ulp", ulp)
-        self._sum("ulp", ulp)
-        self._count("ulp_over", ulp > p.ulp_threshold)
-        dn = d / self.dmax
-        self._sum("dot", terms.bn * dn)
-        self.sums["bb"] = self.sums["bb"].to(b.device) + terms.bb
-        self._sum("dd", dn.square())
-
     def _resolve(self) -> tuple[dict[str, int], dict[str, float]]:
         """Every count and float statistic as Python numbers, in two transfers (no device sync per statistic)."""
         if self._resolved is None:
@@ -432,23 +417,177 @@ class _Accumulator:
         )
 
 
-class _BenchTerms:
-    """The bench's own per-element terms of one chunk (all values finite), shared by every output compared with it;
-    each is computed exactly as `_Accumulator.add` computes it."""
+# -- the finite fast path: one pass over a chunk in cache-sized tiles, into reused buffers ---------------------------
+_TILE = 1 << 15   # elements per tile on a CPU bench: every float64 temporary of a tile stays in the core's cache
 
-    def __init__(self, bench: torch.Tensor, acc: _Accumulator, bmax: torch.Tensor):
-        p = acc.p
-        self.b = b = bench.double()
-        abs_b = b.abs()
-        self.denom = abs_b + acc.eps
-        self.small = abs_b <= p.small_value
-        self.normal = ~self.small
-        self.small_count = torch.count_nonzero(self.small)
-        self.normal_f = self.normal.double()
-        # `add`'s exp2(-eb), eb = max(floor(log2|b|), min_eb), from the bits: the biased exponent of a float64 is
-        # floor(log2|b|) + 1023 for normal numbers; zero and subnormals read -1023 and are clamped to min_eb
-        # (>= -1022) like frexp's; 2^-eb for -1022 <= eb <= 900 is the float64 with biased exponent 1023 - eb
-        eb = (((b.view(torch.int64) >> 52) & 0x7FF) - 1023).clamp_min_(p.ulp_min_exponent)
-        self.spacing = ((1023 - eb) << 52).view(torch.float64)
-        self.bn = b / bmax
-        self.bb = self.bn.square().sum()
+
+class _Scratch:
+    """Buffers of one thread, reused from output to output (no allocation, no page faults per metric)."""
+
+    def __init__(self):
+        self._bufs: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        key = (name, dtype, device)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self._bufs[key] = torch.empty(n, dtype=dtype, device=device)
+        return buf[:n]
+
+
+def _scratch() -> _Scratch:
+    s = getattr(_local, "scratch", None)
+    if s is None:
+        s = _local.scratch = _Scratch()
+    return s
+
+
+_SUMS = ("sq", "rel", "ulp", "dot", "dd")
+
+
+def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, stop: int) -> None:
+    """`_Accumulator.add` of elements [start, stop) for outputs whose bench, device and bench-in-the-device-dtype
+    values are all finite and below 2^900 (checked on the whole output by the caller): the same values, without the
+    inf/nan terms (all zero there), the bench's own terms computed once for every output compared with it.
+
+    The elementwise terms are computed tile by tile into reused buffers (cache-sized on a CPU bench; the whole chunk
+    on a GPU); counts and maxima are exact whatever the tiling, and every sum is taken over the whole chunk's
+    summands at once, so each statistic is bit for bit what one pass over the chunk computes."""
+    n, dev = stop - start, flat_b.device
+    sc = _scratch()
+    f64 = torch.float64
+    acc0 = quick[0][0]
+    p, t = acc0.p, THRESHOLDS
+    tile = _TILE if dev.type == "cpu" else n
+    scale = 2.0 ** p.ulp_precision
+    # whole-chunk summands (summed once per chunk, like one pass would) and per-tile scratch
+    bb = sc.get("bb", n, f64, dev)
+    sums = [{k: sc.get(f"{k}{j}", n, f64, dev) for k in _SUMS} for j in range(len(quick))]
+    size = min(tile, n)
+    b_t, absb, denom, normal_f, bn = (sc.get(k, size, f64, dev) for k in ("b", "absb", "denom", "normalf", "bn"))
+    d_t, diff, abs_err, rel, tmp = (sc.get(k, size, f64, dev) for k in ("d", "diff", "abserr", "rel", "tmp"))
+    small, normal, mask = (sc.get(k, size, torch.bool, dev) for k in ("small", "normal", "mask"))
+    bits, spacing = sc.get("bits", size, torch.int64, dev), sc.get("spacing", size, torch.int64, dev)
+    counts = [dict.fromkeys(("hundredth", "thousandth", "ten_thousandth", "small", "small_bad", "rel_bad",
+                             "ulp_over"), 0) for _ in quick]
+    signs = [[0, 0] for _ in quick]   # sums of sign(d - b) and of sign(|d - b|): above - below, above + below
+    maxima: list[dict] = [{} for _ in quick]
+    on_cpu = dev.type == "cpu"       # shortcuts that read a value back: only where that costs no device sync
+    zero = torch.zeros((), dtype=f64, device=dev)
+    # an output equal to the bench has d / dmax == b / bmax element by element when the two maxima are equal
+    same_norm = [on_cpu and bool(acc.dmax == bmax) for acc, _ in quick]
+    exact: list[list[tuple[int, int]]] = [[] for _ in quick]   # tiles where the output equals the bench
+    for lo in range(0, n, tile):
+        hi = min(n, lo + tile)
+        m = hi - lo
+        src = flat_b[start + lo:start + hi]
+        b = src if src.dtype == f64 else b_t[:m].copy_(src)
+        ab, den, sm, nm, nf, bnt = absb[:m], denom[:m], small[:m], normal[:m], normal_f[:m], bn[:m]
+        torch.abs(b, out=ab)
+        torch.gt(ab, p.small_value, out=nm)
+        small_count = m - torch.count_nonzero(nm)
+        any_small = not on_cpu or bool(small_count)
+        torch.div(b, bmax, out=bnt)
+        torch.square(bnt, out=bb[lo:hi])
+        error_terms = False   # the bench's terms of the error metrics: computed once an output differs here
+        for j, (acc, flat_d) in enumerate(quick):
+            c, mx, sj = counts[j], maxima[j], sums[j]
+            d = d_t[:m].copy_(flat_d[start + lo:start + hi])
+            c["small"] = c["small"] + small_count
+            df, ae = diff[:m], abs_err[:m]
+            torch.sub(d, b, out=df)            # finite: d > b <=> diff > 0, d != b <=> diff != 0 (no NaN)
+            torch.abs(df, out=ae)
+            tile_abs = ae.amax()
+            mx["abs"] = tile_abs if "abs" not in mx else torch.maximum(mx["abs"], tile_abs)
+            if on_cpu and not tile_abs:
+                # the device output equals the bench here (an exact op: copies, relu, transpose ...): every error
+                # term is zero; the values the general path computes, without computing them
+                for key in ("hundredth", "thousandth", "ten_thousandth"):
+                    c[key] = c[key] + m
+                for key in ("rel", "ulp"):
+                    _tile_max(mx, key, zero)
+                exact[j].append((lo, hi))   # its summands are written only if another tile needs the buffers
+                if not same_norm[j]:
+                    dn = torch.div(d, acc.dmax, out=tmp[:m])
+                    torch.mul(bnt, dn, out=sj["dot"][lo:hi])
+                    torch.square(dn, out=sj["dd"][lo:hi])
+                continue
+            if not error_terms:
+                error_terms = True
+                torch.add(ab, acc0.eps, out=den)
+                nf.copy_(nm)
+                if any_small:
+                    torch.logical_not(nm, out=sm)
+                # exp2(-eb), eb = max(floor(log2|b|), min_eb), from the bits: the biased exponent of a float64 is
+                # floor(log2|b|) + 1023 for normal numbers; zero and subnormals read -1023 and are clamped to
+                # min_eb (>= -1022) like frexp's; 2^-eb for -1022 <= eb <= 900 is the float64 with biased exponent
+                # 1023 - eb
+                eb = bits[:m]
+                torch.bitwise_right_shift(b.view(torch.int64), 52, out=eb)
+                eb.bitwise_and_(0x7FF).sub_(1023).clamp_min_(p.ulp_min_exponent)
+                torch.sub(1023, eb, out=spacing[:m])   # rsub
+                spacing[:m].bitwise_left_shift_(52)
+            spf = spacing[:m].view(f64)
+            rl, tm, mk = rel[:m], tmp[:m], mask[:m]
+            torch.div(ae, den, out=rl)
+            for key, bound in (("hundredth", t.hundredth), ("thousandth", t.thousandth),
+                               ("ten_thousandth", t.ten_thousandth)):
+                c[key] = c[key] + torch.count_nonzero(torch.lt(rl, bound, out=mk))
+            sg = signs[j]
+            sg[0] = sg[0] + torch.sign(df, out=tm).sum()   # sums of +-1 and 0: exact integers in float64
+            sg[1] = sg[1] + torch.sign(ae, out=tm).sum()
+            if any_small:
+                c["small_bad"] = c["small_bad"] + torch.count_nonzero(
+                    torch.gt(ae, p.small_atol, out=mk).logical_and_(sm))
+            # abs_err and rel are finite below 2^900: times a 0/1 mask they are `where(normal, x, 0.0)` exactly;
+            # the max of the masked rel differs from `add`'s (-1 for no normal element) only where `metrics` reads
+            # 0 anyway; rtol > 0, so `normal & (rel > rtol)` is `rel * normal > rtol`
+            torch.mul(ae, nf, out=tm)
+            torch.square(tm, out=sj["sq"][lo:hi])
+            rel_normal = torch.mul(rl, nf, out=sj["rel"][lo:hi])
+            _tile_max(mx, "rel", rel_normal)
+            c["rel_bad"] = c["rel_bad"] + torch.count_nonzero(torch.gt(rel_normal, p.rtol, out=mk))
+            torch.mul(ae, spf, out=tm)
+            ulp = torch.mul(tm, scale, out=sj["ulp"][lo:hi])
+            _tile_max(mx, "ulp", ulp)
+            c["ulp_over"] = c["ulp_over"] + torch.count_nonzero(torch.gt(ulp, p.ulp_threshold, out=mk))
+            dn = torch.div(d, acc.dmax, out=tm)
+            torch.mul(bnt, dn, out=sj["dot"][lo:hi])
+            torch.square(dn, out=sj["dd"][lo:hi])
+    bb_sum = bb.sum()
+    for j, (acc, _) in enumerate(quick):
+        c, mx, sj = counts[j], maxima[j], sums[j]
+        everywhere = sum(hi - lo for lo, hi in exact[j]) == n
+        if not everywhere:   # the zero (and, with equal maxima, bn * bn) summands of the exact tiles
+            for lo, hi in exact[j]:
+                for key in ("sq", "rel", "ulp"):
+                    sj[key][lo:hi].zero_()
+                if same_norm[j]:
+                    sj["dot"][lo:hi].copy_(bb[lo:hi])   # bn * bn is bn.square() bit for bit
+                    sj["dd"][lo:hi].copy_(bb[lo:hi])
+        net, moved = (torch.as_tensor(v, dtype=f64, device=dev) for v in signs[j])
+        above, below = ((moved + net) / 2).to(torch.int64), ((moved - net) / 2).to(torch.int64)
+        acc.counts["binary"] = acc.counts["binary"] + above + below
+        acc.counts["above"] = acc.counts["above"] + above
+        acc.counts["below"] = acc.counts["below"] + below
+        for key, value in c.items():
+            acc.counts[key] = acc.counts[key] + value
+        acc.counts["normal"] = acc.counts["normal"] + (n - c["small"])
+        for key in ("sq", "rel", "ulp"):
+            # equal everywhere: a sum of +0.0 terms, +0.0
+            acc._sum(key, zero if everywhere else sj[key])
+        for key in ("abs", "rel", "ulp"):
+            acc.maxima[key] = torch.maximum(acc.maxima[key].to(dev), mx[key])
+        for key in ("dot", "dd"):
+            # equal everywhere with equal maxima: the summands, and so their sum, are bb's
+            if everywhere and same_norm[j]:
+                acc.sums[key] = acc.sums[key].to(dev) + bb_sum
+            else:
+                acc._sum(key, sj[key])
+        acc.sums["bb"] = acc.sums["bb"].to(dev) + bb_sum
+
+
+def _tile_max(maxima: dict, key: str, values: torch.Tensor) -> None:
+    m = values.amax()
+    old = maxima.get(key)
+    maxima[key] = m if old is None else torch.maximum(old, m)

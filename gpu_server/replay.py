@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import threading
@@ -320,23 +321,92 @@ def run_backward(fwd: Job, bwd: Job, device: torch.device, bench: bool, match_th
         args, kwargs, leaves = prepare_inputs(fwd, device, bench, requires_grad=True)
         if not leaves:
             raise ReplayError("no input of this call required grad on the bench host")
-        if fwd.inplace:  # an in-place op cannot act on a leaf that requires grad: give it a differentiable copy
-            index = {id(t): t for t in leaves.values()}
-            args = map_leaves(args, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in index else v)
+        args = _differentiable_copies(fwd, args, leaves)
         ac = None if bench else _autocast_dtype(fwd)
         try:
             keep = sdpa_keep_mask(fwd, device, match_threads) if plan == "sdpa" and bench else None
             with _threads(fwd, device, bench, match_threads):
-                return _backward(fwd, bwd, args, kwargs, leaves, device, ac, plan, keep)
+                with torch.enable_grad(), _autocast(device, ac):
+                    out = call_api(fwd, args, kwargs, device, plan, keep)
+                return _backward(bwd, out, leaves, device)
         except ReplayError:
             raise
         except Exception as exc:  # noqa: BLE001
             raise ReplayError(f"backward replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
-def _backward(fwd: Job, bwd: Job, args, kwargs, leaves: dict, device: torch.device, ac, plan, keep) -> list:
-    with torch.enable_grad(), _autocast(device, ac):
-        out = call_api(fwd, args, kwargs, device, plan, keep)
+def _differentiable_copies(fwd: Job, args, leaves: dict):
+    """An in-place op cannot act on a leaf that requires grad: it gets a differentiable copy."""
+    if not fwd.inplace:
+        return args
+    index = {id(t): t for t in leaves.values()}
+    return map_leaves(args, lambda v: v.clone() if isinstance(v, torch.Tensor) and id(v) in index else v)
+
+
+@dataclasses.dataclass
+class KeptForward:
+    """A forward replay with its autograd graph, kept for the call's backward replay (`backward_from`): the backward
+    then runs on this graph instead of replaying the forward a second time."""
+
+    out: Any
+    leaves: dict[int, torch.Tensor]
+    bench: bool      # the run's precision after the random plan (a reproduced stream runs in the recorded dtype)
+    nbytes: int      # an estimate of what the graph holds: inputs and outputs of the replay, twice
+
+
+def run_forward_kept(job: Job, device: torch.device, bench: bool,
+                     match_threads: bool = True) -> tuple[Any, KeptForward | None]:
+    """`run_forward` of a call whose backward record will come: the same replay with the inputs that required grad
+    in training as leaves and autograd on, as `run_backward` replays the forward, so that the backward replay can
+    reuse its graph. Returns the output and the kept graph (None where nothing is differentiable). A replay that
+    fails this way is run again as `run_forward` (which then decides the row), without a graph."""
+    try:
+        return _forward_kept(job, device, bench, match_threads)
+    except ReplayError:
+        return run_forward(job, device, bench, match_threads), None
+
+
+def _forward_kept(job: Job, device: torch.device, bench: bool, match_threads: bool) -> tuple[Any, KeptForward | None]:
+    with global_state_guard(device, f"{job.category}.{job.api}"):
+        _uninitialised_check(job)
+        plan = random_plan(job, device)
+        if bench:
+            allocation_check(job)
+        if plan in ("draw", "same"):
+            bench = False
+        args, kwargs, leaves = prepare_inputs(job, device, bench, requires_grad=True)
+        args = _differentiable_copies(job, args, leaves)
+        ac = None if bench else _autocast_dtype(job)
+        try:
+            keep = sdpa_keep_mask(job, device, match_threads) if plan == "sdpa" and bench else None
+            with torch.enable_grad() if leaves else torch.no_grad(), _threads(job, device, bench, match_threads), \
+                    _autocast(device, ac):
+                out = call_api(job, args, kwargs, device, plan, keep)
+        except ReplayError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the replay failing is a reported outcome, not a crash
+            raise ReplayError(f"replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
+    outs = [t for t in iter_leaves(out) if isinstance(t, torch.Tensor)]
+    if not leaves or not any(t.requires_grad for t in outs):
+        return out, None
+    size = sum(t.nbytes for t in leaves.values()) + sum(t.nbytes for t in outs)
+    return out, KeptForward(out, leaves, bench, 2 * size)
+
+
+def backward_from(kept: KeptForward, fwd: Job, bwd: Job, device: torch.device, match_threads: bool = True) -> list:
+    """`run_backward` on a forward kept by `run_forward_kept`: the same gradients, without replaying the forward.
+    The graph is used once."""
+    with global_state_guard(device, f"{fwd.category}.{fwd.api}"):
+        try:
+            with _threads(fwd, device, kept.bench, match_threads):
+                return _backward(bwd, kept.out, kept.leaves, device)
+        except ReplayError:
+            raise
+        except Exception as exc:  # noqa: BLE001
+            raise ReplayError(f"backward replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def _backward(bwd: Job, out, leaves: dict, device: torch.device) -> list:
     outs = [t for t in iter_leaves(out) if isinstance(t, torch.Tensor)]
     grads = list(bwd.grad_output) if isinstance(bwd.grad_output, (list, tuple)) else [bwd.grad_output]
     if len(grads) != len(outs):

@@ -1,0 +1,186 @@
+"""The server's fast paths give exactly what the plain paths give (issue 13): the metrics' tiled finite pass against
+the general per-chunk pass, bit-identical outputs analysed once, and a backward replay on the forward's kept graph
+against a full backward replay."""
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_server import metrics, replay
+from gpu_server.checker import Checker
+from gpu_server.pending import PendingCalls
+from gpu_server.replay import backward_from, run_backward, run_forward, run_forward_kept
+from gpu_server.summary import Summary
+from tests.support import capture, to_job
+
+CPU = torch.device("cpu")
+
+
+def _general(bench, device):
+    """The metrics through `_Accumulator.add` only (the path for outputs with inf/NaN or huge values)."""
+    saved = metrics._FAST_LIMIT
+    metrics._FAST_LIMIT = 0.0
+    try:
+        return metrics.analyse(bench, device)
+    finally:
+        metrics._FAST_LIMIT = saved
+
+
+def _cases():
+    g = torch.Generator().manual_seed(0)
+    n = 3 * metrics._TILE + 17   # several tiles and a short one
+    x = torch.randn(n, generator=g)
+    x[::7] = 0
+    x[1::11] *= 1e-7             # small values
+    b = x.double()
+    noisy = (b + torch.randn(n, dtype=torch.float64, generator=g) * 1e-6 * b.abs()).float()
+    part = x.clone()
+    part[metrics._TILE:2 * metrics._TILE] = noisy[metrics._TILE:2 * metrics._TILE]   # exact tiles and one that is not
+    bigger = x.clone()
+    bigger[-1] = 8 * x.abs().max()   # exact tiles, but another max |x| than the bench's
+    h = torch.randn(n, generator=g).half()
+    hb = h.float() + torch.randn(n, generator=g) * 1e-3
+    return [("noisy", b, noisy), ("exact", b, x.clone()), ("partly exact", b, part), ("other max", b, bigger),
+            ("float16", hb, h), ("float16 exact", h.float(), h.clone()), ("tiny", b[:5], noisy[:5])]
+
+
+@pytest.mark.parametrize("name,bench,device", _cases(), ids=[c[0] for c in _cases()])
+def test_tiled_finite_pass_equals_the_general_pass(name, bench, device):
+    fast, slow = metrics.analyse(bench, device), _general(bench, device)
+    assert fast.metrics == slow.metrics, name            # every cell, bit for bit
+    assert dict(fast.metrics.counts) == dict(slow.metrics.counts)
+    assert fast.cosine == slow.cosine
+
+
+def test_bit_identical_outputs_are_analysed_once_with_the_same_result():
+    _, bench, device = _cases()[0]
+    twin = device.clone()
+    calls = []
+    original = metrics._analyse_floats
+
+    def spy(b, devices, chunk):
+        calls.append(len(devices))
+        return original(b, devices, chunk)
+
+    metrics._analyse_floats = spy
+    try:
+        with metrics.shared():
+            metrics.prefetch(bench, [device, twin])
+            a, b = metrics.analyse(bench, device), metrics.analyse(bench, twin)
+    finally:
+        metrics._analyse_floats = original
+    assert calls == [1]                   # one output analysed, the twin shares its result
+    assert a.metrics == b.metrics == metrics.analyse(bench, twin).metrics
+
+
+@pytest.mark.parametrize("name", ["Functional.linear.0", "Functional.layer_norm.0", "Tensor.mul_.0"])
+def test_backward_on_the_kept_forward_equals_a_full_backward_replay(name):
+    ln = torch.nn.LayerNorm(16)
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with capture() as (mode, sink):
+        with mode:
+            y = lin(ln(x))
+            y = (y + 1.0).mul_(2.0)
+        (y * torch.arange(16.0)).sum().backward()
+    fwd, bwd = to_job(sink.forward(name)), to_job(sink.backward(name))
+    for bench in (True, False):
+        out, kept = run_forward_kept(fwd, CPU, bench=bench)
+        assert kept is not None
+        plain = run_forward(fwd, CPU, bench=bench)
+        assert torch.equal(out.detach(), plain)
+        got, want = backward_from(kept, fwd, bwd, CPU), run_backward(fwd, bwd, CPU, bench=bench)
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            assert (g is None and w is None) or (g.dtype == w.dtype and torch.equal(g, w))
+
+
+def test_a_forward_that_cannot_run_with_autograd_is_replayed_as_before_without_a_graph():
+    x = torch.randn(6)
+    with capture() as (mode, sink):
+        with mode:
+            torch.add(x, 1.0)
+    job = to_job(sink.forward("Torch.add.0"))     # nothing required grad: no graph to keep
+    out, kept = run_forward_kept(job, CPU, bench=True)
+    assert kept is None and torch.equal(out, run_forward(job, CPU, bench=True))
+
+
+def _check_all(sink, graph_budget: int, tmp: str) -> tuple[dict[str, str], int]:
+    """Every record through a real Checker; the report files' text and how many full backward replays ran."""
+    summary = Summary()
+    checker = Checker(tmp, "ts", CPU, summary, pending=PendingCalls(1 << 30), graph_budget=graph_budget)
+    replays = []
+    original = replay.run_backward
+
+    def counting(*args, **kwargs):
+        replays.append(1)
+        return original(*args, **kwargs)
+
+    import gpu_server.checker as checker_module
+    checker_module.run_backward = counting
+    try:
+        torch.set_grad_enabled(False)   # as in the worker threads
+        for seq, rec in enumerate(sink):
+            rec.seq = seq
+            checker.check(to_job(rec))
+        checker.close()
+    finally:
+        checker_module.run_backward = original
+        torch.set_grad_enabled(True)
+    files = {}
+    for f in sorted(os.listdir(tmp)):
+        if f.endswith(".csv"):
+            with open(os.path.join(tmp, f), encoding="utf-8") as fh:
+                files[f] = fh.read()
+    return files, len(replays)
+
+
+def test_checker_rows_are_the_same_with_and_without_kept_graphs():
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32),
+                                torch.nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    with capture() as (mode, sink):
+        with mode:
+            loss = F.cross_entropy(model(x), torch.arange(8) % 4)
+        loss.backward()
+    with tempfile.TemporaryDirectory() as a, tempfile.TemporaryDirectory() as b:
+        kept, kept_replays = _check_all(sink, 1 << 30, a)
+        plain, plain_replays = _check_all(sink, 0, b)
+    backward_calls = sum(1 for r in sink if r.direction == 2)
+    assert backward_calls >= 4
+    # every backward ran on its kept graphs (bench and same-dtype); without them, two full replays each
+    assert kept_replays == 0 and plain_replays == 2 * backward_calls
+    assert kept == plain and len(kept) == 4
+
+
+def test_kept_graphs_stay_within_their_budget_oldest_dropped_first():
+    lin1, lin2 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
+    x = torch.randn(4, 16, requires_grad=True)
+    with capture() as (mode, sink):
+        with mode:
+            y = lin2(lin1(x))
+        y.sum().backward()
+    first, second = to_job(sink.forward("Functional.linear.0")), to_job(sink.forward("Functional.linear.1"))
+
+    def kept(budget: int, *jobs) -> tuple[list[str], int]:
+        """The calls whose graphs a checker keeps after these forward jobs, and their bytes."""
+        with tempfile.TemporaryDirectory() as tmp:
+            checker = Checker(tmp, "ts", CPU, Summary(), pending=PendingCalls(1 << 30), graph_budget=budget)
+            torch.set_grad_enabled(False)
+            try:
+                for seq, job in enumerate(jobs):
+                    job.seq = seq
+                    checker.check(job)
+                return [k.name for k in checker._graphs], checker._graph_bytes
+            finally:
+                torch.set_grad_enabled(True)
+                checker.close()
+
+    names, size = kept(1 << 30, first)
+    assert size > 0 and names == [first.name]
+    names, held = kept(size + size // 2, first, second)   # room for one: the older call's graphs are dropped
+    assert names == [second.name] and held <= size + size // 2
+    assert kept(1, first) == ([], 0)   # larger than the budget: not kept at all
