@@ -43,7 +43,7 @@ class ServerApp:
     def __init__(self, config: ServerConfig, out_dir: str, device: str | None = None, workers: int | None = None,
                  limits: Limits = DEFAULT_LIMITS, backward_budget: int = 4 << 30, expected_ranks: int | None = None,
                  memory_budget: int | None = None, fsync: bool = True, error_data_max_bytes: int | None = None,
-                 keep_records: bool = False):
+                 keep_records: bool = False, graph_budget: int = 2 << 30):
         self.config = config
         self.out_dir = out_dir
         self.limits = limits
@@ -64,7 +64,8 @@ class ServerApp:
         # the one owner of each call's lifecycle: what waits, what is restored, what the journal says
         self.pending = PendingCalls(backward_budget, restored=self.recovery.half)
         self.pool = WorkerPool(self.devices, out_dir, self.ts, self.summary, self.pending,
-                               on_complete=self.spool.complete, release=self.budget.release, evidence=self.evidence)
+                               on_complete=self.spool.complete, release=self.budget.release, evidence=self.evidence,
+                               graph_budget=graph_budget)
         self.intake = Intake(config, self.pool.submit, limits, spool=self.spool, budget=self.budget)
         for run_id, rank, seq in self.spool.seen():
             self.intake.mark_seen(run_id, rank, seq)

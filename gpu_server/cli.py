@@ -40,6 +40,9 @@ def _args(argv):
                    help="'error': exit status 1 when any API failed (for CI)")
     p.add_argument("--backward-memory-mb", type=float, default=4096,
                    help="memory for forward inputs kept until their backward check (default 4096)")
+    p.add_argument("--graph-memory-mb", type=float, default=2048,
+                   help="per worker: memory for the forward replays' autograd graphs kept until their backward "
+                        "record (default 2048; on a GPU bench, device memory); 0 replays each forward again instead")
     p.add_argument("--max-record-mb", type=float, default=None,
                    help="largest record accepted (default: half of --memory-mb; at most --memory-mb): a larger one "
                         "is refused at its header with a message naming these options")
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
                         expected_ranks=expected if ns.exit_when_done else None,
                         memory_budget=memory,
                         error_data_max_bytes=None if ns.error_data_max_mb is None else int(ns.error_data_max_mb * MiB),
-                        keep_records=ns.keep_records)
+                        keep_records=ns.keep_records, graph_budget=int(max(0.0, ns.graph_memory_mb) * MiB))
         app.start()
     except (ValueError, OSError, SpoolError) as exc:
         print(f"gpu-server: {exc}", file=sys.stderr)

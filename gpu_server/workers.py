@@ -65,13 +65,15 @@ class WorkerPool:
     def __init__(self, devices: list[torch.device], out_dir: str, ts: str, summary: Summary,
                  pending: PendingCalls, queue_size: int = 65536,
                  on_complete: Callable[[list, list, dict[str, int]], None] | None = None,
-                 release: Callable[[int], None] | None = None, evidence: Evidence | None = None):
+                 release: Callable[[int], None] | None = None, evidence: Evidence | None = None,
+                 graph_budget: int = 2 << 30):
         self.summary = summary
         self.pending = pending
         self.on_complete = on_complete or (lambda done, half, files: None)
         self.release = release or (lambda n: None)
         replay.warm_up()   # before the transport opens (the pool is built first): no record waits for it
-        self.checkers = [Checker(out_dir, ts, d, summary, pending=pending, evidence=evidence) for d in devices]
+        self.checkers = [Checker(out_dir, ts, d, summary, pending=pending, evidence=evidence, graph_budget=graph_budget)
+                         for d in devices]
         cpu_workers = sum(d.type == "cpu" for d in devices)
         if cpu_workers > 1:
             # torch's intra-op pool is shared by the process: split the cores instead of oversubscribing them, and
