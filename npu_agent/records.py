@@ -222,7 +222,7 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int,
         for field, snap in (("output", rec.output), ("grad_output", rec.grad_output),
                             ("grad_input", rec.grad_input)):
             if snap is not None and snap.tree is not None:
-                enc.fill(getattr(out, field), snap.tree, _NO_GRAD)
+                enc.fill(getattr(out, field), snap.tree, _not_requiring_grad)
                 snaps.append(snap)
         if rec.grad_input is not None:
             out.grad_input_positions.extend(rec.grad_input_positions)
@@ -237,7 +237,7 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int,
     return out, enc, changed
 
 
-def _NO_GRAD(t: torch.Tensor) -> dict[str, Any]:
+def _not_requiring_grad(t: torch.Tensor) -> dict[str, Any]:
     return {"requires_grad": False}
 
 
