@@ -419,16 +419,11 @@ TRAIN_SCRIPT = "from tests.faulty_kernels import main; main()"
 def run_trainings(config_path: str, runs: list[list[str]]) -> None:
     """Run one training subprocess per entry of `runs` (extra arguments of `main`) concurrently, the i-th with
     RANK=i, so that each gets its own per-rank report files on the shared server."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from tests import support
 
-    env = {"WORLD_SIZE": str(len(runs))}
-    with ThreadPoolExecutor(len(runs)) as pool:
-        futures = [pool.submit(support.run_training, TRAIN_SCRIPT, "--config", config_path, *args,
-                               env=dict(env, RANK=str(rank))) for rank, args in enumerate(runs)]
-        for future in futures:
-            future.result()
+    support.run_ranks(TRAIN_SCRIPT, [(["--config", config_path, *args], {"WORLD_SIZE": str(len(runs)),
+                                                                         "RANK": str(rank)})
+                                     for rank, args in enumerate(runs)])
 
 
 def flagged(out_dir: str, rank: int, kind: str, status: str = "error") -> set[tuple[str, str]]:

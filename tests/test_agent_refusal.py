@@ -24,7 +24,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
-from tests import support
+from tests import support, zygote
 from tests.test_durability import TRAIN as DURABLE_TRAIN
 from tests.test_durability import check_exactly_once, counts_of
 
@@ -156,8 +156,7 @@ def run_agent(work: Path, name: str, port: int, ending: str = "close", **tensor)
                                                                                           float]:
     cfg = support.agent_config(str(work / f"agent_{name}.json"), port=port, **tensor)
     env = dict(os.environ, PYTHONPATH=support.ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", TRAIN, cfg, ending], capture_output=True, text=True, timeout=300,
-                          env=env)
+    proc = zygote.run(TRAIN, (cfg, ending), env, None, 300)   # its own process, forked once torch is imported
     exited = time.monotonic()   # CLOCK_MONOTONIC: one clock for all processes of this host
     started = [float(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("STARTED ")]
     return proc, exited - started[0] if started else float("inf")

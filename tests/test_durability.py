@@ -9,12 +9,11 @@ import collections
 import glob
 import json
 import os
-import threading
 import time
 
 import pytest
 
-from tests.support import Server, agent_config, read_csv, run_training
+from tests.support import Server, Training, agent_config, read_csv
 
 # argv: config, steps, pause per step (s), grad (0/1), width[, gate]. Prints "COUNTS {json}" (the agent's close()).
 # With a gate (a file path) the training creates `{gate}.waiting` before step steps // 2 and waits there until the
@@ -105,29 +104,18 @@ def test_kill_9_mid_run_then_restart_reports_every_record_once(tmp_path):
     first = Server(work, out=out).start()
     cfg = agent_config(os.path.join(work, "agent.json"), first.port, online_max_retry_s=0.3,
                        online_close_timeout_s=90)
-    result: dict = {}
-
-    def train():
-        try:
-            result["proc"] = run_training(TRAIN, cfg, str(steps), "0.04", "1", "96", gate, timeout=150)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            result["error"] = exc
-
-    t = threading.Thread(target=train)
-    t.start()
+    t = Training(TRAIN, cfg, str(steps), "0.04", "1", "96", gate, timeout=150)
     deadline = time.time() + 60
     while _rows(out) < 12 and time.time() < deadline and t.is_alive():
         time.sleep(0.02)
     killed_at = _rows(out)
     first.kill()            # SIGKILL: no drain, no flush, no summary
-    assert t.is_alive(), f"the training ended before the kill: {result.get('error')}"
+    assert t.is_alive(), f"the training ended before the kill: {t.error}"
     assert killed_at >= 12, f"only {killed_at} result rows within 60 s"
     time.sleep(1.0)         # the agent notices, keeps its unacknowledged records and retries
     second = Server(work, port=first.port, out=out).start()
     open(gate, "w").close()  # steps 12-23 go to the restarted server
-    t.join(150)
-    assert "error" not in result, result.get("error")
-    counts = counts_of(result["proc"])
+    counts = counts_of(t.result(150))
     assert second.stop() == 0
     log = second.log()
     assert "resuming the session" in log

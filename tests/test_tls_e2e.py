@@ -18,12 +18,10 @@ import pytest
 
 from npu_agent.config import ConfigError, parse_config
 from protos import online_check_pb2 as pb
-from protos.contract import STREAM_METHOD
 from tests import support
 
 MAKE = os.path.join(support.ROOT, "certs", "make_certs.py")
 REVOKE = os.path.join(support.ROOT, "certs", "revoke_cert.py")
-METHOD = STREAM_METHOD
 
 TRAIN = r'''
 import logging, sys, torch, torch.nn as nn, torch.nn.functional as F
@@ -137,16 +135,10 @@ def test_refused_agents_say_why_and_the_training_completes(server, pki, tmp_path
 
 
 def _raw_call(port: int, creds: grpc.ChannelCredentials | None) -> grpc.RpcError:
-    target = f"127.0.0.1:{port}"
-    channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
-    try:
-        stub = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
-        hello = pb.Frame(hello=pb.Hello(run_id="probe", rank=0)).SerializeToString()
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub(iter([hello]), timeout=10))
-        return info.value
-    finally:
-        channel.close()
+    hello = pb.Frame(hello=pb.Hello(run_id="probe", rank=0)).SerializeToString()
+    with pytest.raises(grpc.RpcError) as info:
+        support.stream_acks(port, [hello], lambda acks: True, timeout=10, credentials=creds)
+    return info.value
 
 
 def test_a_client_without_certificate_is_refused(server, pki):
