@@ -16,6 +16,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 
 
+# A small MLP trained under the agent. argv: config[, steps (default 2)[, "info": the agent's INFO lines, its counts
+# at close among them, on stderr; they are shown only when asked for]]. Prints "COUNTS {json}" (the agent's close())
+# and "TRAINING DONE <last loss>".
+SMALL_TRAIN = r'''
+import json, logging, sys, torch, torch.nn as nn, torch.nn.functional as F
+from npu_agent import PrecisionDebugger
+if len(sys.argv) > 3 and sys.argv[3] == "info":
+    logging.basicConfig(level=logging.INFO)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+dbg = PrecisionDebugger(config_path=sys.argv[1])
+for step in range(int(sys.argv[2]) if len(sys.argv) > 2 else 2):
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    dbg.start()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    dbg.stop()
+    dbg.step()
+print("COUNTS " + json.dumps(dbg.close()))
+print("TRAINING DONE", float(loss))
+'''
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,23 +23,6 @@ from tests import support
 MAKE = os.path.join(support.ROOT, "certs", "make_certs.py")
 REVOKE = os.path.join(support.ROOT, "certs", "revoke_cert.py")
 
-TRAIN = r'''
-import logging, sys, torch, torch.nn as nn, torch.nn.functional as F
-from npu_agent import PrecisionDebugger
-logging.basicConfig(level=logging.INFO)   # the agent's INFO lines (counts at close) are shown only when asked for
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-dbg = PrecisionDebugger(config_path=sys.argv[1])
-x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
-dbg.start()
-loss = F.cross_entropy(model(x), y)
-loss.backward()
-dbg.stop()
-dbg.step()
-dbg.close()
-print("TRAINING DONE", float(loss))
-'''
-
 
 def make_pki(out, *args) -> str:
     subprocess.run([sys.executable, MAKE, "--out", str(out), *args], check=True, capture_output=True, text=True)
@@ -67,7 +50,7 @@ def server(pki, tmp_path_factory):
 def train(work, name: str, port: int, **tensor) -> subprocess.CompletedProcess:
     cfg = support.agent_config(os.path.join(work, f"agent_{name}.json"), port=port, **tensor)
     t0 = time.monotonic()
-    proc = support.run_training(TRAIN, cfg)  # fails the test if the training does not complete
+    proc = support.run_training(support.SMALL_TRAIN, cfg, "1", "info")  # fails the test if it fails
     proc.seconds = time.monotonic() - t0  # type: ignore[attr-defined]
     assert "TRAINING DONE" in proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
