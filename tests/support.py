@@ -79,6 +79,7 @@ class Server:
 
     def start(self, wait: float = 60) -> "Server":
         self._log = open(self.log_path, "a")
+        since = self._log.tell()    # a restart on the same port appends to the same log
         cmd = [os.path.join(os.path.dirname(PY), "gpu-server"), "--config", self.config, "--out", self.out,
                "--quiet", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir)
@@ -86,14 +87,15 @@ class Server:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gpu-server exited with {self.proc.returncode}: {self.log()}")
-            if self.nfs:
-                if "watching shared folder" in self.log():
+            # the line the server logs once started (spool resumed, port open): a SIGTERM before it kills the
+            # process instead of draining it (gpu_server/cli.py installs its handlers after app.start())
+            if ("watching shared folder" if self.nfs else "listening on") in self._log_since(since):
+                if self.nfs:
                     return self
-            else:
                 with socket.socket() as s:
                     if s.connect_ex(("127.0.0.1", self.port)) == 0:
                         return self
-            time.sleep(0.1)
+            time.sleep(0.05)
         raise RuntimeError(f"gpu-server did not start: {self.log()}")
 
     def stop(self, timeout: float = 120) -> int:
@@ -114,6 +116,11 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+
+    def _log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode("utf-8", "replace")
 
     def log(self) -> str:
         try:
