@@ -278,22 +278,27 @@ def _conv_batches(steps: int, batch: int = 4, size: int = 8, classes: int = 10, 
         yield torch.randn(batch, 3, size, size, generator=g), torch.randint(0, classes, (batch,), generator=g)
 
 
-def train_convnet(config_path: str, steps: int, dtype: torch.dtype, dropout: float, seed: int = 0) -> None:
+def _train(model: nn.Module, batches, config_path: str, cast: torch.dtype | None = None) -> None:
+    """AdamW steps of `model` over `batches` ((input, targets) pairs), each step captured by the agent; with `cast`
+    the input is cast to that dtype inside the captured region."""
     from npu_agent import PrecisionDebugger
 
-    torch.manual_seed(seed)
-    model = ConvNet(dropout=dropout).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     debugger = PrecisionDebugger(config_path=config_path)
-    for x, targets in _conv_batches(steps, seed=seed):
+    for x, targets in batches:
         debugger.start()
-        loss = model(x.to(dtype), targets)
+        loss = model(x.to(cast) if cast is not None else x, targets)
         loss.backward()
         debugger.stop()
         opt.step()
         opt.zero_grad(set_to_none=True)
         debugger.step()
     debugger.close()
+
+
+def train_convnet(config_path: str, steps: int, dtype: torch.dtype, dropout: float, seed: int = 0) -> None:
+    torch.manual_seed(seed)
+    _train(ConvNet(dropout=dropout).to(dtype), _conv_batches(steps, seed=seed), config_path, cast=dtype)
 
 
 class MoE(nn.Module):
@@ -349,23 +354,12 @@ class AttnNet(nn.Module):
 def train_tokens(model_cls, config_path: str, steps: int, dtype: torch.dtype, dropout: float, seed: int = 0,
                  vocab: int = 64, classes: int = 10) -> None:
     """Train MoE or AttnNet on random token sequences (batch 4, length 8) for `steps` steps with the agent."""
-    from npu_agent import PrecisionDebugger
-
     torch.manual_seed(seed)
     model = (model_cls(dropout=dropout) if model_cls is AttnNet else model_cls()).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    debugger = PrecisionDebugger(config_path=config_path)
     g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        idx, targets = torch.randint(0, vocab, (4, 8), generator=g), torch.randint(0, classes, (4,), generator=g)
-        debugger.start()
-        loss = model(idx, targets)
-        loss.backward()
-        debugger.stop()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        debugger.step()
-    debugger.close()
+    batches = ((torch.randint(0, vocab, (4, 8), generator=g), torch.randint(0, classes, (4,), generator=g))
+               for _ in range(steps))
+    _train(model, batches, config_path)
 
 
 MODELS = ("tinylm", "convnet", "moe", "attn")
@@ -419,16 +413,11 @@ TRAIN_SCRIPT = "from tests.faulty_kernels import main; main()"
 def run_trainings(config_path: str, runs: list[list[str]]) -> None:
     """Run one training subprocess per entry of `runs` (extra arguments of `main`) concurrently, the i-th with
     RANK=i, so that each gets its own per-rank report files on the shared server."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from tests import support
 
-    env = {"WORLD_SIZE": str(len(runs))}
-    with ThreadPoolExecutor(len(runs)) as pool:
-        futures = [pool.submit(support.run_training, TRAIN_SCRIPT, "--config", config_path, *args,
-                               env=dict(env, RANK=str(rank))) for rank, args in enumerate(runs)]
-        for future in futures:
-            future.result()
+    support.run_ranks(TRAIN_SCRIPT, [(["--config", config_path, *args], {"WORLD_SIZE": str(len(runs)),
+                                                                         "RANK": str(rank)})
+                                     for rank, args in enumerate(runs)])
 
 
 def flagged(out_dir: str, rank: int, kind: str, status: str = "error") -> set[tuple[str, str]]:

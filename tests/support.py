@@ -16,6 +16,29 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
 
 
+# A small MLP trained under the agent. argv: config[, steps (default 2)[, "info": the agent's INFO lines, its counts
+# at close among them, on stderr; they are shown only when asked for]]. Prints "COUNTS {json}" (the agent's close())
+# and "TRAINING DONE <last loss>".
+SMALL_TRAIN = r'''
+import json, logging, sys, torch, torch.nn as nn, torch.nn.functional as F
+from npu_agent import PrecisionDebugger
+if len(sys.argv) > 3 and sys.argv[3] == "info":
+    logging.basicConfig(level=logging.INFO)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+dbg = PrecisionDebugger(config_path=sys.argv[1])
+for step in range(int(sys.argv[2]) if len(sys.argv) > 2 else 2):
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    dbg.start()
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    dbg.stop()
+    dbg.step()
+print("COUNTS " + json.dumps(dbg.close()))
+print("TRAINING DONE", float(loss))
+'''
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -56,6 +79,7 @@ class Server:
 
     def start(self, wait: float = 60) -> "Server":
         self._log = open(self.log_path, "a")
+        since = self._log.tell()    # a restart on the same port appends to the same log
         cmd = [os.path.join(os.path.dirname(PY), "gpu-server"), "--config", self.config, "--out", self.out,
                "--quiet", *self.args]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir)
@@ -63,14 +87,15 @@ class Server:
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gpu-server exited with {self.proc.returncode}: {self.log()}")
-            if self.nfs:
-                if "watching shared folder" in self.log():
+            # the line the server logs once started (spool resumed, port open): a SIGTERM before it kills the
+            # process instead of draining it (gpu_server/cli.py installs its handlers after app.start())
+            if ("watching shared folder" if self.nfs else "listening on") in self._log_since(since):
+                if self.nfs:
                     return self
-            else:
                 with socket.socket() as s:
                     if s.connect_ex(("127.0.0.1", self.port)) == 0:
                         return self
-            time.sleep(0.1)
+            time.sleep(0.05)
         raise RuntimeError(f"gpu-server did not start: {self.log()}")
 
     def stop(self, timeout: float = 120) -> int:
@@ -92,6 +117,11 @@ class Server:
             self.proc.wait()
         self._log.close()
 
+    def _log_since(self, offset: int) -> str:
+        with open(self.log_path, "rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode("utf-8", "replace")
+
     def log(self) -> str:
         try:
             with open(self.log_path) as fh:
@@ -109,14 +139,104 @@ class Server:
 
 def run_training(script: str, *args: str, env: dict | None = None, timeout: float = 300,
                  cwd: str | None = None) -> subprocess.CompletedProcess:
-    """Run a training script (source text) in a fresh Python process; fail the test if it fails."""
+    """Run a training script (source text) in its own process (tests/zygote.py: forked from a helper that has
+    imported torch); fail the test if it fails."""
+    from tests import zygote
+
     full_env = dict(os.environ, PYTHONPATH=ROOT)
     full_env.update(env or {})
-    proc = subprocess.run([PY, "-c", script, *args], capture_output=True, text=True, timeout=timeout, env=full_env,
-                          cwd=cwd)
+    proc = zygote.run(script, args, full_env, cwd, timeout)   # a forked child of a torch-imported helper
     if proc.returncode != 0:
         raise AssertionError(f"training failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
+
+
+class Training:
+    """`run_training` in a background thread, for tests that act while it runs: `is_alive()`, then `result()`
+    gives its CompletedProcess or raises what failed it."""
+
+    def __init__(self, script: str, *args: str, env: dict | None = None, timeout: float = 300,
+                 cwd: str | None = None):
+        import threading
+
+        self._out: dict = {}
+        self._thread = threading.Thread(target=self._run, args=(script, args, env, timeout, cwd), daemon=True)
+        self._thread.start()
+
+    def _run(self, script, args, env, timeout, cwd) -> None:
+        try:
+            self._out["proc"] = run_training(script, *args, env=env, timeout=timeout, cwd=cwd)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            self._out["error"] = exc
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self, timeout: float | None = None) -> None:
+        self._thread.join(timeout)
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._out.get("error")
+
+    def result(self, timeout: float | None = None) -> subprocess.CompletedProcess:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise AssertionError(f"the training did not finish within {timeout} s")
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["proc"]
+
+
+def run_ranks(script: str, jobs: list[tuple[list[str], dict]],
+              timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """Run `script` once per job (its arguments, its environment) at the same time, job i being rank i; their
+    CompletedProcesses in rank order. A failed rank fails the test, named."""
+    trainings = [Training(script, *args, env=env, timeout=timeout) for args, env in jobs]
+    for training in trainings:        # every rank has ended (or timed out) before one failure is raised
+        training.join(timeout + 30)
+    done = []
+    for rank, training in enumerate(trainings):
+        try:
+            done.append(training.result(0))
+        except BaseException as exc:
+            raise AssertionError(f"rank {rank} failed") from exc
+    return done
+
+
+def stream_acks(port: int, messages: list[bytes], until, timeout: float = 30, credentials=None) -> list:
+    """Send raw messages (serialized Frames, or any bytes) on one Stream call of a generic gRPC client to
+    127.0.0.1:`port`, keeping the stream open until `until(acks)` holds for the acknowledgements read so far;
+    return them. A refused or failed call raises grpc.RpcError (after `timeout` at the latest)."""
+    import threading
+
+    import grpc
+
+    from protos import online_check_pb2 as pb
+    from protos.contract import STREAM_METHOD
+
+    target, options = f"127.0.0.1:{port}", [("grpc.max_send_message_length", -1)]
+    channel = (grpc.secure_channel(target, credentials, options) if credentials is not None
+               else grpc.insecure_channel(target, options))
+    with channel:
+        stub = channel.stream_stream(STREAM_METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
+        done = threading.Event()
+
+        def requests():
+            yield from messages
+            done.wait(timeout)  # keep the stream open until the answers are in
+
+        acks: list = []
+        call = stub(requests(), timeout=timeout)
+        try:
+            for ack in call:
+                acks.append(ack)
+                if until(acks):
+                    break
+        finally:
+            done.set()
+            call.cancel()
+        return acks
 
 
 def read_csv(out_dir: str, kind: str, rank: int = 0) -> list[dict]:

@@ -24,7 +24,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 
-from tests import support
+from tests import support, zygote
 from tests.test_durability import TRAIN as DURABLE_TRAIN
 from tests.test_durability import check_exactly_once, counts_of
 
@@ -156,8 +156,7 @@ def run_agent(work: Path, name: str, port: int, ending: str = "close", **tensor)
                                                                                           float]:
     cfg = support.agent_config(str(work / f"agent_{name}.json"), port=port, **tensor)
     env = dict(os.environ, PYTHONPATH=support.ROOT, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", TRAIN, cfg, ending], capture_output=True, text=True, timeout=300,
-                          env=env)
+    proc = zygote.run(TRAIN, (cfg, ending), env, None, 300)   # its own process, forked once torch is imported
     exited = time.monotonic()   # CLOCK_MONOTONIC: one clock for all processes of this host
     started = [float(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("STARTED ")]
     return proc, exited - started[0] if started else float("inf")
@@ -214,24 +213,21 @@ def test_transient_outages_lose_nothing_and_are_no_refusal(tmp_path):
     cfg = support.agent_config(str(tmp_path / "agent.json"), port, online_max_retry_s=0.3,
                                online_memory_mb=0.05, online_close_timeout_s=90)
     steps = 24
-    env = dict(os.environ, PYTHONPATH=support.ROOT, OMP_NUM_THREADS="1")
-    train = subprocess.Popen([sys.executable, "-c", DURABLE_TRAIN, cfg, str(steps), "0.05", "1", "32"],
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    train = support.Training(DURABLE_TRAIN, cfg, str(steps), "0.05", "1", "32", env={"OMP_NUM_THREADS": "1"},
+                             timeout=150)
+    time.sleep(2.0)                       # the training starts with no server at all
+    server = support.Server(str(tmp_path), port=port).start()
+    deadline = time.time() + 60
+    while "agent connected" not in server.log() and time.time() < deadline:
+        time.sleep(0.05)
+    server.stop()                         # a clean restart on the same port and spool, mid-training
+    server = support.Server(str(tmp_path), port=port).start()
     try:
-        time.sleep(2.0)                       # the training starts with no server at all
-        server = support.Server(str(tmp_path), port=port).start()
-        deadline = time.time() + 60
-        while "agent connected" not in server.log() and time.time() < deadline:
-            time.sleep(0.05)
-        server.stop()                         # a clean restart on the same port and spool, mid-training
-        server = support.Server(str(tmp_path), port=port).start()
-        out, err = train.communicate(timeout=150)
-        server.stop()
+        proc = train.result(160)          # fails the test if the training failed
     finally:
-        if train.poll() is None:
-            train.kill()
-    assert train.returncode == 0, err[-3000:]
-    counts = counts_of(subprocess.CompletedProcess([], 0, out, err))
+        server.stop()
+    err = proc.stderr
+    counts = counts_of(proc)
     assert counts["captured"] == counts["acknowledged"] and counts["dropped"] == 0, counts
     per_step = check_exactly_once(server.out, 0, steps)
     assert sum(map(len, per_step.values())) == counts["forward_calls"] == steps * 4

@@ -11,7 +11,6 @@ import sys
 import threading
 import warnings
 
-import grpc
 import pytest
 import torch
 
@@ -25,7 +24,6 @@ from tests import support
 from tests.support import capture, to_job
 
 CPU = torch.device("cpu")
-METHOD = "/online_check.v1.OnlineCheck/Stream"
 
 # Names that would mean I/O, processes, modules, global defaults, generator seeding, hooks or leaving the tensor
 # world. The allowlist must contain none of them.
@@ -291,26 +289,6 @@ def _frames(name: str, args: tuple, kwargs: dict, out, seq: int, rank: int, run_
     return list(enc.wire_frames(record, 1 << 20))
 
 
-def _stream(port: int, messages: list[bytes], want: int, timeout: float = 30) -> list[pb.Ack]:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        stub = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
-        done = threading.Event()
-
-        def requests():
-            yield from messages
-            done.wait(timeout)
-
-        acks = []
-        call = stub(requests(), timeout=timeout)
-        for ack in call:
-            acks.append(ack)
-            if len(acks) >= want:
-                break
-        done.set()
-        call.cancel()
-        return acks
-
-
 def test_hostile_records_through_a_real_server(tmp_path):
     saved = tmp_path / "written_by_torch_save.pt"
     marker = tmp_path / "unpickled"
@@ -341,7 +319,7 @@ def test_hostile_records_through_a_real_server(tmp_path):
         msgs = [hello5]
         for seq, (name, args, kwargs, out) in enumerate(hostile + greedy):
             msgs += _frames(name, args, kwargs, out, seq, 5, "hostile")
-        acks = _stream(srv.port, msgs, want=len(hostile) + len(greedy))
+        acks = support.stream_acks(srv.port, msgs, lambda acks: len(acks) >= len(hostile) + len(greedy))
         # then an honest rank: its calls are checked as usual
         x, w = torch.randn(4, 8), torch.randn(3, 8)
         good = [("Functional.linear.0", (x, w), {}, torch.nn.functional.linear(x, w)),
@@ -350,7 +328,7 @@ def test_hostile_records_through_a_real_server(tmp_path):
         msgs = [hello0]
         for seq, (name, args, kwargs, out) in enumerate(good):
             msgs += _frames(name, args, kwargs, out, seq, 0, "honest")
-        good_acks = _stream(srv.port, msgs, want=len(good))
+        good_acks = support.stream_acks(srv.port, msgs, lambda acks: len(acks) >= len(good))
         srv.stop()
         log = srv.log()
     assert [a.status for a in acks] == [pb.Ack.REJECTED] * len(hostile) + [pb.Ack.ACCEPTED] * len(greedy), acks

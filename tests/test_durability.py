@@ -9,20 +9,22 @@ import collections
 import glob
 import json
 import os
-import threading
 import time
 
 import pytest
 
-from tests.support import Server, agent_config, read_csv, run_training
+from tests.support import Server, Training, agent_config, read_csv
 
-# argv: config, steps, pause per step (s), grad (0/1), width. Prints "COUNTS {json}" (the agent's close()).
+# argv: config, steps, pause per step (s), grad (0/1), width[, gate]. Prints "COUNTS {json}" (the agent's close()).
+# With a gate (a file path) the training creates `{gate}.waiting` before step steps // 2 and waits there until the
+# test creates the gate (at most 120 s): a test that kills a server mid-run knows the training is still running.
 # Under torch.distributed (MASTER_ADDR set) each step also all-reduces the loss (a Distributed SKIP row).
 TRAIN = r'''
 import json, os, sys, time
 import torch, torch.nn as nn, torch.nn.functional as F
 from npu_agent import PrecisionDebugger
 cfg, steps, pause, grad, width = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4] == "1", int(sys.argv[5])
+gate = sys.argv[6] if len(sys.argv) > 6 else ""
 dist = None
 if os.environ.get("MASTER_ADDR"):
     import torch.distributed as dist
@@ -32,6 +34,11 @@ model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 8))
 dbg = PrecisionDebugger(config_path=cfg)
 t0 = time.time()
 for step in range(steps):
+    if gate and step == steps // 2:
+        open(gate + ".waiting", "w").close()
+        deadline = time.time() + 120
+        while not os.path.exists(gate) and time.time() < deadline:
+            time.sleep(0.02)
     x, y = torch.randn(16, width), torch.randint(0, 8, (16,))
     dbg.start()
     with torch.set_grad_enabled(grad):
@@ -93,30 +100,22 @@ def test_kill_9_mid_run_then_restart_reports_every_record_once(tmp_path):
     work = str(tmp_path)
     out = os.path.join(work, "out")
     steps = 24
+    gate = os.path.join(work, "gate")     # the training waits before step 12 until the second server is up
     first = Server(work, out=out).start()
     cfg = agent_config(os.path.join(work, "agent.json"), first.port, online_max_retry_s=0.3,
                        online_close_timeout_s=90)
-    result: dict = {}
-
-    def train():
-        try:
-            result["proc"] = run_training(TRAIN, cfg, str(steps), "0.04", "1", "96", timeout=150)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            result["error"] = exc
-
-    t = threading.Thread(target=train)
-    t.start()
+    t = Training(TRAIN, cfg, str(steps), "0.04", "1", "96", gate, timeout=150)
     deadline = time.time() + 60
-    while _rows(out) < 12 and time.time() < deadline:
+    while _rows(out) < 12 and time.time() < deadline and t.is_alive():
         time.sleep(0.02)
     killed_at = _rows(out)
     first.kill()            # SIGKILL: no drain, no flush, no summary
-    assert t.is_alive(), "the training finished before the kill: the test would prove nothing"
+    assert t.is_alive(), f"the training ended before the kill: {t.error}"
+    assert killed_at >= 12, f"only {killed_at} result rows within 60 s"
     time.sleep(1.0)         # the agent notices, keeps its unacknowledged records and retries
     second = Server(work, port=first.port, out=out).start()
-    t.join(150)
-    assert "error" not in result, result.get("error")
-    counts = counts_of(result["proc"])
+    open(gate, "w").close()  # steps 12-23 go to the restarted server
+    counts = counts_of(t.result(150))
     assert second.stop() == 0
     log = second.log()
     assert "resuming the session" in log

@@ -241,30 +241,12 @@ def test_agent_keeps_training_while_the_folder_is_unwritable(tmp_path, caplog):
     assert "Shared folder" in transport.describe_state()
 
 
-TRAIN = r'''
-import logging, sys, torch, torch.nn as nn, torch.nn.functional as F
-from npu_agent import PrecisionDebugger
-logging.basicConfig(level=logging.INFO)   # the agent's INFO lines (its counts at close)
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-dbg = PrecisionDebugger(config_path=sys.argv[1])
-for _ in range(2):
-    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
-    dbg.start()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    dbg.stop()
-    dbg.step()
-dbg.close()
-'''
-
-
 def test_end_to_end_training_first_then_the_server_reads_what_is_left(tmp_path):
     """The agent needs no server to run; a server started (or restarted) later reads everything left."""
     nfs = tmp_path / "nfs"
     nfs.mkdir()
     cfg = support.agent_config(str(tmp_path / "agent.json"), nfs_path=str(nfs))
-    proc = support.run_training(TRAIN, cfg)
+    proc = support.run_training(support.SMALL_TRAIN, cfg, "2", "info")
     assert "Traceback" not in proc.stderr
     assert "unacknowledged 0" in proc.stderr
     left = listing(nfs)

@@ -4,10 +4,9 @@ no record is lost and none is reported twice."""
 from __future__ import annotations
 
 import os
-import threading
 import time
 
-from tests.support import Server, agent_config, read_csv, run_training
+from tests.support import Server, Training, agent_config, read_csv
 from tests.test_durability import TRAIN, check_exactly_once, counts_of
 
 
@@ -15,36 +14,29 @@ def test_two_ranks_and_a_server_restart_lose_nothing_and_report_nothing_twice(tm
     work = str(tmp_path)
     nfs, out = os.path.join(work, "nfs"), os.path.join(work, "out")
     os.makedirs(nfs)
-    steps = 60   # 60 x 0.15 s: the trainings outlive a slow first server on a busy machine
+    steps = 24   # each rank waits before step 12 (its gate) until the second server is up
     first = Server(work, out=out, nfs_path=nfs).start()
-    results: dict[int, dict] = {0: {}, 1: {}}
-
-    def train(rank: int) -> None:
-        cfg = agent_config(os.path.join(work, f"agent{rank}.json"), nfs_path=nfs, online_close_timeout_s=120)
-        try:
-            results[rank]["proc"] = run_training(TRAIN, cfg, str(steps), "0.15", "1", "64",
-                                                 env={"RANK": str(rank), "WORLD_SIZE": "2"}, timeout=180)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            results[rank]["error"] = exc
-
-    threads = [threading.Thread(target=train, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
+    gates = {r: os.path.join(work, f"gate{r}") for r in (0, 1)}
+    threads = [Training(TRAIN, agent_config(os.path.join(work, f"agent{r}.json"), nfs_path=nfs,
+                                            online_close_timeout_s=120),
+                        str(steps), "0.05", "1", "64", gates[r], env={"RANK": str(r), "WORLD_SIZE": "2"}, timeout=180)
+               for r in (0, 1)]
     deadline = time.time() + 90
-    while min(len(read_csv(out, "accuracy_checking_result", r)) for r in (0, 1)) < 3 and time.time() < deadline:
+    while (min(len(read_csv(out, "accuracy_checking_result", r)) for r in (0, 1)) < 3 and time.time() < deadline
+           and all(t.is_alive() for t in threads)):
         time.sleep(0.02)
     first.kill()                                   # mid-run, no drain
-    assert any(t.is_alive() for t in threads), "the trainings finished before the kill: the test would prove nothing"
+    assert all(t.is_alive() for t in threads), f"a training ended before the kill: {[t.error for t in threads]}"
+    assert min(len(read_csv(out, "accuracy_checking_result", r)) for r in (0, 1)) >= 3, "no rows within 90 s"
     time.sleep(0.5)
     second = Server(work, out=out, nfs_path=nfs, args=["--exit-when-done", "--world-size", "2"]).start()
-    for t in threads:
-        t.join(180)
-    for rank in (0, 1):
-        assert "error" not in results[rank], results[rank].get("error")
+    for gate in gates.values():                    # steps 12-23 of both ranks go to the restarted server
+        open(gate, "w").close()
+    procs = [t.result(180) for t in threads]
     second.proc.wait(timeout=180)                  # exits by itself once both ranks' end markers are read
     assert second.stop() == 0
     for rank in (0, 1):
-        counts = counts_of(results[rank]["proc"])
+        counts = counts_of(procs[rank])
         assert counts["dropped"] == 0 and counts["unacknowledged"] == 0, counts
         per_step = check_exactly_once(out, rank, steps)
         calls = sum(len(v) for v in per_step.values())

@@ -5,7 +5,6 @@ with REJECTED and a reason and keeps serving; pickle bytes are never loaded; ove
 from __future__ import annotations
 
 import pickle
-import threading
 import tracemalloc
 
 import grpc
@@ -21,13 +20,11 @@ from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import RecordDecoder, WireError
-from protos.contract import STREAM_METHOD
 from protos.limits import Limits, MiB
 from tests import support
 
 LIMITS = Limits(max_frame_bytes=1 * MiB, max_record_bytes=1 * MiB, max_tensors=64, max_numel=1 << 20,
                 max_values=10_000, max_depth=16)
-METHOD = STREAM_METHOD
 FUZZ = settings(max_examples=150, deadline=2000, suppress_health_check=[HealthCheck.too_slow], database=None)
 
 
@@ -270,25 +267,9 @@ def server(tmp_path_factory):
     srv.stop()
 
 
-def _stream(port: int, messages: list[bytes], want: int, timeout: float = 20) -> list[pb.Ack]:
+def _stream(port: int, messages: list[bytes], want: int) -> list[pb.Ack]:
     """Send raw messages on one stream with a generic client; return the first `want` acknowledgements."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", -1)]) as channel:
-        stub = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
-        done = threading.Event()
-
-        def requests():
-            yield from messages
-            done.wait(timeout)  # keep the stream open until the answers are in
-
-        acks = []
-        call = stub(requests(), timeout=timeout)
-        for ack in call:
-            acks.append(ack)
-            if len(acks) >= want:
-                break
-        done.set()
-        call.cancel()
-        return acks
+    return support.stream_acks(port, messages, lambda acks: len(acks) >= want, timeout=20)
 
 
 def _record_frame(record: pb.Record, data: bytes = b"") -> bytes:
@@ -391,25 +372,10 @@ def test_fuzzed_frames_through_a_real_server(server, data):
     assert server.proc.poll() is None
 
 
-def _stream_until(port: int, messages: list[bytes], seq: int, timeout: float = 30) -> list[pb.Ack]:
+def _stream_until(port: int, messages: list[bytes], seq: int) -> list[pb.Ack]:
     """Send raw messages on one stream; collect acknowledgements up to the one for the valid record `seq`."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_send_message_length", -1)]) as channel:
-        stub = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
-        done = threading.Event()
-
-        def requests():
-            yield from messages
-            done.wait(timeout)
-
-        acks = []
-        call = stub(requests(), timeout=timeout)
-        for ack in call:
-            acks.append(ack)
-            if ack.seq == seq and ack.status == pb.Ack.ACCEPTED and len(ack.reason) == 0:
-                break
-        done.set()
-        call.cancel()
-        return acks
+    return support.stream_acks(port, messages, lambda acks: acks[-1].seq == seq and acks[-1].status == pb.Ack.ACCEPTED
+                               and len(acks[-1].reason) == 0)
 
 
 def test_the_fuzzing_left_the_server_clean(server):

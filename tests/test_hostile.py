@@ -21,25 +21,12 @@ from protos import online_check_pb2 as pb
 from protos.contract import STREAM_METHOD
 from protos.limits import API_NAME, RUN_ID, log_text, valid_call_name
 from tests import support
+from tests.test_durability import counts_of
 
 METHOD = STREAM_METHOD
 MiB = 1 << 20
 
-TRAIN = r'''
-import json, sys, torch, torch.nn as nn, torch.nn.functional as F
-from npu_agent import PrecisionDebugger
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-dbg = PrecisionDebugger(config_path=sys.argv[1])
-for step in range(2):
-    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
-    dbg.start()
-    loss = F.cross_entropy(model(x), y)
-    loss.backward()
-    dbg.stop()
-    dbg.step()
-print("COUNTS " + json.dumps(dbg.close()))
-'''
+TRAIN = support.SMALL_TRAIN   # argv: config (2 steps); prints COUNTS {json}
 
 
 class RawStream:
@@ -116,10 +103,6 @@ def header(seq: int, payload_bytes: int, data: bytes = b"", run_id: str = "hosti
 
 def end(run_id: str, rank: int, last_seq: int = 0) -> bytes:
     return pb.Frame(end=pb.End(run_id=run_id, rank=rank, last_seq=last_seq, world_size=2)).SerializeToString()
-
-
-def counts_of(proc) -> dict:
-    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("COUNTS ")][-1][7:])
 
 
 def peak_rss(pid: int) -> int:

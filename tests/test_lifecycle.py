@@ -15,14 +15,13 @@ import glob
 import json
 import os
 import subprocess
-import threading
 import time
 
 import pytest
 import torch
 
 from gpu_server import report_files
-from tests.support import PY, Server, agent_config, read_csv, run_training
+from tests.support import PY, Server, Training, agent_config, read_csv
 from tests.test_durability import summary_of
 
 
@@ -96,16 +95,7 @@ def test_sigterm_while_calls_wait_for_backward_then_restart_reports_every_call_o
     first = Server(work, out=out).start()
     cfg = agent_config(os.path.join(work, "agent.json"), first.port, online_max_retry_s=0.3,
                        online_close_timeout_s=60)
-    result: dict = {}
-
-    def train():
-        try:
-            result["proc"] = run_training(WAIT_FOR_BACKWARD, cfg, go, timeout=120)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            result["error"] = exc
-
-    t = threading.Thread(target=train)
-    t.start()
+    t = Training(WAIT_FOR_BACKWARD, cfg, go, timeout=120)
     _settled(out, 3)
     assert not read_csv(out, "accuracy_checking_result"), "no call may be complete before its backward"
     assert first.stop() == 0                     # SIGTERM while every call waits for its backward record
@@ -119,8 +109,7 @@ def test_sigterm_while_calls_wait_for_backward_then_restart_reports_every_call_o
     if damage_journal:
         assert {p: os.path.getsize(p) for p in sizes} == sizes, "a damaged journal must not cut the reports"
     open(go, "w").close()
-    t.join(120)
-    assert "error" not in result, result.get("error")
+    t.result(120)
     assert second.stop() == 0
     results = read_csv(out, "accuracy_checking_result")
     names = collections.Counter(r["API name"] for r in results)
@@ -268,16 +257,7 @@ def test_full_disk_pauses_instead_of_skipping_and_leaves_nothing_half_written(tm
     cfg = agent_config(os.path.join(work, "agent.json"), server.port, online_max_retry_s=0.3,
                        online_close_timeout_s=90)
     steps = 6
-    result: dict = {}
-
-    def train():
-        try:
-            result["proc"] = run_training(TRAIN, cfg, str(steps), "0.0", "1", "64", timeout=120)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            result["error"] = exc
-
-    t = threading.Thread(target=train)
-    t.start()
+    t = Training(TRAIN, cfg, str(steps), "0.0", "1", "64", timeout=120)
     deadline = time.time() + 60
     while "disk full" not in server.log() and time.time() < deadline:
         time.sleep(0.1)
@@ -285,10 +265,9 @@ def test_full_disk_pauses_instead_of_skipping_and_leaves_nothing_half_written(tm
     assert t.is_alive(), "the training finished although the server could not keep its records"
     time.sleep(1.0)
     os.unlink(filler)                                  # space again: the server goes on by itself
-    t.join(120)
-    assert "error" not in result, result.get("error")
+    proc = t.result(120)
     assert server.stop() == 0, server.log()[-3000:]
-    counts = counts_of(result["proc"])
+    counts = counts_of(proc)
     assert counts["captured"] == counts["acknowledged"] and counts["dropped"] == 0, counts
     per_step = check_exactly_once(out, 0, steps)
     for kind in report_files.KINDS:

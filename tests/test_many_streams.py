@@ -115,8 +115,6 @@ def test_1024_streams_are_served_and_the_1025th_is_refused_with_the_reason(tmp_p
 def test_an_agent_over_the_limit_logs_why_and_gets_in_once_a_slot_frees(tmp_path):
     """A real training against a server whose only stream slot is taken: its agent logs the server's reason (the
     limit and the fix), keeps its records, and delivers them all once the slot frees."""
-    import threading
-
     from tests.test_hostile import TRAIN, RawStream, counts_of
 
     work = str(tmp_path)
@@ -124,26 +122,15 @@ def test_an_agent_over_the_limit_logs_why_and_gets_in_once_a_slot_frees(tmp_path
         holder = RawStream(srv.port).send(hello("holder"))
         cfg = support.agent_config(os.path.join(work, "agent.json"), srv.port, online_max_retry_s=1,
                                    online_close_timeout_s=120)
-        result: dict = {}
-
-        def train() -> None:
-            try:
-                result["proc"] = support.run_training(TRAIN, cfg, timeout=180)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                result["error"] = exc
-
-        t = threading.Thread(target=train)
-        t.start()
+        t = support.Training(TRAIN, cfg, timeout=180)
         deadline = time.time() + 120
         while "refused a stream from" not in srv.log() and time.time() < deadline and t.is_alive():
             time.sleep(0.1)
         refused_while_training = t.is_alive()
         holder.close()
         t.join(180)
-    if "error" in result:
-        raise result["error"]
+    proc = t.result(0)
     assert refused_while_training, "the training finished before it was refused: the test proves nothing"
-    proc = result["proc"]
     counts = counts_of(proc)
     assert counts["captured"] > 0 and counts["acknowledged"] == counts["captured"], counts
     assert "RESOURCE_EXHAUSTED" in proc.stderr and "--max-streams 1" in proc.stderr, proc.stderr[-3000:]

@@ -7,9 +7,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-import threading
 
-from tests.support import Server, agent_config, free_port, run_training
+from tests.support import Server, agent_config, free_port, run_ranks
 from tests.test_durability import TRAIN, check_exactly_once, counts_of
 
 WORLD = 4
@@ -19,25 +18,10 @@ STEPS = 2
 def _launch(cfg: str) -> dict[int, dict]:
     """The 4-rank gloo job (one process per rank, MASTER_ADDR/PORT rendezvous); returns each rank's counts."""
     port = str(free_port())
-    results: dict[int, object] = {}
-
-    def rank(r: int) -> None:
-        env = {"RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
-               "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}
-        try:
-            results[r] = counts_of(run_training(TRAIN, cfg, str(STEPS), "0.0", "1", "32", env=env, timeout=150))
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            results[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(170)
-    for r, res in results.items():
-        if isinstance(res, BaseException):
-            raise AssertionError(f"rank {r} failed") from res
-    return results  # type: ignore[return-value]
+    jobs = [([cfg, str(STEPS), "0.0", "1", "32"],
+             {"RANK": str(r), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(r), "MASTER_ADDR": "127.0.0.1",
+              "MASTER_PORT": port, "OMP_NUM_THREADS": "1"}) for r in range(WORLD)]
+    return dict(enumerate(counts_of(proc) for proc in run_ranks(TRAIN, jobs, timeout=150)))
 
 
 def _ranks_with_files(out: str) -> set[int]:

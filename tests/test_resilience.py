@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 
-from tests.support import Server, agent_config, free_port, read_csv, run_training
+from tests.support import Server, Training, agent_config, free_port, read_csv
 from tests.test_durability import TRAIN, check_exactly_once, counts_of, summary_of
 
 
-def _train_async(cfg: str, *args: str) -> tuple[threading.Thread, dict]:
-    result: dict = {}
-
-    def go():
-        try:
-            result["proc"] = run_training(TRAIN, cfg, *args, timeout=150)
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test
-            result["error"] = exc
-
-    t = threading.Thread(target=go)
-    t.start()
-    return t, result
+def _train_async(cfg: str, *args: str) -> Training:
+    return Training(TRAIN, cfg, *args, timeout=150)
 
 
 def test_server_started_after_the_training_began_loses_nothing(tmp_path):
@@ -32,18 +21,17 @@ def test_server_started_after_the_training_began_loses_nothing(tmp_path):
     cfg = agent_config(os.path.join(work, "agent.json"), port, online_max_retry_s=0.3, online_close_timeout_s=90,
                        online_memory_mb=0.05)
     steps = 6
-    t, result = _train_async(cfg, str(steps), "0.0", "0", "32")
+    t = _train_async(cfg, str(steps), "0.0", "0", "32")
     time.sleep(2.5)           # the training runs (and, with a tiny budget, waits) with no server at all
     assert t.is_alive()
     with Server(work, port=port) as server:
-        t.join(120)
-        assert "error" not in result, result.get("error")
-    counts = counts_of(result["proc"])
+        proc = t.result(120)
+    counts = counts_of(proc)
     assert counts["captured"] == counts["acknowledged"] and counts["dropped"] == 0, counts
     per_step = check_exactly_once(server.out, 0, steps)
     assert sum(map(len, per_step.values())) == counts["captured"]
     # the agent configures no logging: its WARNING+ lines reach stderr through Python's last-resort handler
-    warnings = [x for x in result["proc"].stderr.splitlines() if x.startswith("online check:")]
+    warnings = [x for x in proc.stderr.splitlines() if x.startswith("online check:")]
     # each state change is said once, not per record: unavailable (with why), the training waits, connected again
     kinds = ["unavailable" in w and "nothing listens there" in w for w in warnings]
     assert sum(kinds) == 1, warnings
@@ -58,16 +46,15 @@ def test_paused_server_under_block_loses_nothing(tmp_path):
     with Server(work) as server:
         cfg = agent_config(os.path.join(work, "agent.json"), server.port, online_max_retry_s=0.3,
                            online_close_timeout_s=90, online_memory_mb=0.05)
-        t, result = _train_async(cfg, str(steps), "0.02", "1", "32")
+        t = _train_async(cfg, str(steps), "0.02", "1", "32")
         deadline = time.time() + 60   # pause as soon as the agent is connected: the training is mid-run
         while "agent connected" not in server.log() and time.time() < deadline:
             time.sleep(0.01)
         server.proc.send_signal(signal.SIGSTOP)
         time.sleep(3.0)
         server.proc.send_signal(signal.SIGCONT)
-        t.join(120)
-        assert "error" not in result, result.get("error")
-    counts = counts_of(result["proc"])
+        proc = t.result(120)
+    counts = counts_of(proc)
     assert counts["captured"] == counts["acknowledged"] and counts["dropped"] == 0, counts
     assert counts["loop_s"] > 2.5       # `block`: the training waited for the paused server
     check_exactly_once(server.out, 0, steps)
@@ -80,12 +67,11 @@ def test_paused_server_under_drop_loses_only_what_it_counts(tmp_path):
         cfg = agent_config(os.path.join(work, "agent.json"), server.port, online_max_retry_s=0.3,
                            online_close_timeout_s=90, online_memory_mb=0.05, online_policy="drop")
         server.proc.send_signal(signal.SIGSTOP)
-        t, result = _train_async(cfg, str(steps), "0.0", "0", "32")
+        t = _train_async(cfg, str(steps), "0.0", "0", "32")
         time.sleep(4.0)
         server.proc.send_signal(signal.SIGCONT)
-        t.join(120)
-        assert "error" not in result, result.get("error")
-    counts = counts_of(result["proc"])
+        proc = t.result(120)
+    counts = counts_of(proc)
     assert counts["dropped"] > 0 and counts["unacknowledged"] == 0, counts
     assert counts["loop_s"] < 3.0, counts   # `drop`: the training did not wait for the paused server
     rows = read_csv(server.out, "accuracy_checking_result")

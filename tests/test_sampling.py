@@ -6,7 +6,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import threading
 
 import torch
 import torch.nn.functional as F
@@ -16,7 +15,7 @@ from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.records import end_frame
 from npu_agent.sampling import Policy, Sampler
 from protos import online_check_pb2 as pb
-from tests.support import ListSink, Server, agent_config, read_csv, run_training
+from tests.support import ListSink, Server, agent_config, read_csv, run_ranks
 
 
 def _two_blocks(x, w1, w2):
@@ -158,26 +157,12 @@ def _line(proc, tag: str) -> dict:
 
 def test_eight_ranks_two_servers_coverage_checks_every_call_site(tmp_path):
     work = str(tmp_path)
-    results: dict[int, object] = {}
     with Server(work, out=os.path.join(work, "a")) as a, Server(work, out=os.path.join(work, "b")) as b:
         cfg = agent_config(os.path.join(work, "agent.json"), host=[f"127.0.0.1:{a.port}", f"127.0.0.1:{b.port}"],
                            online_coverage_steps=K)
-
-        def rank(r: int) -> None:
-            env = {"RANK": str(r), "WORLD_SIZE": str(WORLD), "OMP_NUM_THREADS": "1"}
-            try:
-                results[r] = run_training(RANK_TRAIN, cfg, str(STEPS), env=env, timeout=400)
-            except BaseException as exc:  # noqa: BLE001 - re-raised below
-                results[r] = exc
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(WORLD)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(420)
-    for r in range(WORLD):
-        if isinstance(results.get(r), BaseException) or r not in results:
-            raise AssertionError(f"rank {r} failed") from results.get(r)
+        results = run_ranks(RANK_TRAIN, [([cfg, str(STEPS)], {"RANK": str(r), "WORLD_SIZE": str(WORLD),
+                                                               "OMP_NUM_THREADS": "1"}) for r in range(WORLD)],
+                            timeout=400)
     all_sites = set()
     for r in range(WORLD):
         out = (a if r % 2 == 0 else b).out

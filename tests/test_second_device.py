@@ -11,8 +11,6 @@ The kernels' accuracy is checked in-process first: each is at least as accurate 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -92,8 +90,7 @@ print(json.dumps([{f"{k[0]}|{k[1]}": v for k, v in r.items()} for r in (host, se
 def test_second_device_is_correct_and_rounds_differently():
     import json
 
-    proc = subprocess.run([sys.executable, "-c", ACCURACY_SCRIPT], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=support.ROOT), check=True)
+    proc = support.run_training(ACCURACY_SCRIPT, timeout=120)
     host, second = json.loads(proc.stdout)
     for key, errs in second.items():
         for mine, theirs in zip(errs, host[key]):

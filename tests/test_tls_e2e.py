@@ -18,29 +18,10 @@ import pytest
 
 from npu_agent.config import ConfigError, parse_config
 from protos import online_check_pb2 as pb
-from protos.contract import STREAM_METHOD
 from tests import support
 
 MAKE = os.path.join(support.ROOT, "certs", "make_certs.py")
 REVOKE = os.path.join(support.ROOT, "certs", "revoke_cert.py")
-METHOD = STREAM_METHOD
-
-TRAIN = r'''
-import logging, sys, torch, torch.nn as nn, torch.nn.functional as F
-from npu_agent import PrecisionDebugger
-logging.basicConfig(level=logging.INFO)   # the agent's INFO lines (counts at close) are shown only when asked for
-torch.manual_seed(0)
-model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
-dbg = PrecisionDebugger(config_path=sys.argv[1])
-x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
-dbg.start()
-loss = F.cross_entropy(model(x), y)
-loss.backward()
-dbg.stop()
-dbg.step()
-dbg.close()
-print("TRAINING DONE", float(loss))
-'''
 
 
 def make_pki(out, *args) -> str:
@@ -69,7 +50,7 @@ def server(pki, tmp_path_factory):
 def train(work, name: str, port: int, **tensor) -> subprocess.CompletedProcess:
     cfg = support.agent_config(os.path.join(work, f"agent_{name}.json"), port=port, **tensor)
     t0 = time.monotonic()
-    proc = support.run_training(TRAIN, cfg)  # fails the test if the training does not complete
+    proc = support.run_training(support.SMALL_TRAIN, cfg, "1", "info")  # fails the test if it fails
     proc.seconds = time.monotonic() - t0  # type: ignore[attr-defined]
     assert "TRAINING DONE" in proc.stdout
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
@@ -137,16 +118,10 @@ def test_refused_agents_say_why_and_the_training_completes(server, pki, tmp_path
 
 
 def _raw_call(port: int, creds: grpc.ChannelCredentials | None) -> grpc.RpcError:
-    target = f"127.0.0.1:{port}"
-    channel = grpc.secure_channel(target, creds) if creds else grpc.insecure_channel(target)
-    try:
-        stub = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
-        hello = pb.Frame(hello=pb.Hello(run_id="probe", rank=0)).SerializeToString()
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub(iter([hello]), timeout=10))
-        return info.value
-    finally:
-        channel.close()
+    hello = pb.Frame(hello=pb.Hello(run_id="probe", rank=0)).SerializeToString()
+    with pytest.raises(grpc.RpcError) as info:
+        support.stream_acks(port, [hello], lambda acks: True, timeout=10, credentials=creds)
+    return info.value
 
 
 def test_a_client_without_certificate_is_refused(server, pki):
