@@ -108,6 +108,16 @@ def main(argv=None) -> int:
     if ns.exit_when_done and not expected:
         print("gpu-server: --exit-when-done needs --world-size N (or a non-empty rank_list)", file=sys.stderr)
         return 2
+    # Installed before the server starts (start-up may replay a spool; the port may be open already): a SIGTERM
+    # from then on drains what was accepted, never kills the process with records half-reported.
+    stop = threading.Event()
+
+    def on_signal(signum, _frame):
+        log.info("%s: draining what was accepted, then exiting", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         app = ServerApp(config, ns.out, device=ns.device, workers=ns.workers, limits=limits,
                         backward_budget=int(ns.backward_memory_mb * MiB),
@@ -127,14 +137,6 @@ def main(argv=None) -> int:
                         "for mutual TLS (certs/README.md)", config.host)
         log.info("listening on %s (%s); reports in %s", app.bind_target, "mutual TLS" if config.tls_path else
                  "plaintext", os.path.abspath(ns.out))
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        log.info("%s: draining what was accepted, then exiting", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
     tty = sys.stderr.isatty()
     last = ""
     while not stop.is_set() and not app.done.is_set():

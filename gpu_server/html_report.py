@@ -203,7 +203,9 @@ def _calls(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
         columns={"forward": "p_fwd", "backward": "p_bwd", "message": "p_msg"})
     rr = frames["result"][keys + ["forward", "backward", "message"]].rename(
         columns={"forward": "t_fwd", "backward": "t_bwd", "message": "t_msg"})
-    calls = pr.merge(rr, on=keys, how="outer")
+    # Rows carry no run id: several training runs sending the same rank, call and step to one session give rows
+    # with equal keys. The two reports write a call's rows together, in the same order: the n-th of each pairs up.
+    calls = _nth(pr, keys).merge(_nth(rr, keys), on=keys + ["_n"], how="outer").drop(columns="_n")
     for c in ("p_fwd", "p_bwd", "t_fwd", "t_bwd", "p_msg", "t_msg"):
         calls[c] = calls[c].fillna(" ").astype(str)
     calls["precision"] = [_worst([a, b]) for a, b in zip(calls.p_fwd, calls.p_bwd)]
@@ -212,6 +214,11 @@ def _calls(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
     calls["api"] = calls["call"].str.split(".").str[:2].str.join(".")
     calls["step"] = calls["step"].fillna(-1).astype(int)
     return calls
+
+
+def _nth(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """`frame` with `_n`: the row's place among the rows with the same keys (0, 1, ...), for a one-to-one merge."""
+    return frame.assign(_n=frame.groupby(keys, dropna=False, sort=False).cumcount())
 
 
 def _status_counts(series) -> dict[str, int]:
@@ -241,10 +248,10 @@ def _worst_rows(pdet: pd.DataFrame, det: pd.DataFrame) -> dict[tuple, dict]:
     keys = ["rank", "ts", "API Name", "step"]
     cols = ["比对结果", "比对算法"] + [c for pairs in RATIOS.values() for c, _ in pairs]
     cols = list(dict.fromkeys(c for c in cols if c in pdet.columns))
-    joined = pdet[keys + ["call", "direction"] + cols].merge(
-        det[keys + ["Status", "余弦相似度", "最大绝对误差", "相对误差平均值", "ULP误差平均值"]]
+    joined = _nth(pdet[keys + ["call", "direction"] + cols], keys).merge(
+        _nth(det[keys + ["Status", "余弦相似度", "最大绝对误差", "相对误差平均值", "ULP误差平均值"]], keys)
         .rename(columns={"相对误差平均值": "dev_mean_rel", "ULP误差平均值": "dev_ulp_mean"}),
-        on=keys, how="outer", suffixes=("", "_d"))
+        on=keys + ["_n"], how="outer", suffixes=("", "_d")).drop(columns="_n")
     joined["call"] = joined["call"].fillna(joined["API Name"].str.rsplit(".", n=3).str[0])
     joined["rankorder"] = [min(ORDER.get(a, 9), ORDER.get(b, 9)) for a, b in
                            zip(joined["比对结果"].fillna(" "), joined["Status"].fillna(" "))]

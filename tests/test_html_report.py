@@ -147,3 +147,20 @@ def test_browser_screenshot_is_not_blank(report):
     assert ink > 0.03 * len(pixels), f"the screenshot is nearly blank ({ink} of {len(pixels)} pixels)"
     assert red > 50, "no red (failing) marks on the screenshot"
     print(f"\nchromium --screenshot: {time.time() - t0:.1f} s; kept at {keep}")
+
+
+def test_runs_that_share_rank_call_and_step_stay_separate_calls():
+    """Report rows carry no run id: three training runs sending the same call of the same rank and step to one
+    session are three calls, not nine (a merge on the keys alone multiplied them: 1,025 runs gave 1,050,625)."""
+    import pandas as pd
+
+    from gpu_server.html_report import _calls
+
+    def frame(statuses):
+        return pd.DataFrame({"rank": [0] * 3, "ts": ["t"] * 3, "call": ["Functional.relu.0"] * 3, "step": [0] * 3,
+                             "forward": statuses, "backward": [" "] * 3, "message": [" "] * 3})
+
+    calls = _calls({"precision_result": frame(["pass", "error", "pass"]),
+                    "result": frame(["pass", "error", "Warning"])})
+    assert len(calls) == 3
+    assert list(calls["verdict"]) == ["pass", "error", "Warning"]
