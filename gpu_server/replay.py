@@ -312,16 +312,9 @@ def run_backward(fwd: Job, bwd: Job, device: torch.device, bench: bool, match_th
     """Replay the call with autograd and feed the recorded grad_output (upcast for the bench run) into
     `torch.autograd.backward`. Returns one gradient (or None) per entry of the backward record's grad_input."""
     with global_state_guard(device, f"{fwd.category}.{fwd.api}"):
-        _uninitialised_check(fwd)
-        plan = random_plan(fwd, device)
-        if bench:
-            allocation_check(fwd)
-        if plan in ("draw", "same"):
-            bench = False
-        args, kwargs, leaves = prepare_inputs(fwd, device, bench, requires_grad=True)
+        plan, bench, args, kwargs, leaves = _grad_inputs(fwd, device, bench)
         if not leaves:
             raise ReplayError("no input of this call required grad on the bench host")
-        args = _differentiable_copies(fwd, args, leaves)
         ac = None if bench else _autocast_dtype(fwd)
         try:
             keep = sdpa_keep_mask(fwd, device, match_threads) if plan == "sdpa" and bench else None
@@ -333,6 +326,20 @@ def run_backward(fwd: Job, bwd: Job, device: torch.device, bench: bool, match_th
             raise
         except Exception as exc:  # noqa: BLE001
             raise ReplayError(f"backward replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
+
+
+def _grad_inputs(job: Job, device: torch.device, bench: bool) -> tuple[str | None, bool, Any, dict, dict]:
+    """The start of a replay with autograd (`run_backward`, `run_forward_kept`): the random plan and the checks,
+    then the inputs with the training's leaves. Returns (plan, bench: the precision after the plan, args, kwargs,
+    leaves)."""
+    _uninitialised_check(job)
+    plan = random_plan(job, device)
+    if bench:
+        allocation_check(job)
+    if plan in ("draw", "same"):
+        bench = False
+    args, kwargs, leaves = prepare_inputs(job, device, bench, requires_grad=True)
+    return plan, bench, _differentiable_copies(job, args, leaves), kwargs, leaves
 
 
 def _differentiable_copies(fwd: Job, args, leaves: dict):
@@ -368,14 +375,7 @@ def run_forward_kept(job: Job, device: torch.device, bench: bool,
 
 def _forward_kept(job: Job, device: torch.device, bench: bool, match_threads: bool) -> tuple[Any, KeptForward | None]:
     with global_state_guard(device, f"{job.category}.{job.api}"):
-        _uninitialised_check(job)
-        plan = random_plan(job, device)
-        if bench:
-            allocation_check(job)
-        if plan in ("draw", "same"):
-            bench = False
-        args, kwargs, leaves = prepare_inputs(job, device, bench, requires_grad=True)
-        args = _differentiable_copies(job, args, leaves)
+        plan, bench, args, kwargs, leaves = _grad_inputs(job, device, bench)
         ac = None if bench else _autocast_dtype(job)
         try:
             keep = sdpa_keep_mask(job, device, match_threads) if plan == "sdpa" and bench else None
