@@ -135,35 +135,30 @@ def _usable(job: Any) -> bool:
 
 def forward_members(job: Any, device: torch.device, match_threads: bool = True) -> list[list]:
     """Outputs of the stochastic-rounding forward runs (each flattened); [] where none can run."""
-    if not _usable(job):
-        return []
-    members = []
-    for run in range(SPREAD_RUNS):
-        mode = StochasticRounding(_seed(job, run))
-        try:
-            with mode:
-                out = flatten_outputs(run_forward(job, device, bench=False, match_threads=match_threads))
-        except (ReplayError, RuntimeError):
-            return members
-        if mode.random:   # internal randomness (dropout inside a fused op ...): no spread from this call
-            return []
-        members.append(out)
-    return members
+    return _members(job, job, lambda: flatten_outputs(run_forward(job, device, bench=False,
+                                                                  match_threads=match_threads)))
 
 
 def backward_members(fwd: Any, bwd: Any, device: torch.device, match_threads: bool = True) -> list[list]:
     """Gradients of the stochastic-rounding backward runs (forward and backward both stochastically rounded)."""
+    return _members(fwd, bwd, lambda: run_backward(fwd, bwd, device, bench=False, match_threads=match_threads))
+
+
+def _members(fwd: Any, seeded: Any, replay: Callable[[], list]) -> list[list]:
+    """`replay()` under SPREAD_RUNS stochastic-rounding modes seeded from `seeded`: the runs that completed (those
+    before a failing one); [] when the call cannot have a spread (`fwd` replays a random stream, or the replay draws
+    randomness of its own)."""
     if not _usable(fwd):
         return []
     members = []
     for run in range(SPREAD_RUNS):
-        mode = StochasticRounding(_seed(bwd, run))
+        mode = StochasticRounding(_seed(seeded, run))
         try:
             with mode:
-                out = run_backward(fwd, bwd, device, bench=False, match_threads=match_threads)
+                out = replay()
         except (ReplayError, RuntimeError):
             return members
-        if mode.random:
+        if mode.random:   # internal randomness (dropout inside a fused op ...): no spread from this call
             return []
         members.append(out)
     return members
