@@ -20,7 +20,7 @@ from npu_agent.payload import FRAMES_IN_PLACE, FramePayload, SmallPayload
 from npu_agent.snapshot import HELD, Snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import _ALIGN, RecordEncoder, dtype_name
-from protos.framing import encode_frames
+from protos.framing import encode_batch, encode_frames
 from protos.limits import CHUNK_BYTES
 from protos.torch_compat import disable_torch_function
 
@@ -80,6 +80,14 @@ class Encoded:
         if self.frames is not None:
             return self.frames
         return encode_frames(record, self._buffers, self.size, chunk_bytes)
+
+
+def batch_frame(encoded: list[tuple[pb.Record, Encoded]]) -> bytes | None:
+    """One Batch frame carrying several encoded records, or None when they cannot share one: fewer than two, or a
+    payload that was written straight into its own frames (a large record)."""
+    if len(encoded) < 2 or any(enc.frames is not None for _, enc in encoded):
+        return None
+    return encode_batch([(record.SerializeToString(), enc.buffers, enc.size) for record, enc in encoded])
 
 
 class _PayloadEncoder(RecordEncoder):

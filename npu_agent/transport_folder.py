@@ -33,10 +33,9 @@ import stat
 import threading
 from collections.abc import Callable, Iterable
 
-from npu_agent.records import PendingRecord, encode_record
+from npu_agent.records import PendingRecord, batch_frame, encode_record
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos.folder_format import file_chunks, folder_end_name, folder_record_name, rank_dir_name
-from protos.framing import encode_batch
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
@@ -184,18 +183,18 @@ class FolderTransport:
         fsync for all); any other record gets its own file."""
         assert self._events is not None
         who = self.identity
-        encoded = [(rec, *encode_record(rec, who.run_id, who.rank, self.chunk_bytes)) for rec in recs]
-        consecutive = all(b[0].seq == a[0].seq + 1 for a, b in zip(encoded, encoded[1:]))
-        if len(encoded) > 1 and consecutive and all(enc.frames is None for _, _, enc in encoded):
+        encoded = [encode_record(rec, who.run_id, who.rank, self.chunk_bytes) for rec in recs]
+        consecutive = all(b.seq == a.seq + 1 for a, b in zip(recs, recs[1:]))
+        batch = batch_frame(encoded) if consecutive else None
+        if batch is not None:
             first = recs[0]
-            batch = encode_batch([(record.SerializeToString(), enc.buffers, enc.size) for _, record, enc in encoded])
             if not self._write(folder_record_name(who.run_id, who.rank, first.seq), lambda: [batch],
                                f"records {first.seq}..{recs[-1].seq}"):
                 return False
             for rec in recs:
                 self._events.on_ack(rec.seq, "ACCEPTED", "")
             return True
-        for rec, record, enc in encoded:
+        for rec, (record, enc) in zip(recs, encoded):
             frames = functools.partial(enc.wire_frames, record, self.chunk_bytes)
             if not self._write(folder_record_name(who.run_id, who.rank, rec.seq), frames,
                                f"record {rec.seq} ({rec.name})"):

@@ -18,12 +18,11 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from npu_agent.config import Endpoint
-from npu_agent.records import PendingRecord, encode_record
+from npu_agent.records import PendingRecord, batch_frame, encode_record
 from npu_agent.refusal import classify, client_certificate_refusal, plaintext_refusal, tls_config_refusal
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos import online_check_pb2 as pb
 from protos.contract import STREAM_METHOD
-from protos.framing import encode_batch
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
@@ -298,11 +297,9 @@ class GrpcTransport:
         the records were not sent and go again later."""
         who = self.identity
         encoded = [encode_record(rec, who.run_id, who.rank, self.chunk_bytes) for rec in recs]
-        frames: Iterable[bytes]
-        if len(encoded) > 1 and all(enc.frames is None for _, enc in encoded):
-            frames = [encode_batch([(record.SerializeToString(), enc.buffers, enc.size) for record, enc in encoded])]
-        else:
-            frames = (frame for record, enc in encoded for frame in enc.wire_frames(record, self.chunk_bytes))
+        batch = batch_frame(encoded)
+        frames: Iterable[bytes] = [batch] if batch is not None else (
+            frame for record, enc in encoded for frame in enc.wire_frames(record, self.chunk_bytes))
         for frame in frames:
             if self._put(frame, generation) is None:
                 return False
