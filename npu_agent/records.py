@@ -247,12 +247,3 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int,
 
 def _not_requiring_grad(t: torch.Tensor) -> dict[str, Any]:
     return {"requires_grad": False}
-
-
-def end_frame(run_id: str, rank: int, world_size: int, counts: dict[str, Any]) -> bytes:
-    """The end-of-stream Frame with the agent's counts (and its sampling counts, when a policy is set)."""
-    sampling = {k: int(v) for k, v in (counts.get("sampling") or {}).items()}
-    return pb.Frame(end=pb.End(run_id=run_id, rank=rank, captured=counts["captured"], sent=counts["sent"],
-                               acknowledged=counts["acknowledged"], dropped=counts["dropped"],
-                               last_seq=counts["last_seq"], world_size=world_size,
-                               sampling=sampling)).SerializeToString()

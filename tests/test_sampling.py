@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from gpu_server.summary import Summary
 from npu_agent.capture import CaptureMode, Capturer
-from npu_agent.records import end_frame
 from npu_agent.sampling import Policy, Sampler
+from npu_agent.transport import Counts, StreamIdentity, end_frame
 from protos import online_check_pb2 as pb
 from tests.support import ListSink, Server, agent_config, read_csv, run_ranks
 
@@ -86,10 +86,10 @@ def test_overhead_budget_keeps_the_measured_extra_time_under_the_budget():
 
 
 def test_sampling_counts_travel_in_the_end_message_and_show_in_the_summary():
-    counts = {"captured": 5, "sent": 5, "acknowledged": 5, "dropped": 0, "last_seq": 5,
-              "sampling": {"calls": 20, "captured": 5, "skipped_repeats": 15, "call_sites": 3}}
-    end = pb.Frame.FromString(end_frame("run", 3, 8, counts)).end
-    assert dict(end.sampling) == counts["sampling"] and end.world_size == 8
+    counts = Counts(captured=5, sent=5, acknowledged=5,
+                    sampling={"calls": 20, "captured": 5, "skipped_repeats": 15, "call_sites": 3})
+    end = pb.Frame.FromString(end_frame(StreamIdentity("run", 3, 8), counts, 5)).end
+    assert dict(end.sampling) == counts.sampling and end.world_size == 8
     summary = Summary()
     summary.rank_ended("run", 3, {"captured": 5, "sampling": dict(end.sampling)})
     assert summary.as_dict()["ranks_ended"][0]["sampling"]["skipped_repeats"] == 15
