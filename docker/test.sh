@@ -63,7 +63,7 @@ STAMP=docker/wheels/.pyproject.sha256
 if [ ! -f "$STAMP" ] || ! sha256sum -c --status "$STAMP" 2>/dev/null; then
   say "collecting wheels into docker/wheels (CPU torch 2.13.0, the project's dependencies, setuptools)"
   find docker/wheels -name '*.whl' -delete
-  "$PY" -m pip wheel -q --disable-pip-version-check -w docker/wheels torch==2.13.0 'setuptools>=64' wheel . \
+  "$PY" -m pip wheel -q --disable-pip-version-check -w docker/wheels torch==2.13.0 'setuptools>=64' wheel '.[fast]' \
     || die "pip wheel failed"
   rm -f docker/wheels/online_accuracy_checker-*.whl     # the project itself is built from the source in the image
   sha256sum pyproject.toml >"$STAMP"

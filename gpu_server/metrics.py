@@ -32,8 +32,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+import numpy
 import torch
 
+from gpu_server import metric_kernel
 from gpu_server.standards.thresholds import THRESHOLDS, DtypeThresholds
 
 
@@ -477,7 +479,10 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
     # an output equal to the bench has d / dmax == b / bmax element by element when the two maxima are equal
     same_norm = [on_cpu and bool(acc.dmax == bmax) for acc, _ in quick]
     exact: list[list[tuple[int, int]]] = [[] for _ in quick]   # tiles where the output equals the bench
-    for lo in range(0, n, tile):
+    kern = metric_kernel.kernel() if on_cpu and n >= KERNEL_MIN_ELEMENTS else None
+    if kern is not None:   # each tile's terms in one compiled pass (gpu_server/metric_kernel.py); same values
+        _compiled_tiles(kern, flat_b, quick, bmax, start, n, bb, sums, counts, signs, maxima)
+    for lo in range(0, n if kern is None else 0, tile):
         hi = min(n, lo + tile)
         m = hi - lo
         src = flat_b[start + lo:start + hi]
@@ -585,6 +590,55 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
             else:
                 acc._sum(key, sj[key])
         acc.sums["bb"] = acc.sums["bb"].to(dev) + bb_sum
+
+
+
+# Outputs from this size on take the compiled pass when numba is installed (smaller ones: the torch ops, whose
+# per-op overhead matters less than a first call's import and compile in a short-lived process).
+KERNEL_MIN_ELEMENTS = 1 << 14
+
+
+def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, n: int,
+                    bb: torch.Tensor, sums: list, counts: list, signs: list, maxima: list) -> None:
+    """The tile loop of `_add_finite_chunk` with metric_kernel's one-pass terms: every summand written into the
+    chunk's buffers (no exact-tile shortcuts needed), counts, signs and maxima as the torch loop leaves them."""
+    f64, dev = torch.float64, flat_b.device
+    sc = _scratch()
+    acc0 = quick[0][0]
+    p, t = acc0.p, THRESHOLDS
+    size = min(_TILE, n)
+    b_t, d_t, ae = (sc.get(k, size, f64, dev) for k in ("b", "d", "abserr"))
+    spb = sc.get("spacing", size, torch.int64, dev)
+    np_ae, np_spb = ae.numpy(), spb.numpy()
+    np_spf = np_spb.view(numpy.float64)
+    bounds = numpy.array([t.hundredth, t.thousandth, t.ten_thousandth], dtype=numpy.float64)
+    scale = 2.0 ** p.ulp_precision
+    bmax_f = float(bmax)
+    np_bb = bb.numpy()
+    np_sums = [{k: v.numpy() for k, v in sj.items()} for sj in sums]
+    tallies = [numpy.zeros(len(metric_kernel.COUNT_KEYS), dtype=numpy.int64) for _ in quick]
+    dmaxes = [float(acc.dmax) for acc, _ in quick]
+    for lo in range(0, n, _TILE):
+        hi = min(n, lo + _TILE)
+        m = hi - lo
+        src = flat_b[start + lo:start + hi]
+        b = (src if src.dtype == f64 and src.is_contiguous() else b_t[:m].copy_(src)).numpy()
+        bits = b.view(numpy.int64)
+        for j, (_, flat_d) in enumerate(quick):
+            d = d_t[:m].copy_(flat_d[start + lo:start + hi]).numpy()
+            sj = np_sums[j]
+            kern(b, bits, d, np_spb[:m], np_spf[:m], np_ae[:m], bmax_f, dmaxes[j], acc0.eps, p.small_value,
+                 p.small_atol, p.rtol, scale, p.ulp_min_exponent, p.ulp_threshold, bounds, np_bb[lo:hi], j == 0,
+                 sj["sq"][lo:hi], sj["rel"][lo:hi], sj["ulp"][lo:hi], sj["dot"][lo:hi], sj["dd"][lo:hi], tallies[j])
+            _tile_max(maxima[j], "abs", ae[:m])
+    for j in range(len(quick)):
+        got = dict(zip(metric_kernel.COUNT_KEYS, tallies[j].tolist()))
+        above, below = got.pop("above"), got.pop("below")
+        signs[j] = [above - below, above + below]
+        for key, value in got.items():
+            counts[j][key] = counts[j][key] + value
+        for key in ("rel", "ulp"):   # the summand buffers hold exactly the values whose maxima are wanted
+            maxima[j][key] = sums[j][key].amax()
 
 
 def _tile_max(maxima: dict, key: str, values: torch.Tensor) -> None:

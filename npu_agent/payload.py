@@ -21,6 +21,7 @@ import torch
 
 from protos import online_check_pb2 as pb
 from protos.framing import DATA_TAG, varint
+from protos.torch_compat import disable_torch_function
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
 _new_bytes.restype = ctypes.py_object
@@ -48,8 +49,8 @@ def _uninitialised_bytes(n: int) -> tuple[bytes, int]:
 
 def dense_address(t: torch.Tensor, nbytes: int) -> int:
     """The address of `t`'s nbytes when they lie in host memory exactly as the wire wants them; else 0."""
-    if (t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg()
-            or t.numel() * t.element_size() != nbytes):   # (resized since the layout: torch's copy raises below)
+    if (not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg()
+            or t.nbytes != nbytes):   # (resized since the layout: torch's copy raises below)
         return 0
     try:
         return int(t.data_ptr())
@@ -75,12 +76,13 @@ class _Spans:
                 ctypes.memset(addr + lo - start, 0, hi - lo)
 
     def copy(self, off: int, nbytes: int, t: torch.Tensor) -> None:
-        """Write tensor `t` (nbytes of it) at payload offset `off`. Call with torch functions disabled."""
+        """Write tensor `t` (nbytes of it) at payload offset `off`."""
         src = dense_address(t, nbytes)
         if src:
             self.write(off, src, nbytes)
             return
-        host = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+        with torch.no_grad(), disable_torch_function():   # the agent's own torch calls are not captured
+            host = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
         if host.numel() * host.element_size() != nbytes:
             raise ValueError(f"a {tuple(t.shape)} tensor does not fill the {nbytes} bytes laid out for it")
         self.write(off, int(host.data_ptr()), nbytes)
@@ -93,9 +95,14 @@ class SmallPayload(_Spans):
         self.data = bytearray(size)
         self._pin: Any = None
         self.spans = []
+        self._addr = 0
         if size:
             self._pin = (ctypes.c_char * size).from_buffer(self.data)   # the bytearray cannot move while we write
-            self.spans = [(0, size, ctypes.addressof(self._pin))]
+            self._addr = ctypes.addressof(self._pin)
+            self.spans = [(0, size, self._addr)]
+
+    def write(self, off: int, src: int, n: int) -> None:   # one span: no search
+        ctypes.memmove(self._addr + off, src, n)
 
     def close(self) -> list[tuple[int, memoryview]]:
         self._pin = None

@@ -22,7 +22,6 @@ from protos import online_check_pb2 as pb
 from protos.codec import _ALIGN, RecordEncoder, dtype_name
 from protos.framing import encode_batch, encode_frames
 from protos.limits import CHUNK_BYTES
-from protos.torch_compat import disable_torch_function
 
 FORWARD, BACKWARD = pb.FORWARD, pb.BACKWARD
 log = logging.getLogger("npu_agent")
@@ -130,20 +129,19 @@ class _PayloadEncoder(RecordEncoder):
             target = SmallPayload(self.size)
         reads = [(s, HELD.begin(s)) for s in snaps]
         source = {tid: src for _, read in reads for tid, src in read}
-        with torch.no_grad(), disable_torch_function():
+        for off, nbytes, t in self.places:
+            if nbytes:
+                target.copy(off, nbytes, source.get(id(t), t))
+        changed: list[int] = []
+        again: dict[int, torch.Tensor] = {}
+        for s, read in reads:
+            a, c = HELD.finish(s, read)
+            again.update(a)
+            changed += c
+        if again:
             for off, nbytes, t in self.places:
-                if nbytes:
-                    target.copy(off, nbytes, source.get(id(t), t))
-            changed: list[int] = []
-            again: dict[int, torch.Tensor] = {}
-            for s, read in reads:
-                a, c = HELD.finish(s, read)
-                again.update(a)
-                changed += c
-            if again:
-                for off, nbytes, t in self.places:
-                    if id(t) in again and nbytes:
-                        target.copy(off, nbytes, again[id(t)])
+                if id(t) in again and nbytes:
+                    target.copy(off, nbytes, again[id(t)])
         if isinstance(target, FramePayload):
             self.buffers, self.frames = [], target.frames
         else:

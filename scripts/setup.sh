@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs the project with its test tools. Safe to run again.
+# Creates .venv (if missing) and installs the project with its test tools and the server's compiled metrics
+# (the `fast` extra). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -9,4 +10,4 @@ fi
 # The CPU build of PyTorch, pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
 # pyproject keeps an open range (torch>=2.13) for users who bring their own CUDA/NPU torch.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,fast]'

@@ -1,6 +1,6 @@
-"""The server's fast paths give exactly what the plain paths give (issue 13): the metrics' tiled finite pass against
-the general per-chunk pass, bit-identical outputs analysed once, and a backward replay on the forward's kept graph
-against a full backward replay."""
+"""The server's fast paths give exactly what the plain paths give (issue 13): the metrics' finite pass (as a
+compiled one-pass kernel and as tiled torch ops) against the general per-chunk pass, bit-identical outputs analysed
+once, and a backward replay on the forward's kept graph against a full backward replay."""
 import os
 import tempfile
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_server import metrics, replay
+from gpu_server import metric_kernel, metrics, replay
 from gpu_server.checker import Checker
 from gpu_server.pending import PendingCalls
 from gpu_server.replay import backward_from, run_backward, run_forward, run_forward_kept
@@ -42,16 +42,42 @@ def _cases():
     bigger[-1] = 8 * x.abs().max()   # exact tiles, but another max |x| than the bench's
     h = torch.randn(n, generator=g).half()
     hb = h.float() + torch.randn(n, generator=g) * 1e-3
+    bf = (b * 3).to(torch.bfloat16)
+    tiny_b = b * 1e-310          # subnormal float64 bench values: the ULP exponent is clamped
     return [("noisy", b, noisy), ("exact", b, x.clone()), ("partly exact", b, part), ("other max", b, bigger),
-            ("float16", hb, h), ("float16 exact", h.float(), h.clone()), ("tiny", b[:5], noisy[:5])]
+            ("float16", hb, h), ("float16 exact", h.float(), h.clone()), ("bfloat16", (b * 3).float(), bf),
+            ("subnormal bench", tiny_b, (tiny_b * 2).float()), ("zero bench", torch.zeros_like(b), noisy),
+            ("tiny", b[:5], noisy[:5])]
+
+
+@pytest.fixture(params=["compiled", "torch ops"])
+def finite_pass(request, monkeypatch):
+    """Each finite pass in turn: metric_kernel's compiled one (numba; the setup installs it) and the torch ops."""
+    if request.param == "compiled":
+        pytest.importorskip("numba")
+        assert metric_kernel.kernel() is not None
+        monkeypatch.setattr(metrics, "KERNEL_MIN_ELEMENTS", 1)
+    else:
+        monkeypatch.setattr(metrics, "KERNEL_MIN_ELEMENTS", 1 << 62)
+    return request.param
 
 
 @pytest.mark.parametrize("name,bench,device", _cases(), ids=[c[0] for c in _cases()])
-def test_tiled_finite_pass_equals_the_general_pass(name, bench, device):
+def test_finite_pass_equals_the_general_pass(name, bench, device, finite_pass):
     fast, slow = metrics.analyse(bench, device), _general(bench, device)
     assert fast.metrics == slow.metrics, name            # every cell, bit for bit
     assert dict(fast.metrics.counts) == dict(slow.metrics.counts)
     assert fast.cosine == slow.cosine
+
+
+def test_the_compiled_pass_runs_when_numba_is_installed(monkeypatch):
+    pytest.importorskip("numba")
+    calls = []
+    original = metrics._compiled_tiles
+    monkeypatch.setattr(metrics, "_compiled_tiles", lambda *a: calls.append(1) or original(*a))
+    _, bench, device = _cases()[0]
+    metrics.analyse(bench, device)
+    assert calls
 
 
 def test_bit_identical_outputs_are_analysed_once_with_the_same_result():
