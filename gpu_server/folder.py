@@ -44,7 +44,7 @@ from gpu_server.intake import FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.folder_format import END_FILE, FOLDER_MAGIC, FRAME_LENGTH, RANK_DIR, RECORD_FILE
-from protos.framing import split_batch
+from protos.framing import parse_frame, split_batch
 from protos.limits import DEFAULT_LIMITS, Limits, log_text
 
 log = logging.getLogger("gpu_server")
@@ -245,7 +245,8 @@ class FolderReader:
 
     # -- files ---------------------------------------------------------------------------------------------
     def _read_frames(self, folder: _Dir, name: str):
-        """Yield (frame, bytes) of a published file, checking every size before reading it."""
+        """Yield (frame, its data, bytes left in the file) of a published file, checking every size before reading
+        it (the data: a view into the frame's bytes where it could be parsed apart, protos.framing.parse_frame)."""
         # O_NOFOLLOW | O_NONBLOCK, relative to the folder opened without following links: a symlink or a FIFO
         # planted under a record's name is refused, never followed or waited on.
         fd = os.open(name, _FILE_FLAGS, dir_fd=folder.fd)
@@ -273,25 +274,26 @@ class FolderReader:
                     raise BadFile(f"truncated frame at byte {pos}")
                 pos += n
                 try:
-                    frame = pb.Frame.FromString(raw)
+                    frame, data = parse_frame(raw)
                 except DecodeError:
                     raise BadFile(f"the {n}-byte frame at byte {pos - n} is not a valid Frame") from None
-                yield frame, size - pos
+                del raw
+                yield frame, data, size - pos
 
     def _load_records(self, folder: _Dir, name: str, run_id: str, rank: int,
-                      seq: int) -> list[tuple[pb.Record, bytes | bytearray]]:
+                      seq: int) -> list[tuple[pb.Record, bytes | memoryview]]:
         """The records of one file: one record (its frames), or a batch of consecutive records starting at the
         name's sequence number (one Batch frame). Raises BadFile when the content is not what the name says."""
         asm = FrameAssembler(self.limits)
         done = None
-        for frame, remaining in self._read_frames(folder, name):
+        for frame, data, remaining in self._read_frames(folder, name):
             if done is not None:
                 raise BadFile("more frames follow the complete record")
             body = frame.WhichOneof("body")
             if body == "batch":
                 if remaining:
                     raise BadFile("more frames follow the batch")
-                return self._batch_records(frame, run_id, rank, seq)
+                return self._batch_records(frame, data, run_id, rank, seq)
             if body == "record":
                 h = frame.record.header
                 if (h.run_id, h.rank, h.seq) != (run_id, rank, seq):
@@ -301,20 +303,21 @@ class FolderReader:
                 if announced > self.limits.max_record_bytes:
                     raise BadFile(f"it announces {announced} payload bytes, above the limit of "
                                   f"{self.limits.max_record_bytes}")
-                if announced > len(frame.data) + remaining:
+                if announced > len(data) + remaining:
                     raise BadFile(f"it announces {announced} payload bytes but the file holds at most "
-                                  f"{len(frame.data) + remaining}")
+                                  f"{len(data) + remaining}")
             try:
-                done = asm.feed(frame)
+                done = asm.feed(frame, data=data)
             except WireError as exc:
                 raise BadFile(str(exc)) from None
         if done is None:
             raise BadFile("the file ends before the record is complete")
         return [done]
 
-    def _batch_records(self, frame: pb.Frame, run_id: str, rank: int, seq: int) -> list[tuple[pb.Record, bytes]]:
+    def _batch_records(self, frame: pb.Frame, data: bytes | memoryview, run_id: str, rank: int,
+                       seq: int) -> list[tuple[pb.Record, bytes | memoryview]]:
         try:
-            parts = split_batch(frame, self.limits)
+            parts = split_batch(frame, self.limits, data)
         except WireError as exc:
             raise BadFile(str(exc)) from None
         for i, (rec, _) in enumerate(parts):

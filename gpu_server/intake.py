@@ -194,7 +194,7 @@ class FrameAssembler:
         self.budget = budget
         self.cancelled = cancelled
         self.record: pb.Record | None = None
-        self.payload: list[bytes] | None = None   # the chunks of a multi-frame record
+        self.payload: list[bytes | memoryview] | None = None   # the chunks of a multi-frame record
         self.filled = 0
         self.reserved = 0          # budget bytes held by the record being assembled (handed over when complete)
         self.started = 0.0         # monotonic time the record being assembled was admitted
@@ -218,10 +218,11 @@ class FrameAssembler:
                             f"fewer or smaller tensors with tensor.list / tensor.scope)")
         return rec.payload_bytes
 
-    def completes(self, frame: pb.Frame) -> bool:
-        """True when this chunk frame would complete the record being assembled (the caller may join off-loop)."""
+    def completes(self, frame: pb.Frame, data: bytes | memoryview | None = None) -> bool:
+        """True when this chunk frame would complete the record being assembled (the caller may join off-loop).
+        `data`: the frame's data where the caller parsed it apart (protos.framing.parse_frame); else frame.data."""
         return (self.record is not None and frame.WhichOneof("body") == "chunk"
-                and self.filled + len(frame.data) == self.record.payload_bytes)
+                and self.filled + len(frame.data if data is None else data) == self.record.payload_bytes)
 
     def deadline(self) -> float | None:
         """Monotonic time by which the record being assembled must get its next frame; None when none is."""
@@ -230,9 +231,13 @@ class FrameAssembler:
         timeout = self.limits.record_timeout_s
         return min(self.last + timeout, self.started + timeout + self.record.payload_bytes / MiB)
 
-    def feed(self, frame: pb.Frame, reserved: int | None = None) -> tuple[pb.Record, bytes] | None:
+    def feed(self, frame: pb.Frame, reserved: int | None = None, data: bytes | memoryview | None = None
+             ) -> tuple[pb.Record, bytes | memoryview] | None:
+        """The complete record and its payload once `frame` completes one, else None. `data` as for `completes`;
+        a payload that came in one frame is that frame's data as it is (a view into the message: no copy)."""
         body = frame.WhichOneof("body")
-        data = frame.data
+        if data is None:
+            data = frame.data
         if body == "record":
             if reserved is None:
                 n = self.admit(frame)
@@ -318,11 +323,12 @@ class Intake:
             seen.add(seq)
             return True
 
-    def accept(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0) -> tuple[int, str]:
+    def accept(self, record: pb.Record, payload: bytes | bytearray | memoryview,
+               reserved: int = 0) -> tuple[int, str]:
         """Take one complete record; returns its acknowledgement once the record is durable."""
         return self.submit(record, payload, reserved).wait()
 
-    def submit(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0) -> Ticket:
+    def submit(self, record: pb.Record, payload: bytes | bytearray | memoryview, reserved: int = 0) -> Ticket:
         """Take one complete record; the returned ticket holds the acknowledgement once the record is durable.
 
         The record is validated completely (header, name, tensor table, every value decoded) before it is spooled:
@@ -359,7 +365,7 @@ class Intake:
         self.dispatch(job)
         return ticket if ticket is not None else Ticket(h.seq, ACCEPTED)
 
-    def validate(self, record: pb.Record, payload: bytes | bytearray) -> tuple[Job | None, str]:
+    def validate(self, record: pb.Record, payload: bytes | bytearray | memoryview) -> tuple[Job | None, str]:
         """(the decoded job, "") for a valid record; else (the job when it decoded, or None, why it is rejected).
 
         Never raises: a record that breaks the decoder in a way the wire checks did not foresee is rejected too.
@@ -389,7 +395,8 @@ class Intake:
                 return job, f"{h.name}: {why}"
         return job, ""
 
-    def process(self, record: pb.Record, payload: bytes | bytearray, reserved: int = 0) -> tuple[int, str]:
+    def process(self, record: pb.Record, payload: bytes | bytearray | memoryview,
+                reserved: int = 0) -> tuple[int, str]:
         """Validate a record replayed from the spool and hand its job (or SKIP row) to the workers.
 
         A spooled record that no longer validates is quarantined: a SKIP row, never fatal.
@@ -441,7 +448,7 @@ class Intake:
         self.dispatch(job)
 
 
-def decode_job(record: pb.Record, payload: bytes | bytearray, limits: Limits = DEFAULT_LIMITS) -> Job:
+def decode_job(record: pb.Record, payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Job:
     h = record.header
     match = valid_call_name(h.name)
     dec = RecordDecoder(record, payload, limits)

@@ -36,7 +36,7 @@ from gpu_server.intake import ByteBudget, FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.contract import SERVICE_NAME
-from protos.framing import split_batch
+from protos.framing import parse_frame, split_batch
 from protos.limits import RUN_ID, Limits, log_text
 
 log = logging.getLogger("gpu_server")
@@ -202,7 +202,7 @@ class StreamHandler:
         """The answers to one message: acknowledgements and tickets, in order (usually one or none)."""
         loop = asyncio.get_running_loop()
         try:
-            frame = pb.Frame.FromString(raw)
+            frame, data = parse_frame(raw)   # data: a view into raw
         except DecodeError:
             asm.reset()
             self.intake.rejected += 1
@@ -235,7 +235,7 @@ class StreamHandler:
             out.append(pb.Ack(seq=cut, status=pb.Ack.REJECTED,
                               reason=f"record {cut} was cut off by the next record after {filled} bytes"))
         if body == "batch":
-            return out + [await self._batch(frame, size)]
+            return out + [await self._batch(frame, data, size)]
         seq = frame.record.header.seq if body == "record" else frame.chunk.seq if body == "chunk" else 0
         try:
             if body == "record":
@@ -244,15 +244,15 @@ class StreamHandler:
                     await self.budget.acquire_async(n)   # a stream waiting here reads nothing: back-pressure
                 else:
                     n = 0
-                done = asm.feed(frame, reserved=n)
-            elif asm.completes(frame):
-                done = await loop.run_in_executor(self._work, asm.feed, frame)   # the join copies the payload
+                done = asm.feed(frame, reserved=n, data=data)
+            elif asm.completes(frame, data):
+                done = await loop.run_in_executor(self._work, asm.feed, frame, None, data)   # the join copies
             else:
-                done = asm.feed(frame)
+                done = asm.feed(frame, data=data)
         except WireError as exc:
             self.intake.rejected += 1
             return out + [pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc))]
-        del frame
+        del frame, data
         if done is None:
             return out
         record, payload = done
@@ -261,17 +261,17 @@ class StreamHandler:
         return out + [await loop.run_in_executor(self._work, self.intake.submit, record, payload,
                                                  asm.take_reserved())]
 
-    async def _batch(self, frame: pb.Frame, size: int) -> "_Batch":
+    async def _batch(self, frame: pb.Frame, data: bytes | memoryview, size: int) -> "_Batch":
         """Several complete records in one message: reserved together, then validated and stored one by one,
         each answered as if it had come alone."""
         try:
-            parts = split_batch(frame, self.limits)
+            parts = split_batch(frame, self.limits, data)
         except WireError as exc:
             seqs = [r.header.seq for r in frame.batch.records[:self.limits.max_batch_records]]
             self.intake.rejected += max(1, len(seqs))
             return _Batch([pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc)) for seq in seqs] or
                           [pb.Ack(status=pb.Ack.REJECTED, reason=str(exc))])
-        del frame
+        del frame, data
         total = sum(len(payload) for _, payload in parts)
         if self.budget is not None:
             await self.budget.acquire_async(total)   # a stream waiting here reads nothing: back-pressure

@@ -7,7 +7,9 @@ then their payloads one after another in Frame.data. Either way the payload byte
 header by concatenation (Frame.data is field 15, the last on the wire), so each byte is copied once into the
 message; and a batch is built by concatenating records serialized once each, never by copying messages.
 
-`split_batch` is the receiving side of a Batch: it checks the frame against the limits before anything is held.
+`parse_frame` is the receiving side of every message: the Frame without its data, and the data as a view into the
+received bytes (no copy). `split_batch` takes a Batch apart: it checks the frame against the limits before anything
+is held.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ Buffers = list[tuple[int, memoryview]]   # (offset inside the payload, bytes); t
 
 # Frame field numbers and wire types, as online_check.proto declares them (tests/test_protos.py pins them).
 DATA_TAG = b"\x7a"        # Frame.data = 15, length-delimited
+_DATA_FIELD = 15
 _BATCH_TAG = b"\x2a"       # Frame.batch = 5, length-delimited
 _RECORD_TAG = b"\x0a"      # Batch.records = 1, length-delimited
 
@@ -57,11 +60,72 @@ def encode_batch(records: list[tuple[bytes, Buffers, int]]) -> bytes:
     return b"".join(out)
 
 
-def split_batch(frame: pb.Frame, limits: Limits) -> list[tuple[pb.Record, bytes]]:
-    """The records of a Batch frame, each with its own payload. Raises WireError (nothing is held) when the frame
-    breaks the contract: too many records, or payload sizes that do not add up to Frame.data exactly."""
+def parse_frame(raw: bytes) -> tuple[pb.Frame, bytes | memoryview]:
+    """A received message as (the Frame, its data). Raises DecodeError like `pb.Frame.FromString(raw)`.
+
+    The data is what `pb.Frame.FromString(raw).data` holds, without the two copies protobuf makes (one parsing,
+    one reading the field): when Frame.data appears once, as the last field (as every agent writes it), it is a
+    view into `raw` and only the fields before it are parsed (the Frame returned then has no data). Any other
+    layout, valid or not, is parsed by protobuf as a whole: same results, with the copies."""
+    start = _data_field(raw)
+    if start is None:
+        frame = pb.Frame.FromString(raw)
+        return frame, frame.data
+    tag_at, data_at = start
+    frame = pb.Frame.FromString(raw[:tag_at])
+    return frame, memoryview(raw)[data_at:]
+
+
+def _data_field(raw: bytes) -> tuple[int, int] | None:
+    """(where Frame.data's tag starts, where its bytes start) when it is the last field of `raw`, the only one of
+    its number, and every top-level field before it is well formed; else None."""
+    n, pos, found = len(raw), 0, None
+    try:
+        while pos < n:
+            at = pos
+            key, pos = _read_varint(raw, pos)
+            field, wire = key >> 3, key & 7
+            if wire == 2:
+                length, pos = _read_varint(raw, pos)
+                if field == _DATA_FIELD:
+                    if pos + length != n:   # not the last field (so also not the only one): protobuf decides
+                        return None
+                    found = (at, pos)
+                pos += length
+            elif wire == 0:
+                _, pos = _read_varint(raw, pos)
+            elif wire in (1, 5):
+                pos += 8 if wire == 1 else 4
+            else:
+                return None   # groups and invalid wire types: protobuf decides
+            if field == _DATA_FIELD and wire != 2:
+                return None
+    except IndexError:
+        return None
+    return found if pos == n else None
+
+
+def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        b = raw[pos]   # IndexError at the end: a cut-off message
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise IndexError("varint longer than 10 bytes")
+
+
+def split_batch(frame: pb.Frame, limits: Limits, data: bytes | memoryview | None = None
+                ) -> list[tuple[pb.Record, bytes | memoryview]]:
+    """The records of a Batch frame, each with its own payload (views into `data`: the frame's data, by default
+    frame.data). Raises WireError (nothing is held) when the frame breaks the contract: too many records, or payload
+    sizes that do not add up to the data exactly."""
     records = frame.batch.records
-    data = frame.data
+    if data is None:
+        data = frame.data
     if not records:
         raise WireError("a batch frame without records")
     if len(records) > limits.max_batch_records:
