@@ -8,13 +8,18 @@ so no OpenMP team is started from the sender thread on top of the training's, an
 else (a strided view, a lazily conjugated or negated tensor, another device) is first made a contiguous host
 tensor by torch.
 
-Fresh `bytes` frames reuse the memory of the ones freed before them (glibc keeps such blocks once it has seen
-them freed); fresh tensors of that size do not, and paid a page fault per 4 KiB page on every record.
+Memory for frames: fresh memory costs a page fault per 4 KiB page on its first touch (about 1 ms per MiB on a VM,
+as much as the copy itself), and with many records in flight the allocator hands out fresh memory for almost
+every large frame. So the frames of acknowledged records go back to `FRAMES` (a pool bounded in bytes) when nobody
+else holds them any more, and a new frame of the same length is written into one of them. Records of the same
+call site have frames of the same length from step to step, so in a training most large frames are reused.
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -41,9 +46,84 @@ def _bytes_in_place_works() -> bool:
 FRAMES_IN_PLACE = _bytes_in_place_works()
 
 
+def _hash_slot() -> int | None:
+    """Where CPython caches a bytes object's hash (just before its contents), when it can be checked to be there:
+    a reused frame must forget the hash of its former contents."""
+    if not FRAMES_IN_PLACE:
+        return None
+    probe = _new_bytes(None, 16)
+    ctypes.memmove(id(probe) + _BYTES_DATA, b"hash-slot-probe!", 16)
+    h = hash(probe)
+    slot = _BYTES_DATA - ctypes.sizeof(ctypes.c_ssize_t)
+    return slot if ctypes.c_ssize_t.from_address(id(probe) + slot).value == h else None
+
+
+_HASH_SLOT = _hash_slot()
+_REFS_WHEN_ALONE = 2   # sys.getrefcount of an object held by one local name only (the name and the argument)
+
+
+class FramePool:
+    """Frames of acknowledged records, by length, for reuse (at most `limit` bytes; the oldest go first)."""
+
+    def __init__(self, limit: int = 0) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._by_len: dict[int, dict[int, bytes]] = {}   # length -> {id: frame}
+        self._fifo: collections.OrderedDict[int, int] = collections.OrderedDict()   # id -> length, oldest first
+        self.held = 0
+        self.reused = 0
+
+    def take(self, n: int) -> bytes | None:
+        """A frame of exactly n bytes nobody else holds, or None."""
+        with self._lock:
+            frames = self._by_len.get(n)
+            if not frames:
+                return None
+            fid, b = frames.popitem()
+            del self._fifo[fid]
+            self.held -= n
+            self.reused += 1
+        if _HASH_SLOT is not None:
+            ctypes.c_ssize_t.from_address(id(b) + _HASH_SLOT).value = -1   # "not computed yet"
+        return b
+
+    def give(self, frames: list[bytes]) -> None:
+        """Take back the frames of an acknowledged record (emptying the list): each one that nothing else holds
+        any more (gRPC may still: then it is simply freed) and that fits under the limit."""
+        if _HASH_SLOT is None or not self.limit:
+            frames.clear()
+            return
+        while frames:
+            b = frames.pop()
+            n = len(b)
+            if sys.getrefcount(b) != _REFS_WHEN_ALONE or n > self.limit:
+                continue
+            with self._lock:
+                while self.held + n > self.limit and self._fifo:
+                    fid, old = self._fifo.popitem(last=False)
+                    del self._by_len[old][fid]
+                    self.held -= old
+                self._by_len.setdefault(n, {})[id(b)] = b
+                self._fifo[id(b)] = n
+                self.held += n
+            del b
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_len.clear()
+            self._fifo.clear()
+            self.held = 0
+
+
+FRAMES = FramePool()   # its limit is set by the sender (npu_agent.sender: a share of the memory budget)
+
+
 def _uninitialised_bytes(n: int) -> tuple[bytes, int]:
-    """A new bytes object of length n, not yet shared with anyone, and the address of its contents."""
-    b = _new_bytes(None, n)
+    """A bytes object of length n, not shared with anyone, and the address of its contents: a frame from FRAMES
+    when one of that length is free, else a new one."""
+    b = FRAMES.take(n)
+    if b is None:
+        b = _new_bytes(None, n)
     return b, id(b) + _BYTES_DATA
 
 

@@ -6,8 +6,10 @@ queued up while the transport was busy go to it together, as one batch. The Send
 its transport only through `npu_agent.transport.Transport`, and receives its events as `TransportEvents`.
 
 Memory: a record counts against the budget from `submit()` until the server acknowledges it (it is kept for
-re-sending until then). At the budget, the policy applies: `block` waits (nothing is lost), `drop` drops the newest
-record and counts it. One record larger than the whole budget is sent alone (blocking) rather than never.
+re-sending until then). The frames of acknowledged large records are kept for reuse, up to a quarter of the budget
+more (npu_agent/payload.py, `FRAMES`). At the budget, the policy applies: `block` waits (nothing is lost), `drop`
+drops the newest record and counts it. One record larger than the whole budget is sent alone (blocking) rather
+than never.
 
 Refusal: when the transport reports that it can never deliver (`on_refused`), everything held is dropped and
 counted, `submit` returns at once from then on, and `close` does not wait.
@@ -22,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+from npu_agent.payload import FRAMES
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.transport import Counts, Refusal, Transport, end_frame
 
@@ -54,6 +57,8 @@ class Sender:
         self._closing = False
         self._refusal: Refusal | None = None
         self._warned_block = -WAIT_LOG_S
+        # acknowledged large frames kept for reuse: at most a quarter of the budget more (npu_agent/payload.py)
+        FRAMES.limit = max(FRAMES.limit, budget_bytes // 4)
         self._thread = threading.Thread(target=self._run, name="online-check-sender", daemon=True)
         self._thread.start()
         transport.start(self)   # the transport connects only now: no stream notification can be missed
@@ -169,6 +174,11 @@ class Sender:
                 self.counts.acknowledged += 1
                 self.counts.duplicates += duplicate
             self._cv.notify_all()
+        frames = rec.encoded[1].frames if rec.encoded is not None else None
+        if frames:   # a large record's frames: reused for the next ones of their length (npu_agent/payload.py)
+            rec.encoded = None
+            del rec
+            FRAMES.give(frames)
 
     def on_reconnect(self, generation: int) -> None:
         with self._cv:

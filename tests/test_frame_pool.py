@@ -1,0 +1,91 @@
+"""Frames of acknowledged large records are reused (npu_agent/payload.py, FRAMES): only once nothing else holds
+them, never above the pool's limit, a reused frame forgets the hash of what it held, and a real agent reusing them
+against a real server gets every record through with its own values."""
+from __future__ import annotations
+
+import ctypes
+import time
+
+import pytest
+import torch
+
+from npu_agent import payload
+from npu_agent.config import Endpoint
+from npu_agent.payload import FRAMES, FramePool
+from npu_agent.records import PendingRecord
+from npu_agent.sender import Sender
+from npu_agent.snapshot import snapshot
+from npu_agent.transport_grpc import GrpcTransport
+from tests import support
+
+pytestmark = pytest.mark.skipif(payload._HASH_SLOT is None, reason="frames are reused on CPython only")
+
+
+def _frames(*sizes: int) -> list[bytes]:
+    return [bytes(range(256)) * (n // 256) for n in sizes]
+
+
+def test_a_frame_is_kept_only_when_nothing_else_holds_it():
+    pool = FramePool(1 << 20)
+    mine = bytes(4096)
+    pool.give([mine])                       # still held here: not the pool's to reuse
+    assert pool.take(4096) is None and pool.held == 0
+    frames = _frames(4096)
+    kept = id(frames[0])
+    pool.give(frames)
+    assert frames == [] and pool.held == 4096
+    assert pool.take(1024) is None          # only the exact length is reused
+    again = pool.take(4096)
+    assert id(again) == kept and pool.held == 0 and pool.take(4096) is None
+
+
+def test_the_pool_keeps_at_most_its_limit_oldest_dropped_first():
+    pool = FramePool(3 * 1024)
+    first, second = _frames(1024), _frames(2048)
+    ids = [id(first[0]), id(second[0])]
+    pool.give(first)
+    pool.give(second)
+    pool.give(_frames(1024))                # 1024 + 2048 + 1024 > 3072: the oldest (first) goes
+    assert pool.held == 3072
+    assert id(pool.take(2048)) == ids[1]
+    assert id(pool.take(1024)) != ids[0]
+    pool.give(_frames(8192))                # larger than the whole pool: not kept
+    assert pool.held == 0
+
+
+def test_a_reused_frame_forgets_the_hash_of_its_former_contents():
+    pool = FramePool(1 << 20)
+    frames = _frames(512)
+    old_hash = hash(frames[0])              # cached inside the bytes object
+    pool.give(frames)
+    b = pool.take(512)
+    ctypes.memmove(id(b) + payload._BYTES_DATA, b"\x07" * 512, 512)
+    assert hash(b) == hash(b"\x07" * 512) != old_hash
+
+
+def _record(seq: int, n: int) -> PendingRecord:
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seq))
+    return PendingRecord(name=f"Functional.relu.{seq}", step=0, inputs=snapshot(((x,), {})),
+                         output=snapshot(torch.relu(x)), seq=seq)
+
+
+def test_an_agent_reusing_frames_gets_every_record_checked_with_its_own_values(tmp_path):
+    FRAMES.clear()
+    reused = FRAMES.reused
+    n = 24
+    with support.Server(str(tmp_path)) as server:
+        transport = GrpcTransport(Endpoint("127.0.0.1", server.port), "", "pool", 0, 1)
+        sender = Sender(transport, budget_bytes=8 << 20)
+        for seq in range(n):
+            sender.submit(_record(seq, 96 << 10))   # 2 x 384 KiB: written straight into frames
+            if seq % 3 == 2:   # now and then the sender catches up: the next ones reuse acknowledged frames
+                deadline = time.monotonic() + 30
+                while sender.counts.acknowledged <= seq and time.monotonic() < deadline:
+                    time.sleep(0.005)
+        counts = sender.close(timeout=120)
+        assert counts["acknowledged"] == n and counts["rejected"] == 0
+    assert FRAMES.reused - reused >= n // 4
+    rows = support.read_csv(server.out, "accuracy_checking_result")
+    assert sorted(int(r["API name"].rsplit(".", 1)[1]) for r in rows) == list(range(n))
+    # a frame overwritten before the server had it would carry another record's output: relu would not match
+    assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows
