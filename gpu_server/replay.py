@@ -262,10 +262,29 @@ def run_forward(job: Job, device: torch.device, bench: bool, match_threads: bool
 def allocation_check(job: Job, slack: int = 1 << 16) -> None:
     """Refuse a call whose outputs would be far larger than what the device produced (`zeros(1 << 40)`, a huge
     `repeat` or `scale_factor`): the call is first run on the meta device, which computes shapes and allocates
-    nothing. Calls without a meta kernel (data-dependent shapes) are left to the real replay."""
+    nothing. Calls without a meta kernel (data-dependent shapes) are left to the real replay.
+
+    A meta run sees no values, only shapes, dtypes and the other arguments, so its result is a function of those:
+    it is remembered per call signature (`_META_SIZES`), and a call site met again (every step of a training)
+    costs a lookup."""
     if job.mask is not None:
         return
     recorded = sum(t.numel() for t in iter_leaves(job.output) if isinstance(t, torch.Tensor))
+    key = _signature(job)
+    produced = _META_SIZES.get(key, _UNKNOWN) if key is not None else _UNKNOWN
+    if produced is _UNKNOWN:
+        produced = _meta_elements(job)
+        if key is not None:
+            if len(_META_SIZES) >= _META_SIZES_LIMIT:
+                _META_SIZES.clear()
+            _META_SIZES[key] = produced
+    if produced is not None and produced > 2 * recorded + slack:
+        raise ReplayError(f"not replayable: replaying {job.category}.{job.api} would produce {produced} elements "
+                          f"where the device produced {recorded}")
+
+
+def _meta_elements(job: Job) -> int | None:
+    """The elements of the call's outputs on the meta device; None without a meta kernel (or when it fails)."""
     meta = torch.device("meta")
 
     def to_meta(leaf):
@@ -280,11 +299,42 @@ def allocation_check(job: Job, slack: int = 1 << 16) -> None:
         with torch.no_grad(), meta:
             out = fn(*map_leaves(job.args, to_meta), **map_leaves(job.kwargs, to_meta))
     except Exception:  # noqa: BLE001 - no meta kernel, or the call fails anyway: the real replay reports it
-        return
-    produced = sum(t.numel() for t in iter_leaves(out) if isinstance(t, torch.Tensor))
-    if produced > 2 * recorded + slack:
-        raise ReplayError(f"not replayable: replaying {job.category}.{job.api} would produce {produced} elements "
-                          f"where the device produced {recorded}")
+        return None
+    return sum(t.numel() for t in iter_leaves(out) if isinstance(t, torch.Tensor))
+
+
+_UNKNOWN: Any = object()
+_META_SIZES: dict[tuple, int | None] = {}   # call signature -> _meta_elements (dict operations are atomic)
+_META_SIZES_LIMIT = 4096
+_SCALARS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+class _NoSignature(Exception):
+    pass
+
+
+def _signature(job: Job) -> tuple | None:
+    """What a meta run of the call depends on: the API, and its arguments with each tensor as its shape and
+    dtype, every other value with its type; None for a value that cannot be compared safely."""
+    def sig(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return ("tensor", tuple(v.shape), v.dtype)
+        if isinstance(v, (tuple, list)):
+            return (type(v).__name__, tuple(sig(x) for x in v))
+        if isinstance(v, dict):
+            return ("dict", tuple((k, sig(x)) for k, x in v.items()))
+        if isinstance(v, slice):
+            return ("slice", sig(v.start), sig(v.stop), sig(v.step))
+        if isinstance(v, Opaque):
+            return ("opaque", v.type_name)
+        if v is None or v is Ellipsis or type(v) in _SCALARS:
+            return (type(v).__name__, v)
+        raise _NoSignature
+
+    try:
+        return (job.category, job.api, sig(job.args), sig(job.kwargs))
+    except _NoSignature:
+        return None
 
 
 def _uninitialised_check(job: Job) -> None:

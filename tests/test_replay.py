@@ -108,3 +108,30 @@ def test_device_names_given_as_strings_become_the_bench_device():
     rec.inputs.tree = ((rec.inputs.tree[0][0], "npu:0", torch.float16), {})   # as a training on an NPU records it
     out = run_forward(to_job(rec), CPU, bench=False)
     assert out.device.type == "cpu" and torch.equal(out, x.to(torch.float16))
+
+
+def test_the_meta_dry_run_is_remembered_per_call_signature(monkeypatch):
+    from gpu_server import replay
+
+    replay._META_SIZES.clear()
+    runs = []
+    dry_run = replay._meta_elements
+    monkeypatch.setattr(replay, "_meta_elements", lambda job: runs.append(job.api) or dry_run(job))
+    with capture() as (mode, sink):
+        with mode:
+            for _ in range(2):   # the same call site with other values: one dry run
+                F.linear(torch.randn(4, 8), torch.randn(3, 8))
+            F.linear(torch.randn(5, 8), torch.randn(3, 8))   # another shape: its own
+            torch.zeros(4)
+            torch.zeros(4)
+    for name in ("Functional.linear.0", "Functional.linear.1", "Functional.linear.2"):
+        replay.allocation_check(to_job(sink.forward(name)))
+    assert runs == ["linear", "linear"]
+    # a greedy call: refused, then refused again from what was remembered (each record's own output is what the
+    # verdict compares with)
+    for name in ("Torch.zeros.0", "Torch.zeros.1"):
+        greedy = sink.forward(name)
+        greedy.inputs.tree = (((1 << 40,),), {})
+        with pytest.raises(ReplayError, match="would produce"):
+            replay.allocation_check(to_job(greedy))
+    assert runs == ["linear", "linear", "zeros"]
