@@ -4,7 +4,6 @@ against a real server gets every record through with its own values."""
 from __future__ import annotations
 
 import ctypes
-import time
 
 import pytest
 import torch
@@ -72,19 +71,16 @@ def _record(seq: int, n: int) -> PendingRecord:
 def test_an_agent_reusing_frames_gets_every_record_checked_with_its_own_values(tmp_path):
     FRAMES.clear()
     reused = FRAMES.reused
-    n = 24
+    n = 12
     with support.Server(str(tmp_path)) as server:
         transport = GrpcTransport(Endpoint("127.0.0.1", server.port), "", "pool", 0, 1)
-        sender = Sender(transport, budget_bytes=8 << 20)
+        # a budget of a few records: the later ones wait for acknowledgements, and the frames those free are reused
+        sender = Sender(transport, budget_bytes=4 << 20)
         for seq in range(n):
-            sender.submit(_record(seq, 96 << 10))   # 2 x 384 KiB: written straight into frames
-            if seq % 3 == 2:   # now and then the sender catches up: the next ones reuse acknowledged frames
-                deadline = time.monotonic() + 30
-                while sender.counts.acknowledged <= seq and time.monotonic() < deadline:
-                    time.sleep(0.005)
+            sender.submit(_record(seq, 72 << 10))   # 2 x 288 KiB: written straight into frames
         counts = sender.close(timeout=120)
         assert counts["acknowledged"] == n and counts["rejected"] == 0
-    assert FRAMES.reused - reused >= n // 4
+    assert FRAMES.reused - reused >= 1   # how many: timing (gRPC holds the frame it sent last)
     rows = support.read_csv(server.out, "accuracy_checking_result")
     assert sorted(int(r["API name"].rsplit(".", 1)[1]) for r in rows) == list(range(n))
     # a frame overwritten before the server had it would carry another record's output: relu would not match
