@@ -7,9 +7,9 @@ its transport only through `npu_agent.transport.Transport`, and receives its eve
 
 Memory: a record counts against the budget from `submit()` until the server acknowledges it (it is kept for
 re-sending until then). The frames of acknowledged large records are kept for reuse, up to a quarter of the budget
-more (npu_agent/payload.py, `FRAMES`). At the budget, the policy applies: `block` waits (nothing is lost), `drop`
-drops the newest record and counts it. One record larger than the whole budget is sent alone (blocking) rather
-than never.
+more, until `close` (npu_agent/payload.py, `FRAMES`). At the budget, the policy applies: `block` waits (nothing is
+lost), `drop` drops the newest record and counts it. One record larger than the whole budget is sent alone
+(blocking) rather than never.
 
 Refusal: when the transport reports that it can never deliver (`on_refused`), everything held is dropped and
 counted, `submit` returns at once from then on, and `close` does not wait.
@@ -232,4 +232,5 @@ class Sender:
         else:
             wait = max(1.0, deadline - time.monotonic()) if self.transport.reached else 1.0
             self.transport.send_end(end_frame(self.transport.identity, self.counts, self._next_seq), wait)
+        FRAMES.clear()   # the frames kept for reuse are not kept past the checker's end
         return counts

@@ -80,6 +80,7 @@ def test_an_agent_reusing_frames_gets_every_record_checked_with_its_own_values(t
             sender.submit(_record(seq, 72 << 10))   # 2 x 288 KiB: written straight into frames
         counts = sender.close(timeout=120)
         assert counts["acknowledged"] == n and counts["rejected"] == 0
+        assert FRAMES.held == 0   # nothing kept past the sender's end
     assert FRAMES.reused - reused >= 1   # how many: timing (gRPC holds the frame it sent last)
     rows = support.read_csv(server.out, "accuracy_checking_result")
     assert sorted(int(r["API name"].rsplit(".", 1)[1]) for r in rows) == list(range(n))
