@@ -453,36 +453,83 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
     inf/nan terms (all zero there), the bench's own terms computed once for every output compared with it.
 
     The elementwise terms are computed tile by tile into reused buffers (cache-sized on a CPU bench; the whole chunk
-    on a GPU); counts and maxima are exact whatever the tiling, and every sum is taken over the whole chunk's
-    summands at once, so each statistic is bit for bit what one pass over the chunk computes."""
+    on a GPU), by one compiled pass per tile (`_compiled_tiles`) or by torch ops (`_torch_tiles`); counts and maxima
+    are exact whatever the tiling, and every sum is taken over the whole chunk's summands at once, so each statistic
+    is bit for bit what one pass over the chunk computes."""
     n, dev = stop - start, flat_b.device
+    sc = _scratch()
+    f64 = torch.float64
+    # whole-chunk summands (summed once per chunk, like one pass would)
+    bb = sc.get("bb", n, f64, dev)
+    sums = [{k: sc.get(f"{k}{j}", n, f64, dev) for k in _SUMS} for j in range(len(quick))]
+    counts = [dict.fromkeys(("hundredth", "thousandth", "ten_thousandth", "small", "small_bad", "rel_bad",
+                             "ulp_over"), 0) for _ in quick]
+    signs = [[0, 0] for _ in quick]   # sums of sign(d - b) and of sign(|d - b|): above - below, above + below
+    maxima: list[dict] = [{} for _ in quick]
+    zero = torch.zeros((), dtype=f64, device=dev)
+    kern = metric_kernel.kernel() if dev.type == "cpu" and n >= KERNEL_MIN_ELEMENTS else None
+    if kern is not None:   # every summand written: no exact-tile shortcuts
+        _compiled_tiles(kern, flat_b, quick, bmax, start, n, bb, sums, counts, signs, maxima)
+        exact: list[list[tuple[int, int]]] = [[] for _ in quick]
+        same_norm = [False] * len(quick)
+    else:
+        exact, same_norm = _torch_tiles(flat_b, quick, bmax, start, n, bb, sums, counts, signs, maxima)
+    bb_sum = bb.sum()
+    for j, (acc, _) in enumerate(quick):
+        c, mx, sj = counts[j], maxima[j], sums[j]
+        everywhere = sum(hi - lo for lo, hi in exact[j]) == n
+        if not everywhere:   # the zero (and, with equal maxima, bn * bn) summands of the exact tiles
+            for lo, hi in exact[j]:
+                for key in ("sq", "rel", "ulp"):
+                    sj[key][lo:hi].zero_()
+                if same_norm[j]:
+                    sj["dot"][lo:hi].copy_(bb[lo:hi])   # bn * bn is bn.square() bit for bit
+                    sj["dd"][lo:hi].copy_(bb[lo:hi])
+        net, moved = (torch.as_tensor(v, dtype=f64, device=dev) for v in signs[j])
+        above, below = ((moved + net) / 2).to(torch.int64), ((moved - net) / 2).to(torch.int64)
+        acc.counts["binary"] = acc.counts["binary"] + above + below
+        acc.counts["above"] = acc.counts["above"] + above
+        acc.counts["below"] = acc.counts["below"] + below
+        for key, value in c.items():
+            acc.counts[key] = acc.counts[key] + value
+        acc.counts["normal"] = acc.counts["normal"] + (n - c["small"])
+        for key in ("sq", "rel", "ulp"):
+            # equal everywhere: a sum of +0.0 terms, +0.0
+            acc._sum(key, zero if everywhere else sj[key])
+        for key in ("abs", "rel", "ulp"):
+            acc.maxima[key] = torch.maximum(acc.maxima[key].to(dev), mx[key])
+        for key in ("dot", "dd"):
+            # equal everywhere with equal maxima: the summands, and so their sum, are bb's
+            if everywhere and same_norm[j]:
+                acc.sums[key] = acc.sums[key].to(dev) + bb_sum
+            else:
+                acc._sum(key, sj[key])
+        acc.sums["bb"] = acc.sums["bb"].to(dev) + bb_sum
+
+
+def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, n: int, bb: torch.Tensor,
+                 sums: list, counts: list, signs: list, maxima: list) -> tuple[list, list]:
+    """The tile loop of `_add_finite_chunk` as torch ops (any device). Tiles where an output equals the bench skip
+    its error terms; returns those tiles of each output and whether its maximum equals the bench's (the caller
+    fills their summands only where a sum needs them)."""
+    dev = flat_b.device
     sc = _scratch()
     f64 = torch.float64
     acc0 = quick[0][0]
     p, t = acc0.p, THRESHOLDS
     tile = _TILE if dev.type == "cpu" else n
     scale = 2.0 ** p.ulp_precision
-    # whole-chunk summands (summed once per chunk, like one pass would) and per-tile scratch
-    bb = sc.get("bb", n, f64, dev)
-    sums = [{k: sc.get(f"{k}{j}", n, f64, dev) for k in _SUMS} for j in range(len(quick))]
     size = min(tile, n)
     b_t, absb, denom, normal_f, bn = (sc.get(k, size, f64, dev) for k in ("b", "absb", "denom", "normalf", "bn"))
     d_t, diff, abs_err, rel, tmp = (sc.get(k, size, f64, dev) for k in ("d", "diff", "abserr", "rel", "tmp"))
     small, normal, mask = (sc.get(k, size, torch.bool, dev) for k in ("small", "normal", "mask"))
     bits, spacing = sc.get("bits", size, torch.int64, dev), sc.get("spacing", size, torch.int64, dev)
-    counts = [dict.fromkeys(("hundredth", "thousandth", "ten_thousandth", "small", "small_bad", "rel_bad",
-                             "ulp_over"), 0) for _ in quick]
-    signs = [[0, 0] for _ in quick]   # sums of sign(d - b) and of sign(|d - b|): above - below, above + below
-    maxima: list[dict] = [{} for _ in quick]
     on_cpu = dev.type == "cpu"       # shortcuts that read a value back: only where that costs no device sync
     zero = torch.zeros((), dtype=f64, device=dev)
     # an output equal to the bench has d / dmax == b / bmax element by element when the two maxima are equal
     same_norm = [on_cpu and bool(acc.dmax == bmax) for acc, _ in quick]
     exact: list[list[tuple[int, int]]] = [[] for _ in quick]   # tiles where the output equals the bench
-    kern = metric_kernel.kernel() if on_cpu and n >= KERNEL_MIN_ELEMENTS else None
-    if kern is not None:   # each tile's terms in one compiled pass (gpu_server/metric_kernel.py); same values
-        _compiled_tiles(kern, flat_b, quick, bmax, start, n, bb, sums, counts, signs, maxima)
-    for lo in range(0, n if kern is None else 0, tile):
+    for lo in range(0, n, tile):
         hi = min(n, lo + tile)
         m = hi - lo
         src = flat_b[start + lo:start + hi]
@@ -559,38 +606,7 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
             dn = torch.div(d, acc.dmax, out=tm)
             torch.mul(bnt, dn, out=sj["dot"][lo:hi])
             torch.square(dn, out=sj["dd"][lo:hi])
-    bb_sum = bb.sum()
-    for j, (acc, _) in enumerate(quick):
-        c, mx, sj = counts[j], maxima[j], sums[j]
-        everywhere = sum(hi - lo for lo, hi in exact[j]) == n
-        if not everywhere:   # the zero (and, with equal maxima, bn * bn) summands of the exact tiles
-            for lo, hi in exact[j]:
-                for key in ("sq", "rel", "ulp"):
-                    sj[key][lo:hi].zero_()
-                if same_norm[j]:
-                    sj["dot"][lo:hi].copy_(bb[lo:hi])   # bn * bn is bn.square() bit for bit
-                    sj["dd"][lo:hi].copy_(bb[lo:hi])
-        net, moved = (torch.as_tensor(v, dtype=f64, device=dev) for v in signs[j])
-        above, below = ((moved + net) / 2).to(torch.int64), ((moved - net) / 2).to(torch.int64)
-        acc.counts["binary"] = acc.counts["binary"] + above + below
-        acc.counts["above"] = acc.counts["above"] + above
-        acc.counts["below"] = acc.counts["below"] + below
-        for key, value in c.items():
-            acc.counts[key] = acc.counts[key] + value
-        acc.counts["normal"] = acc.counts["normal"] + (n - c["small"])
-        for key in ("sq", "rel", "ulp"):
-            # equal everywhere: a sum of +0.0 terms, +0.0
-            acc._sum(key, zero if everywhere else sj[key])
-        for key in ("abs", "rel", "ulp"):
-            acc.maxima[key] = torch.maximum(acc.maxima[key].to(dev), mx[key])
-        for key in ("dot", "dd"):
-            # equal everywhere with equal maxima: the summands, and so their sum, are bb's
-            if everywhere and same_norm[j]:
-                acc.sums[key] = acc.sums[key].to(dev) + bb_sum
-            else:
-                acc._sum(key, sj[key])
-        acc.sums["bb"] = acc.sums["bb"].to(dev) + bb_sum
-
+    return exact, same_norm
 
 
 # Outputs from this size on take the compiled pass when numba is installed (smaller ones: the torch ops, whose
