@@ -9,9 +9,9 @@ that every statistic is bit for bit what the torch path computes: each term is t
 same float64 operands (no fast-math, no contraction into fused multiply-adds; numpy's error model, so that 0/0 is
 NaN as in torch), and counts and maxima do not depend on the order of evaluation.
 
-`available()` says whether the kernel can be used (numba importable; the first call compiles it, about a second,
-then the compiled code is cached beside this file or in numba's user cache when either is writable). Without
-numba the torch path runs: same results, slower. docs/design.md §6 has the measurements.
+`kernel()` returns the compiled loop, or None without numba (then the torch path runs: same results, slower). Its
+first call compiles it, about a second; the compiled code is cached beside this file or in numba's user cache when
+either is writable, else compiled in memory once per process. docs/design.md §6.5 says where it is used.
 """
 from __future__ import annotations
 
@@ -112,4 +112,3 @@ def kernel() -> Callable[..., None] | None:
                 _kernel = _build()
                 _tried = True
     return _kernel
-

@@ -22,8 +22,8 @@ from protos.limits import Limits
 Buffers = list[tuple[int, memoryview]]   # (offset inside the payload, bytes); the gaps between them are zeros
 
 # Frame field numbers and wire types, as online_check.proto declares them (tests/test_protos.py pins them).
-DATA_TAG = b"\x7a"        # Frame.data = 15, length-delimited
-_DATA_FIELD = 15
+_DATA_FIELD = 15           # Frame.data
+DATA_TAG = bytes([_DATA_FIELD << 3 | 2])   # its tag, length-delimited (b"\x7a")
 _BATCH_TAG = b"\x2a"       # Frame.batch = 5, length-delimited
 _RECORD_TAG = b"\x0a"      # Batch.records = 1, length-delimited
 
