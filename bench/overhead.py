@@ -14,12 +14,15 @@ d=512, 8 heads, seq 128, batch 8, float32: about 55 calls and most of a GB of in
 The training process runs on one core (`os.sched_setaffinity`, one torch thread: its sender and gRPC threads
 share that core), the server on another core. CPU is the training process's CPU time (all its threads), wall the
 elapsed time. The variants run round-robin in one process so that they share the machine's state; per-step numbers
-are totals over the rounds divided by the steps. Ratios are printed last.
+are totals over the rounds divided by the steps. Each variant's line also gives the CPU its garbage collections took
+(part of its CPU) and how many were full ones (docs/design.md §5: records in flight make them more frequent).
+Ratios are printed last.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import shutil
@@ -135,13 +138,33 @@ def checking_server(work: str, server_cfg: str, port: int):
         log.close()
 
 
-def _round(model, opt, data, dbg) -> tuple[float, float]:
+class _GcClock:
+    """CPU seconds spent in Python's garbage collector (of the thread that ran each collection) and full
+    collections, counted from gc callbacks."""
+
+    def __init__(self) -> None:
+        self.seconds, self.full, self._start = 0.0, 0, 0.0
+        gc.callbacks.append(self._on)
+
+    def _on(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.thread_time()
+        else:
+            self.seconds += time.thread_time() - self._start
+            self.full += info["generation"] == 2
+
+
+GC = _GcClock()
+
+
+def _round(model, opt, data, dbg) -> tuple[float, float, float, int]:
+    g0, f0 = GC.seconds, GC.full
     c0, w0 = time.process_time(), time.perf_counter()
     for idx, tgt in data:
         train_step(model, opt, idx, tgt, dbg)
     if dbg is not None:
         dbg.drain()
-    return time.process_time() - c0, time.perf_counter() - w0
+    return time.process_time() - c0, time.perf_counter() - w0, GC.seconds - g0, GC.full - f0
 
 
 def bench_model(name: str, steps: int, rounds: int, agent_cfg: str) -> dict:
@@ -156,16 +179,21 @@ def bench_model(name: str, steps: int, rounds: int, agent_cfg: str) -> dict:
     variants = {"off": None, "capture only": capture, "online": online}
     cpu = dict.fromkeys(variants, 0.0)
     wall = dict.fromkeys(variants, 0.0)
+    gcs = dict.fromkeys(variants, 0.0)
+    full = dict.fromkeys(variants, 0)
     for _ in range(rounds):
         for vname, dbg in variants.items():
-            c, w = _round(model, opt, data, dbg)
+            c, w, g, f = _round(model, opt, data, dbg)
             cpu[vname] += c
             wall[vname] += w
+            gcs[vname] += g
+            full[vname] += f
     counts = online.dbg.close()
     n = steps * rounds
     return {"model": name, "dtype": str(dtype).replace("torch.", ""), "steps": n,
             "records_per_step": capture.records / n, "cpu": {k: v / n for k, v in cpu.items()},
-            "wall": {k: v / n for k, v in wall.items()}, "counts": counts}
+            "wall": {k: v / n for k, v in wall.items()}, "gc": {k: v / n for k, v in gcs.items()}, "full_gc": full,
+            "counts": counts}
 
 
 def main() -> None:
@@ -198,7 +226,8 @@ def main() -> None:
               f"a step (forward + backward); online: {c['captured']} captured, {c['acknowledged']} acknowledged, "
               f"{c['dropped']} dropped, {c.get('rejected', 0)} rejected")
         for v in r["cpu"]:
-            print(f"  {v:13s} CPU {r['cpu'][v] * 1e3:9.2f} ms/step   wall {r['wall'][v] * 1e3:9.2f} ms/step")
+            print(f"  {v:13s} CPU {r['cpu'][v] * 1e3:9.2f} ms/step   wall {r['wall'][v] * 1e3:9.2f} ms/step   "
+                  f"of which garbage collection {r['gc'][v] * 1e3:7.2f} ms/step ({r['full_gc'][v]} full)")
     print("\nratios (of off; per record: extra training CPU per record)")
     for r in results:
         base_c, base_w = r["cpu"]["off"], r["wall"]["off"]

@@ -65,7 +65,7 @@ def main() -> None:
             wall = dict.fromkeys(variants, 0.0)
             for _ in range(ns.rounds):
                 for name, dbg in variants.items():
-                    c, w = overhead._round(model, opt, data, dbg)
+                    c, w, _, _ = overhead._round(model, opt, data, dbg)
                     cpu[name] += c
                     wall[name] += w
             counts = {name: dbg.dbg.close() for name, dbg in variants.items() if dbg is not None}

@@ -184,9 +184,9 @@ class SmallPayload(_Spans):
     def write(self, off: int, src: int, n: int) -> None:   # one span: no search
         ctypes.memmove(self._addr + off, src, n)
 
-    def close(self) -> list[tuple[int, memoryview]]:
+    def close(self) -> bytearray:
         self._pin = None
-        return [(0, memoryview(self.data))] if self.data else []
+        return self.data
 
 
 class FramePayload(_Spans):

@@ -49,7 +49,8 @@ class PendingRecord:
     mask: Any = None                  # dropout family: the true keep-mask (bool tensor)
     skip_reason: str = ""
     seq: int = -1                     # assigned when the sender accepts it
-    encoded: Any = None               # (pb.Record, Encoded) once encoded
+    held_bytes: int = 0               # what it counts against the sender's budget (`nbytes` when accepted)
+    encoded: Encoded | None = None    # once encoded (then the snapshots are let go)
 
     @property
     def nbytes(self) -> int:
@@ -60,25 +61,30 @@ class PendingRecord:
 
 
 class Encoded:
-    """A record ready for the wire: its payload as `buffers` (small records), or its complete `frames` (large ones,
-    written straight into them: npu_agent/payload.py)."""
+    """A record ready for the wire: the Record, and its payload as one bytearray (small records) or its complete
+    `frames` (large ones, written straight into them: npu_agent/payload.py).
 
-    __slots__ = ("_buffers", "size", "frames")
+    It is what an encoded record keeps until the server acknowledges it, so it is kept to few objects the garbage
+    collector tracks (a record alive across collections is promoted; enough promotions start a full collection of
+    the training's whole heap): no per-buffer tuples or views until `buffers` is asked for."""
 
-    def __init__(self, buffers: list[tuple[int, memoryview]], size: int, frames: list[bytes] | None = None) -> None:
-        self._buffers, self.size, self.frames = buffers, size, frames
+    __slots__ = ("record", "_data", "size", "frames")
+
+    def __init__(self, record: pb.Record, data: bytearray | None, size: int,
+                 frames: list[bytes] | None = None) -> None:
+        self.record, self._data, self.size, self.frames = record, data, size, frames
 
     @property
     def buffers(self) -> list[tuple[int, memoryview]]:
         if self.frames is not None:
             raise ValueError("this record's payload was written straight into its frames: use wire_frames()")
-        return self._buffers
+        return [(0, memoryview(self._data))] if self._data else []
 
     def wire_frames(self, record: pb.Record, chunk_bytes: int) -> Iterable[bytes]:
         """The record's frames (any chunking below the limit is valid on the wire)."""
         if self.frames is not None:
             return self.frames
-        return encode_frames(record, self._buffers, self.size, chunk_bytes)
+        return encode_frames(record, self.buffers, self.size, chunk_bytes)
 
 
 def batch_frame(encoded: list[tuple[pb.Record, Encoded]]) -> bytes | None:
@@ -98,6 +104,7 @@ class _PayloadEncoder(RecordEncoder):
         self.table = table
         self.places: list[tuple[int, int, torch.Tensor]] = []   # (offset, nbytes, tensor as referenced)
         self.frames: list[bytes] | None = None
+        self.data: bytearray | None = None
 
     def tensor(self, t: torch.Tensor, requires_grad: bool | None = None, device: str | None = None) -> int:
         if t.layout != torch.strided:
@@ -143,9 +150,9 @@ class _PayloadEncoder(RecordEncoder):
                 if id(t) in again and nbytes:
                     target.copy(off, nbytes, again[id(t)])
         if isinstance(target, FramePayload):
-            self.buffers, self.frames = [], target.frames
+            self.data, self.frames = None, target.frames
         else:
-            self.buffers, self.frames = target.close(), None
+            self.data, self.frames = target.close(), None
         return changed
 
 
@@ -180,8 +187,7 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int,
     payload straight into frames of at most chunk_bytes). A record is encoded once; later calls (re-sends) return
     the same encoding."""
     if rec.encoded is not None:
-        out, done = rec.encoded
-        return out, done
+        return rec.encoded.record, rec.encoded
     out, enc, changed = _encode(rec, run_id, rank, chunk_bytes)
     if changed:
         with HELD.lock:
@@ -194,12 +200,13 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int,
             if s is not None:
                 s.tree = None
         out, enc, _ = _encode(rec, run_id, rank, chunk_bytes, with_tensors=False)
-    done = Encoded(enc.buffers, enc.size, enc.frames)
-    rec.encoded = (out, done)
+    done = rec.encoded = Encoded(out, enc.data, enc.size, enc.frames)
     for s in (rec.inputs, rec.output, rec.grad_output, rec.grad_input):
         if s is not None:   # the payload holds the values now: let the training's tensors go
             s.tree = None
             s.held = {}
+    # ... and the snapshots and the mask: an encoded record waiting for its acknowledgement holds only `done`
+    rec.inputs = rec.output = rec.grad_output = rec.grad_input = rec.mask = None
     return out, done
 
 

@@ -46,7 +46,13 @@ class Sender:
         self.budget = budget_bytes
         self.policy = policy
         self.counts = Counts()
-        self._cv = threading.Condition()
+        # One lock, two conditions: the sender thread waits for `_work` (records, a re-send, the end), the training
+        # (budget) and `close` (acknowledgements) wait for `_room`. Each side is woken only for what it waits for.
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)
+        self._room = threading.Condition(self._lock)
+        self._sender_idle = False          # the sender thread waits for `_work`
+        self._room_wanted: list[int] = []  # bytes each waiter on `_room` needs (close: more than the budget)
         self._queue: collections.deque[PendingRecord] = collections.deque()
         self._unacked: dict[int, PendingRecord] = {}
         self._held = 0                     # bytes of records submitted and not yet acknowledged
@@ -70,8 +76,8 @@ class Sender:
 
     # -- training thread -----------------------------------------------------------------------------------
     def submit(self, rec: PendingRecord) -> bool:
-        size = rec.nbytes
-        with self._cv:
+        size = rec.held_bytes = rec.nbytes
+        with self._lock:
             self.counts.captured += 1
             while self._held + size > self.budget and self._held > 0 and self._refusal is None:
                 if self.policy == "drop" or self._closing:
@@ -83,7 +89,9 @@ class Sender:
                     log.warning("online check: %d MiB of records are waiting for the server (budget %d MiB); the "
                                 "training waits (policy 'block'). %s", self._held >> 20, self.budget >> 20,
                                 self.transport.describe_state())
-                self._cv.wait(1.0)
+                self._room_wanted.append(size)
+                self._room.wait(1.0)
+                self._room_wanted.remove(size)
             if self._refusal is not None:
                 self.counts.dropped += 1
                 return False
@@ -92,15 +100,18 @@ class Sender:
             self._held += size
             self._unacked[rec.seq] = rec
             self._queue.append(rec)
-            self._cv.notify_all()
+            if self._sender_idle:
+                self._work.notify()
         return True
 
     # -- sender thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._queue and not self._resend and not self._closing and self._refusal is None:
-                    self._cv.wait()
+                    self._sender_idle = True
+                    self._work.wait()
+                    self._sender_idle = False
                 if self._refusal is not None:
                     return
                 if self._resend:
@@ -119,12 +130,12 @@ class Sender:
             if not ready:
                 continue
             sent = self.transport.send_records(ready, gen)
-            with self._cv:
+            with self._lock:
                 if not sent:
                     # The stream changed under us: wait for the re-send that the new stream triggers (the records
                     # stay in _unacked and go out again in order).
                     while not self._resend and not self._closing and self._refusal is None:
-                        self._cv.wait(1.0)
+                        self._work.wait(1.0)
                     continue
                 self.counts.sent += len(ready)
 
@@ -133,11 +144,11 @@ class Sender:
         records to come: a batch is what piled up while the transport was busy, so batching adds no delay."""
         first = self._queue.popleft()
         batch = [first]
-        total = first.nbytes
+        total = first.held_bytes
         if total > BATCH_RECORD_BYTES:
             return batch
         while self._queue and len(batch) < BATCH_RECORDS:
-            size = self._queue[0].nbytes
+            size = self._queue[0].held_bytes
             if size > BATCH_RECORD_BYTES or total + size > BATCH_BYTES:
                 break
             batch.append(self._queue.popleft())
@@ -153,41 +164,51 @@ class Sender:
         except Exception as exc:  # noqa: BLE001 - an encoding bug must not stop the sender
             log.warning("online check: could not encode %s (%s: %s); it is reported as lost", rec.name,
                         type(exc).__name__, exc)
-            self._release(rec.seq, rejected=True)
+            self._release(range(rec.seq, rec.seq + 1), rejected=True)
             return False
 
     # -- transport events ----------------------------------------------------------------------------------
-    def on_ack(self, seq: int, status: str, reason: str) -> None:
+    def on_ack(self, seq: int, status: str, reason: str, count: int = 1) -> None:
         if status == "REJECTED":
-            log.warning("online check: the server rejected record %d: %s", seq, reason)
-        self._release(seq, rejected=(status == "REJECTED"), duplicate=(status == "DUPLICATE"))
+            log.warning("online check: the server rejected record%s %s: %s", "s" if count > 1 else "",
+                        seq if count == 1 else f"{seq}..{seq + count - 1}", reason)
+        self._release(range(seq, seq + count), rejected=(status == "REJECTED"), duplicate=(status == "DUPLICATE"))
 
-    def _release(self, seq: int, rejected: bool = False, duplicate: bool = False) -> None:
-        with self._cv:
-            rec = self._unacked.pop(seq, None)
-            if rec is None:
+    def _release(self, seqs: range, rejected: bool = False, duplicate: bool = False) -> None:
+        """Let records `seqs` go (acknowledged, or lost): under one lock, one wake-up for all of them."""
+        frames: list[list[bytes]] = []
+        with self._lock:
+            released = 0
+            for seq in seqs:
+                rec = self._unacked.pop(seq, None)
+                if rec is None:
+                    continue
+                released += 1
+                self._held -= rec.held_bytes
+                if rec.encoded is not None and rec.encoded.frames:
+                    frames.append(rec.encoded.frames)   # a large record's frames, reused below
+                    rec.encoded = None
+            if not released:
                 return
-            self._held -= rec.nbytes
             if rejected:
-                self.counts.rejected += 1
+                self.counts.rejected += released
             else:
-                self.counts.acknowledged += 1
-                self.counts.duplicates += duplicate
-            self._cv.notify_all()
-        frames = rec.encoded[1].frames if rec.encoded is not None else None
-        if frames:   # a large record's frames: reused for the next ones of their length (npu_agent/payload.py)
-            rec.encoded = None
-            del rec
-            FRAMES.give(frames)
+                self.counts.acknowledged += released
+                if duplicate:
+                    self.counts.duplicates += released
+            if self._room_wanted and (not self._unacked or self._held + min(self._room_wanted) <= self.budget):
+                self._room.notify_all()
+        while frames:   # reused for the next records of their length (npu_agent/payload.py)
+            FRAMES.give(frames.pop())
 
     def on_reconnect(self, generation: int) -> None:
-        with self._cv:
+        with self._lock:
             self._resend = True
             self._resend_gen = generation
-            self._cv.notify_all()
+            self._work.notify_all()
 
     def on_refused(self, refusal: Refusal) -> None:
-        with self._cv:
+        with self._lock:
             if self._refusal is not None:
                 return
             self._refusal = refusal
@@ -195,7 +216,8 @@ class Sender:
             self._unacked.clear()
             self._queue.clear()
             self._held = 0
-            self._cv.notify_all()
+            self._work.notify_all()
+            self._room.notify_all()
 
     # -- end of stream -------------------------------------------------------------------------------------
     def close(self, timeout: float) -> dict[str, Any]:
@@ -205,7 +227,7 @@ class Sender:
         deadline = start + timeout
         never_reached = start + self.transport.connect_timeout_s
         logged = start
-        with self._cv:
+        with self._lock:
             while (self._unacked or self._queue) and self._refusal is None:
                 now = time.monotonic()
                 if now >= deadline or (now >= never_reached and not self.transport.reached):
@@ -215,9 +237,12 @@ class Sender:
                     log.warning("online check: close() is waiting for the server to acknowledge %d records (%d MiB), "
                                 "up to %.0f s more. %s", len(self._unacked), self._held >> 20, deadline - now,
                                 self.transport.describe_state())
-                self._cv.wait(min(1.0, max(0.01, deadline - now)))
+                self._room_wanted.append(self.budget + 1)   # woken when nothing is left unacknowledged
+                self._room.wait(min(1.0, max(0.01, deadline - now)))
+                self._room_wanted.remove(self.budget + 1)
             self._closing = True
-            self._cv.notify_all()
+            self._work.notify_all()
+            self._room.notify_all()
             lost = len(self._unacked)
             refused = self._refusal is not None
         # With records still unacknowledged the sender thread may be waiting on a server that is gone: do not wait

@@ -60,8 +60,9 @@ class Counts:
 class TransportEvents(Protocol):
     """What a transport reports to the Sender, from the transport's own threads."""
 
-    def on_ack(self, seq: int, status: str, reason: str) -> None:
-        """Record `seq` reached the server: status is ACCEPTED, DUPLICATE or REJECTED (then `reason` says why)."""
+    def on_ack(self, seq: int, status: str, reason: str, count: int = 1) -> None:
+        """Records seq .. seq+count-1 reached the server: status is ACCEPTED, DUPLICATE or REJECTED (then `reason`
+        says why). One call covers a run of records answered together (one lock, one wake-up for all)."""
 
     def on_reconnect(self, generation: int) -> None:
         """Stream `generation` is open: send everything not acknowledged again, in order, on it."""

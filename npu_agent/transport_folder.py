@@ -191,8 +191,7 @@ class FolderTransport:
             if not self._write(folder_record_name(who.run_id, who.rank, first.seq), lambda: [batch],
                                f"records {first.seq}..{recs[-1].seq}"):
                 return False
-            for rec in recs:
-                self._events.on_ack(rec.seq, "ACCEPTED", "")
+            self._events.on_ack(first.seq, "ACCEPTED", "", len(recs))
             return True
         for rec, (record, enc) in zip(recs, encoded):
             frames = functools.partial(enc.wire_frames, record, self.chunk_bytes)

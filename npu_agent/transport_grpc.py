@@ -215,8 +215,7 @@ class GrpcTransport:
         if status == "END_ACCEPTED":
             self._end_acked.set()
             return
-        for seq in range(ack.seq, ack.seq + max(1, ack.count)):   # one answer may cover a run of records
-            self._events.on_ack(seq, status, ack.reason)
+        self._events.on_ack(ack.seq, status, ack.reason, max(1, ack.count))   # one answer may cover a run
 
     def _probe(self, channel: grpc.Channel) -> tuple[str | None, Refusal | None]:
         """One health check, failing fast: (None, None) when the server answers, else why not, in words a user can

@@ -146,6 +146,50 @@ def test_sender_batches_only_small_records_that_queued_up():
     assert sent == [[0], [1, 2], [3], [4, 5]]
 
 
+def test_one_answer_releases_a_run_of_records():
+    """An Ack for records seq..seq+count-1 releases them together: counted once each by status, their budget
+    freed; sequence numbers not held (already answered, never sent) are ignored."""
+    class Holding:   # a transport that takes records and answers nothing by itself
+        identity = StreamIdentity("runs", 0, 1)
+        connect_timeout_s = 0.1
+        chunk_bytes = 1 << 20
+        reached = True
+        generation = 1
+        taken: list[int] = []
+
+        def start(self, events):
+            events.on_reconnect(1)
+
+        def send_records(self, recs, generation):
+            self.taken += [r.seq for r in recs]
+            return True
+
+        def send_end(self, frame, timeout):
+            return True
+
+        def close(self):
+            pass
+
+        def describe_state(self):
+            return "holding"
+
+    transport = Holding()
+    sender = Sender(transport, budget_bytes=1 << 30)
+    for seq in range(8):
+        sender.submit(_relu(seq))
+    deadline = time.monotonic() + 30
+    while len(transport.taken) < 8 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert sender._held > 0
+    sender.on_ack(0, "ACCEPTED", "", 4)
+    sender.on_ack(4, "DUPLICATE", "", 2)
+    sender.on_ack(3, "ACCEPTED", "", 1)   # already answered: not counted again
+    sender.on_ack(6, "REJECTED", "bad", 5)   # 6 and 7 held; 8..10 were never sent
+    counts = sender.close(timeout=5)
+    assert (counts["acknowledged"], counts["duplicates"], counts["rejected"]) == (6, 2, 2)
+    assert counts["unacknowledged"] == 0 and sender._held == 0
+
+
 def test_a_batch_is_answered_record_by_record(tmp_path):
     with support.Server(str(tmp_path)) as server:
         stream = RawStream(server.port)
@@ -205,8 +249,8 @@ class _Acks:
     def __init__(self):
         self.acks = []
 
-    def on_ack(self, seq, status, reason):
-        self.acks.append((seq, status))
+    def on_ack(self, seq, status, reason, count=1):
+        self.acks += [(s, status) for s in range(seq, seq + count)]
 
     def on_reconnect(self, generation):
         pass

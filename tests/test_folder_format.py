@@ -48,8 +48,8 @@ class Events:
     def __init__(self) -> None:
         self.acks: list[tuple[int, str, str]] = []
 
-    def on_ack(self, seq: int, status: str, reason: str) -> None:
-        self.acks.append((seq, status, reason))
+    def on_ack(self, seq: int, status: str, reason: str, count: int = 1) -> None:
+        self.acks += [(s, status, reason) for s in range(seq, seq + count)]
 
     def on_reconnect(self, generation: int) -> None:
         pass

@@ -28,7 +28,7 @@ from tests.test_durability import summary_of
 class _Acks:
     """The transport's events, as the Sender would take them: nothing to do here."""
 
-    def on_ack(self, seq: int, status: str, reason: str) -> None:
+    def on_ack(self, seq: int, status: str, reason: str, count: int = 1) -> None:
         pass
 
     def on_reconnect(self, generation: int) -> None:
