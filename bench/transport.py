@@ -15,11 +15,13 @@ connection and TLS handshake are not timed):
                  taken the end-of-stream marker (every record read, decoded and deleted);
 * raw gRPC:      a bare bytes stream: generic handler, identity (de)serializers, one message per record, split into
                  raw chunks of at most 4 MiB (the best case of reference/limits.md);
+* raw mTLS:      the same bare stream over mutual TLS with the same certificates: the reference for ours (mTLS),
+                 since encryption costs the same whoever sends;
 * raw TCP:       the same bytes over a plain socket (sendall / recv_into).
 
 It prints MB/s, records/s and the CPU time per record of the sending and the receiving process (the receiver's
-from /proc, in clock ticks) for each, then the ratios: ours / raw gRPC (the goal: >= 0.8), mTLS / raw gRPC,
-ours / raw TCP, batched / one a message, folder / ours.
+from /proc, in clock ticks) for each, then the ratios: ours / raw gRPC (the goal: >= 0.8), ours (mTLS) / raw mTLS
+(the same goal), mTLS / raw gRPC (what encryption costs), ours / raw TCP, batched / one a message, folder / ours.
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
         handler = StreamHandler(intake, DEFAULT_LIMITS, lambda end: None)
         server, port = make_server(handler, "127.0.0.1:0", DEFAULT_LIMITS, tls_dir if mode == "tls" else "")
         server.start()
-    elif mode == "rawgrpc":
+    elif mode in ("rawgrpc", "rawtls"):
         from concurrent import futures
 
         def push(request_iterator, context):
@@ -82,7 +84,12 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
                                                                      ("grpc.max_send_message_length", -1)])
         handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=None, response_serializer=None)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Raw", {"Push": handler}),))
-        port = server.add_insecure_port("127.0.0.1:0")
+        if mode == "rawtls":
+            from protos import tls
+
+            port = server.add_secure_port("127.0.0.1:0", tls.server_credentials(tls_dir))
+        else:
+            port = server.add_insecure_port("127.0.0.1:0")
         server.start()
     elif mode == "tcp":
         lsock = socket.socket()
@@ -242,15 +249,22 @@ def _payload(size: int):
     return memoryview(torch.randn(size // 4, dtype=torch.float32).view(torch.uint8).numpy()).cast("B")
 
 
-def bench_raw_grpc(size: int, n: int) -> float:
+def bench_raw_grpc(size: int, n: int, client_tls: str = "", server_tls: str = "") -> float:
+    """The bare stream; over mutual TLS when given the client's and the server's certificate folders."""
     import grpc
 
-    child = Child("rawgrpc")
+    child = Child("rawtls" if client_tls else "rawgrpc", tls_dir=server_tls)
     data = _payload(size)
     pieces = [bytes(data[i:i + RAW_CHUNK]) for i in range(0, size, RAW_CHUNK)]
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    if client_tls:
+        from protos import tls
+
+        channel = grpc.secure_channel(f"127.0.0.1:{child.port}", tls.client_credentials(client_tls), options=options)
+    else:
+        channel = grpc.insecure_channel(f"127.0.0.1:{child.port}", options=options)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{child.port}", options=[("grpc.max_send_message_length", -1),
-                                                                       ("grpc.max_receive_message_length", -1)]) as ch:
+        with channel as ch:
             grpc.channel_ready_future(ch).result(timeout=30)
             push = ch.stream_unary(RAW_METHOD, request_serializer=None, response_deserializer=None)
             push(iter(pieces))   # warm-up, as for ours
@@ -321,6 +335,7 @@ def main(argv=None) -> int:
                     ("ours (mTLS)", bench_ours_grpc_tls, (client_tls, server_tls)),
                     ("ours (folder)", bench_ours_folder, ()),
                     ("raw gRPC", bench_raw_grpc, ()),
+                    ("raw mTLS", bench_raw_grpc, (client_tls, server_tls)),
                     ("raw TCP", bench_raw_tcp, ())]
             for name, fn, extra in runs:
                 dt = fn(size, n, *extra)
@@ -329,7 +344,8 @@ def main(argv=None) -> int:
                 print(f"{label:>8} {name:<14} {size * n / dt / 1e6:9.0f} {n / dt:10.0f} {dt:7.2f} "
                       f"{_RUN['client'] / n * 1e6:17.1f} {_RUN['server'] / n * 1e6:19.1f}", flush=True)
             ours = rows["ours (gRPC)"]
-            print(f"{'':>8} ratios: ours/raw gRPC {rows['raw gRPC'] / ours:.2f}, mTLS/raw gRPC "
+            print(f"{'':>8} ratios: ours/raw gRPC {rows['raw gRPC'] / ours:.2f}, ours (mTLS)/raw mTLS "
+                  f"{rows['raw mTLS'] / rows['ours (mTLS)']:.2f}, mTLS/raw gRPC "
                   f"{rows['raw gRPC'] / rows['ours (mTLS)']:.2f}, ours/raw TCP {rows['raw TCP'] / ours:.2f}, "
                   f"batched/one a message {rows['one a message'] / ours:.2f}, folder/ours "
                   f"{ours / rows['ours (folder)']:.2f}", flush=True)
