@@ -453,7 +453,8 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
     inf/nan terms (all zero there), the bench's own terms computed once for every output compared with it.
 
     The elementwise terms are computed tile by tile into reused buffers (cache-sized on a CPU bench; the whole chunk
-    on a GPU), by one compiled pass per tile (`_compiled_tiles`) or by torch ops (`_torch_tiles`); counts and maxima
+    on a GPU), by one compiled call per output that loops over the tiles (`_compiled_tiles`) or by torch ops
+    (`_torch_tiles`); counts and maxima
     are exact whatever the tiling, and every sum is taken over the whole chunk's summands at once, so each statistic
     is bit for bit what one pass over the chunk computes."""
     n, dev = stop - start, flat_b.device
@@ -616,45 +617,45 @@ KERNEL_MIN_ELEMENTS = 1 << 14
 
 def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, n: int,
                     bb: torch.Tensor, sums: list, counts: list, signs: list, maxima: list) -> None:
-    """The tile loop of `_add_finite_chunk` with metric_kernel's one-pass terms: every summand written into the
-    chunk's buffers (no exact-tile shortcuts needed), counts, signs and maxima as the torch loop leaves them."""
+    """The tile loop of `_add_finite_chunk` with metric_kernel's one-pass terms, one kernel call per output for the
+    whole chunk: every summand written into the chunk's buffers (no exact-tile shortcuts needed), counts, signs and
+    maxima as the torch loop leaves them. Bench values other than contiguous float64, and device values other than
+    contiguous float32 or float64, are first copied into a float64 buffer, as the torch loop does tile by tile."""
     f64, dev = torch.float64, flat_b.device
     sc = _scratch()
     acc0 = quick[0][0]
     p, t = acc0.p, THRESHOLDS
     size = min(_TILE, n)
-    b_t, d_t, ae = (sc.get(k, size, f64, dev) for k in ("b", "d", "abserr"))
-    spb = sc.get("spacing", size, torch.int64, dev)
-    np_ae, np_spb = ae.numpy(), spb.numpy()
-    np_spf = np_spb.view(numpy.float64)
+    spb, ae = sc.get("spacing", size, torch.int64, dev), sc.get("abserr", size, f64, dev)
+    np_spb = spb.numpy()
+    np_spf, np_ae = np_spb.view(numpy.float64), ae.numpy()
     bounds = numpy.array([t.hundredth, t.thousandth, t.ten_thousandth], dtype=numpy.float64)
     scale = 2.0 ** p.ulp_precision
     bmax_f = float(bmax)
     np_bb = bb.numpy()
-    np_sums = [{k: v.numpy() for k, v in sj.items()} for sj in sums]
-    tallies = [numpy.zeros(len(metric_kernel.COUNT_KEYS), dtype=numpy.int64) for _ in quick]
-    dmaxes = [float(acc.dmax) for acc, _ in quick]
-    for lo in range(0, n, _TILE):
-        hi = min(n, lo + _TILE)
-        m = hi - lo
-        src = flat_b[start + lo:start + hi]
-        b = (src if src.dtype == f64 and src.is_contiguous() else b_t[:m].copy_(src)).numpy()
-        bits = b.view(numpy.int64)
-        for j, (_, flat_d) in enumerate(quick):
-            d = d_t[:m].copy_(flat_d[start + lo:start + hi]).numpy()
-            sj = np_sums[j]
-            kern(b, bits, d, np_spb[:m], np_spf[:m], np_ae[:m], bmax_f, dmaxes[j], acc0.eps, p.small_value,
-                 p.small_atol, p.rtol, scale, p.ulp_min_exponent, p.ulp_threshold, bounds, np_bb[lo:hi], j == 0,
-                 sj["sq"][lo:hi], sj["rel"][lo:hi], sj["ulp"][lo:hi], sj["dot"][lo:hi], sj["dd"][lo:hi], tallies[j])
-            _tile_max(maxima[j], "abs", ae[:m])
-    for j in range(len(quick)):
-        got = dict(zip(metric_kernel.COUNT_KEYS, tallies[j].tolist()))
+    src = flat_b[start:start + n]
+    b = (src if src.dtype == f64 and src.is_contiguous() else sc.get("b", n, f64, dev).copy_(src)).numpy()
+    bits = b.view(numpy.int64)
+    for j, (acc, flat_d) in enumerate(quick):
+        dsrc = flat_d[start:start + n]
+        d = (dsrc if dsrc.dtype in _KERNEL_DTYPES and dsrc.is_contiguous()
+             else sc.get("d", n, f64, dev).copy_(dsrc)).numpy()
+        sj = {k: v.numpy() for k, v in sums[j].items()}
+        tally = numpy.zeros(len(metric_kernel.COUNT_KEYS), dtype=numpy.int64)
+        top = numpy.zeros(len(metric_kernel.MAX_KEYS), dtype=numpy.float64)   # every term is >= +0.0
+        kern(b, bits, d, np_spb, np_spf, np_ae, _TILE, bmax_f, float(acc.dmax), acc0.eps, p.small_value,
+             p.small_atol, p.rtol, scale, p.ulp_min_exponent, p.ulp_threshold, bounds, np_bb, j == 0, sj["sq"],
+             sj["rel"], sj["ulp"], sj["dot"], sj["dd"], tally, top)
+        got = dict(zip(metric_kernel.COUNT_KEYS, tally.tolist()))
         above, below = got.pop("above"), got.pop("below")
         signs[j] = [above - below, above + below]
         for key, value in got.items():
             counts[j][key] = counts[j][key] + value
-        for key in ("rel", "ulp"):   # the summand buffers hold exactly the values whose maxima are wanted
-            maxima[j][key] = sums[j][key].amax()
+        for key, value in zip(metric_kernel.MAX_KEYS, top.tolist()):
+            maxima[j][key] = torch.tensor(value, dtype=f64, device=dev)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.float64)   # device values the kernel reads as they are
 
 
 def _tile_max(maxima: dict, key: str, values: torch.Tensor) -> None:

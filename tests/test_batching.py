@@ -101,36 +101,40 @@ def test_broken_batches_are_refused_before_anything_is_held():
         split_batch(good, DEFAULT_LIMITS.replace(max_record_bytes=16))
 
 
+class _InProcessTransport:
+    """A transport that delivers nowhere: subclasses say what `send_records` does with what it is given."""
+
+    identity = StreamIdentity("in-process", 0, 1)
+    connect_timeout_s = 0.1
+    chunk_bytes = 1 << 20
+    reached = True
+    generation = 1
+
+    def start(self, events):
+        self.events = events
+        events.on_reconnect(1)
+
+    def send_end(self, frame, timeout):
+        return True
+
+    def close(self):
+        pass
+
+    def describe_state(self):
+        return "in process"
+
+
 def test_sender_batches_only_small_records_that_queued_up():
     sent: list[list[int]] = []
     busy = threading.Event()
 
-    class Recording:   # a transport that records what it is given; busy with the first until released
-        identity = StreamIdentity("batch", 0, 1)
-        connect_timeout_s = 0.1
-        chunk_bytes = 1 << 20
-        reached = True
-        generation = 1
-
-        def start(self, events):
-            self.events = events
-            events.on_reconnect(1)
-
+    class Recording(_InProcessTransport):   # records what it is given; busy with the first until released
         def send_records(self, recs, generation):
             sent.append([r.seq for r in recs])
             busy.wait(30)
             for r in recs:
                 self.events.on_ack(r.seq, "ACCEPTED", "")
             return True
-
-        def send_end(self, frame, timeout):
-            return True
-
-        def close(self):
-            pass
-
-        def describe_state(self):
-            return "recording"
 
     sender = Sender(Recording(), budget_bytes=1 << 30)
     big = torch.zeros(1 << 16)   # 256 KiB of tensor: above the batching limit, always alone
@@ -149,29 +153,12 @@ def test_sender_batches_only_small_records_that_queued_up():
 def test_one_answer_releases_a_run_of_records():
     """An Ack for records seq..seq+count-1 releases them together: counted once each by status, their budget
     freed; sequence numbers not held (already answered, never sent) are ignored."""
-    class Holding:   # a transport that takes records and answers nothing by itself
-        identity = StreamIdentity("runs", 0, 1)
-        connect_timeout_s = 0.1
-        chunk_bytes = 1 << 20
-        reached = True
-        generation = 1
+    class Holding(_InProcessTransport):   # takes records and answers nothing by itself
         taken: list[int] = []
-
-        def start(self, events):
-            events.on_reconnect(1)
 
         def send_records(self, recs, generation):
             self.taken += [r.seq for r in recs]
             return True
-
-        def send_end(self, frame, timeout):
-            return True
-
-        def close(self):
-            pass
-
-        def describe_state(self):
-            return "holding"
 
     transport = Holding()
     sender = Sender(transport, budget_bytes=1 << 30)

@@ -47,6 +47,7 @@ def _cases():
     return [("noisy", b, noisy), ("exact", b, x.clone()), ("partly exact", b, part), ("other max", b, bigger),
             ("float16", hb, h), ("float16 exact", h.float(), h.clone()), ("bfloat16", (b * 3).float(), bf),
             ("subnormal bench", tiny_b, (tiny_b * 2).float()), ("zero bench", torch.zeros_like(b), noisy),
+            ("float64 device", b, b + torch.randn(n, dtype=torch.float64, generator=g) * 1e-12 * b.abs()),
             ("tiny", b[:5], noisy[:5])]
 
 
