@@ -11,8 +11,9 @@ contraction into fused multiply-adds; numpy's error model, so that 0/0 is NaN as
 do not depend on the order of evaluation.
 
 `kernel()` returns the compiled loop, or None without numba (then the torch path runs: same results, slower). Its
-first call compiles it, about a second; the compiled code is cached beside this file or in numba's user cache when
-either is writable, else compiled in memory once per process. docs/design.md §6.5 says where it is used.
+first call for each type of device values (float32, float64) compiles it, 1-2 s each on this project's 2-core test
+machine; the compiled code is cached beside this file or in numba's user cache when either is writable, else
+compiled in memory once per process. docs/design.md §6.5 says where it is used.
 """
 from __future__ import annotations
 
