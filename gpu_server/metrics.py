@@ -454,9 +454,8 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
 
     The elementwise terms are computed tile by tile into reused buffers (cache-sized on a CPU bench; the whole chunk
     on a GPU), by one compiled call per output that loops over the tiles (`_compiled_tiles`) or by torch ops
-    (`_torch_tiles`); counts and maxima
-    are exact whatever the tiling, and every sum is taken over the whole chunk's summands at once, so each statistic
-    is bit for bit what one pass over the chunk computes."""
+    (`_torch_tiles`); counts and maxima are exact whatever the tiling, and every sum is taken over the whole chunk's
+    summands at once, so each statistic is bit for bit what one pass over the chunk computes."""
     n, dev = stop - start, flat_b.device
     sc = _scratch()
     f64 = torch.float64

@@ -80,19 +80,19 @@ class Encoded:
             raise ValueError("this record's payload was written straight into its frames: use wire_frames()")
         return [(0, memoryview(self._data))] if self._data else []
 
-    def wire_frames(self, record: pb.Record, chunk_bytes: int) -> Iterable[bytes]:
+    def wire_frames(self, chunk_bytes: int) -> Iterable[bytes]:
         """The record's frames (any chunking below the limit is valid on the wire)."""
         if self.frames is not None:
             return self.frames
-        return encode_frames(record, self.buffers, self.size, chunk_bytes)
+        return encode_frames(self.record, self.buffers, self.size, chunk_bytes)
 
 
-def batch_frame(encoded: list[tuple[pb.Record, Encoded]]) -> bytes | None:
+def batch_frame(encoded: list[Encoded]) -> bytes | None:
     """One Batch frame carrying several encoded records, or None when they cannot share one: fewer than two, or a
     payload that was written straight into its own frames (a large record)."""
-    if len(encoded) < 2 or any(enc.frames is not None for _, enc in encoded):
+    if len(encoded) < 2 or any(enc.frames is not None for enc in encoded):
         return None
-    return encode_batch([(record.SerializeToString(), enc.buffers, enc.size) for record, enc in encoded])
+    return encode_batch([(enc.record.SerializeToString(), enc.buffers, enc.size) for enc in encoded])
 
 
 class _PayloadEncoder(RecordEncoder):

@@ -183,7 +183,7 @@ class FolderTransport:
         fsync for all); any other record gets its own file."""
         assert self._events is not None
         who = self.identity
-        encoded = [encode_record(rec, who.run_id, who.rank, self.chunk_bytes) for rec in recs]
+        encoded = [encode_record(rec, who.run_id, who.rank, self.chunk_bytes)[1] for rec in recs]
         consecutive = all(b.seq == a.seq + 1 for a, b in zip(recs, recs[1:]))
         batch = batch_frame(encoded) if consecutive else None
         if batch is not None:
@@ -193,8 +193,8 @@ class FolderTransport:
                 return False
             self._events.on_ack(first.seq, "ACCEPTED", "", len(recs))
             return True
-        for rec, (record, enc) in zip(recs, encoded):
-            frames = functools.partial(enc.wire_frames, record, self.chunk_bytes)
+        for rec, enc in zip(recs, encoded):
+            frames = functools.partial(enc.wire_frames, self.chunk_bytes)
             if not self._write(folder_record_name(who.run_id, who.rank, rec.seq), frames,
                                f"record {rec.seq} ({rec.name})"):
                 return False

@@ -270,7 +270,7 @@ def to_job(rec, run_id: str = "test", rank: int = 0):
     record, enc = encode_record(rec, run_id, rank)
     asm = FrameAssembler()
     done = None
-    for frame in enc.wire_frames(record, 1 << 20):
+    for frame in enc.wire_frames(1 << 20):
         done = asm.feed(pb.Frame.FromString(frame))
     assert done is not None, "frames did not complete a record"
     return decode_job(*done)

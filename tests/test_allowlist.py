@@ -286,7 +286,7 @@ class _Evil:
 def _frames(name: str, args: tuple, kwargs: dict, out, seq: int, rank: int, run_id: str) -> list[bytes]:
     rec = PendingRecord(name=name, step=0, inputs=snapshot((args, kwargs)), output=snapshot(out), seq=seq)
     record, enc = encode_record(rec, run_id, rank)
-    return list(enc.wire_frames(record, 1 << 20))
+    return list(enc.wire_frames(1 << 20))
 
 
 def test_hostile_records_through_a_real_server(tmp_path):

@@ -109,7 +109,7 @@ def _raw_record(name: str, seq: int, tensors=(), corrupt=False) -> list[bytes]:
     record, enc = encode_record(rec, "rawclient", 0)
     if corrupt:
         record.tensors[0].nbytes += 4   # bytes no longer match the shape
-    return list(enc.wire_frames(record, 1 << 20))
+    return list(enc.wire_frames(1 << 20))
 
 
 def test_malformed_record_and_unknown_api_get_an_error_answer_and_a_skip_row(tmp_path):

@@ -92,7 +92,7 @@ def relu_frames(run_id: str, seq: int, rank: int = 0) -> list[bytes]:
     rec = PendingRecord(name=f"Functional.relu.{seq}", step=0, inputs=snapshot(((x,), {})),
                         output=snapshot(torch.relu(x)), seq=seq)
     record, enc = encode_record(rec, run_id, rank)
-    return list(enc.wire_frames(record, 1 << 20))
+    return list(enc.wire_frames(1 << 20))
 
 
 def header(seq: int, payload_bytes: int, data: bytes = b"", run_id: str = "hostile") -> bytes:

@@ -144,7 +144,7 @@ def _captured_add(run: str, rank: int, seq: int, shape=(2, 2)):
     rec.seq = seq
     record, enc = encode_record(rec, run, rank)
     asm, done = FrameAssembler(), None
-    for frame in enc.wire_frames(record, 1 << 20):
+    for frame in enc.wire_frames(1 << 20):
         done = asm.feed(pb.Frame.FromString(frame))
     return done[0], bytearray(done[1])
 

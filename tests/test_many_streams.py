@@ -28,7 +28,7 @@ def record_frames(run_id: str, seq: int = 0) -> list[bytes]:
     rec = PendingRecord(name="Functional.relu.0", step=0, inputs=snapshot(((x,), {})), output=snapshot(torch.relu(x)),
                         seq=seq)
     record, enc = encode_record(rec, run_id, 0)
-    return list(enc.wire_frames(record, 1 << 20))
+    return list(enc.wire_frames(1 << 20))
 
 
 def hello(run_id: str) -> bytes:

@@ -195,7 +195,7 @@ def send_raw(port: int, recs: list[PendingRecord]) -> list:
     frames = []
     for rec in recs:
         record, enc = encode_record(rec, RUN_ID, 0)
-        frames += list(enc.wire_frames(record, 1 << 20))
+        frames += list(enc.wire_frames(1 << 20))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
         stream = channel.stream_stream(STREAM_METHOD, request_serializer=None,

@@ -141,7 +141,7 @@ for seq, rec in enumerate(sink):
     rec.seq = seq
     record, enc = encode_record(rec, "run1", 0)
     asm, done = FrameAssembler(), None
-    for frame in enc.wire_frames(record, 1 << 20):
+    for frame in enc.wire_frames(1 << 20):
         done = asm.feed(pb.Frame.FromString(frame))
     tickets.append(spool.append(*done))
 assert all(t.wait(30)[0] == pb.Ack.ACCEPTED for t in tickets)

@@ -28,9 +28,9 @@ def _agent_frames() -> list[bytes]:
     one, enc = encode_record(_record(0, 64), "parse", 0)
     big, big_enc = encode_record(_record(1, 3000), "parse", 0, chunk_bytes=4096)
     small = [encode_record(_record(2 + i, 16), "parse", 0) for i in range(3)]
-    batch = batch_frame(small)
+    batch = batch_frame([e for _, e in small])
     assert batch is not None
-    return [*enc.wire_frames(one, 1 << 20), *big_enc.wire_frames(big, 4096), batch,
+    return [*enc.wire_frames(1 << 20), *big_enc.wire_frames(4096), batch,
             pb.Frame(end=pb.End(run_id="parse", rank=0, last_seq=4)).SerializeToString(),
             pb.Frame(hello=pb.Hello(run_id="parse", rank=0, world_size=1)).SerializeToString()]
 
