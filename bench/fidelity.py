@@ -10,6 +10,12 @@
    report flags exactly its API calls and direction (test_faulty_device.py's expectations).
 3. The smallest elementwise fault still caught: bfloat16 `mul` off by k ULP on a share of elements (sweep);
    with --gelu-sweep also the smallest bias of F.gelu (1 + 2^-K) that the benchmark standard catches.
+4. Judging across calls (gpu_server/pooled.py, docs/pooled.md): the pooled test's false findings over the
+   second-device runs of 1., and the smallest bias it finds per dtype, side by side with the per-call reports: one
+   server session per variant of a sweep of `--fault-per-mille` (bfloat16 `mul`, `--fault-ulps 1`, ConvNet) and of
+   `--gelu-scale-log2` (TinyLM, the demo model, bfloat16 / float16 / float32), 2 training steps each.
+
+    python bench/fidelity.py --skip-measure --skip-faults --skip-sweep    # 1. and 4. only
 
 Attention with dropout inside the fused op is SKIP only with the random-API replay (branch `replay`); its rows are
 counted separately so that the figure for the rest stays readable.
@@ -49,12 +55,45 @@ def _run(runs: list[list[str]], env: dict | None = None) -> str:
         config = support.agent_config(os.path.join(work, "agent.json"), server.port)
         run_trainings(config, runs)
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
+        if env:   # (never emptied otherwise: pooled_sweep runs sessions from several threads)
+            os.environ.clear()
+            os.environ.update(saved)
         code = server.stop()
     if code:
         raise SystemExit(f"gpu-server exited with {code}: {server.log()}")
     return server.out
+
+
+def _pooled(out: str) -> tuple[list[dict], dict]:
+    """The session's api_bias CSV rows (gpu_server/pooled.py) and the summary's api_bias ({} when absent)."""
+    import csv
+    import glob
+    import json
+
+    rows: list[dict] = []
+    for path in glob.glob(os.path.join(out, "api_bias_*.csv")):
+        with open(path, encoding="utf-8-sig", newline="") as fh:
+            rows.extend(csv.DictReader(fh))
+    summary: dict = {}
+    for path in glob.glob(os.path.join(out, "summary_*.json")):
+        with open(path, encoding="utf-8") as fh:
+            summary = json.load(fh).get("api_bias") or {}
+    return rows, summary
+
+
+def _print_pooled_false_findings(out: str) -> None:
+    rows, summary = _pooled(out)
+    informative = [r for r in rows if int(r["differing_elements"]) > 0]
+    found = [r for r in rows if r["verdict"] != "pass"]
+    notes = [r for r in rows if r["verdict"] == "pass" and r["reason"]]
+    print(f"  pooled across calls: {len(found)} findings in {len(rows)} (API, direction, dtype) groups "
+          f"({len(informative)} where the device differs from the same-dtype run; {summary.get('tests', '?')} tests "
+          f"at a family-wise false-alarm rate of {summary.get('false_alarm_rate_per_api', '?')} per run): "
+          f"false-finding rate {len(found) / max(1, len(informative)):.3g} per judged group")
+    for r in found:
+        print(f"    FALSE FINDING {r['api']} {r['direction']} {r['dtype']}: {r['reason'][:200]}")
+    for r in notes:
+        print(f"    (pass, with a note) {r['api']} {r['direction']} {r['dtype']}: {r['reason'][:160]}")
 
 
 def clean_runs(seeds: int) -> None:
@@ -97,6 +136,7 @@ def clean_runs(seeds: int) -> None:
     print(f"  rows that pass only by the spread rules (msprobe's rules alone: error or Warning): {rescued}")
     for line in examples:
         print("   ", line)
+    _print_pooled_false_findings(out)
 
 
 def fault_runs() -> None:
@@ -218,22 +258,84 @@ def gelu_sweep() -> None:
     print(f"== gelu bias sweep ({time.time() - t0:.0f} s)")
 
 
+def _pooled_variants() -> list[tuple[str, list[str], str, str]]:
+    """(label, training arguments, the API whose forward is wrong, its dtype) of each variant of the sweep."""
+    out = []
+    for per_mille in (2, 5, 10, 20):
+        out.append((f"mul 1 ULP on {per_mille / 10:g} %", ["--model", "convnet", "--dtype", "bfloat16", "--case",
+                                                          "mul_ulp_1pct", "--fault-ulps", "1", "--fault-per-mille",
+                                                          str(per_mille)], "Tensor.mul", "bfloat16"))
+    for dtype, ks in (("bfloat16", (13, 14, 15, 16)), ("float16", (16, 17, 18, 19)), ("float32", (23, 24, 25, 26))):
+        for k in ks:
+            out.append((f"gelu x (1 + 2^-{k})", ["--model", "tinylm", "--dtype", dtype, "--case", "gelu_forward",
+                                                 "--gelu-scale-log2", str(k)], "Functional.gelu", dtype))
+    return out
+
+
+def pooled_sweep(parallel: int = 2) -> None:
+    """One server session per variant (the pooled test pools every rank of a session), `parallel` sessions at a
+    time, 2 training steps each on the second device's background. Per call: the precision report flags the
+    faulty API's forward; pooled: a finding (or error) on it in api_bias_{ts}.csv."""
+    import concurrent.futures
+
+    t0 = time.time()
+
+    def one(variant):
+        label, args, api, dtype = variant
+        out = _run([args + ["--steps", "2", "--second-device"]])
+        per_call = any(name.startswith(api + ".") and d == "forward"
+                       for name, d in flagged(out, 0, "api_precision_compare_result"))
+        rows, _ = _pooled(out)
+        row = next((r for r in rows if (r["api"], r["direction"], r["dtype"]) == (api, "forward", dtype)), None)
+        others = sorted(f"{r['api']} {r['direction']} {r['dtype']}" for r in rows if r["verdict"] != "pass"
+                        and r["api"] != api)
+        return variant, per_call, row, others
+
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        results = list(pool.map(one, _pooled_variants()))
+    print(f"== smallest bias found per call (precision report) and pooled across calls (api_bias), 2 steps, "
+          f"{time.time() - t0:.0f} s")
+    print(f"  {'variant':24s} {'dtype':9s} {'per call':9s} {'pooled':8s} {'bias (ULP)':>11s} {'detectable':>10s} "
+          f"{'z':>7s} {'z thr':>6s}  elements")
+    smallest: dict[tuple[str, str], tuple[float, str]] = {}
+    for (label, _, _api, dtype), per_call, row, others in results:
+        if row is None:
+            print(f"  {label:24s} {dtype:9s} {'caught' if per_call else 'missed':9s} (not pooled)")
+            continue
+        bias = float(row["magnitude_bias_ulp"])
+        print(f"  {label:24s} {dtype:9s} {'caught' if per_call else 'missed':9s} {row['verdict']:8s} "
+              f"{bias:+11.4f} {float(row['detectable_ulp']):10.4f} {float(row['z_magnitude']):+7.1f} "
+              f"{float(row['z_threshold']):6.2f}  {row['elements']}" + (f"  ALSO {others}" if others else ""))
+        key = (label.split(" ")[0], dtype)
+        if row["verdict"] != "pass" and (key not in smallest or bias < smallest[key][0]):
+            smallest[key] = (bias, label)
+    for (_family, dtype), (bias, label) in sorted(smallest.items()):
+        print(f"  smallest found by the pooled test, {dtype}: {label} (bias in magnitude {bias:+.4f} ULP)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=1)
     p.add_argument("--skip-sweep", action="store_true")
     p.add_argument("--only-measure", action="store_true", help="only the in-process spread measurements")
     p.add_argument("--gelu-sweep", action="store_true", help="also sweep a gelu bias (benchmark standard)")
+    p.add_argument("--skip-measure", action="store_true", help="skip the in-process spread measurements")
+    p.add_argument("--skip-faults", action="store_true", help="skip the faults of tests/faulty_kernels.py")
+    p.add_argument("--skip-pooled", action="store_true", help="skip the pooled test's sweep (4.)")
     ns = p.parse_args()
-    measure_spread()
+    if not ns.skip_measure:
+        measure_spread()
     if ns.only_measure:
         return
     clean_runs(ns.seeds)
-    fault_runs()
+    if not ns.skip_faults:
+        fault_runs()
     if not ns.skip_sweep:
         sweep()
     if ns.gelu_sweep:
         gelu_sweep()
+    if not ns.skip_pooled:
+        pooled_sweep()
 
 
 if __name__ == "__main__":

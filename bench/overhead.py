@@ -5,8 +5,11 @@
 Models: TinyLM (2 layers, d=32, batch 4x16, bfloat16: many small records) and the mid transformer (4 layers,
 d=512, 8 heads, seq 128, batch 8, float32: about 55 calls and most of a GB of inputs, outputs and gradients a step).
 
-- "capture only": the real capture mode (names, references, backward taps and hooks) with a sink that discards
-  the records;
+- "capture only": the real capture mode (names, references, backward taps and hooks, each call's module path and
+  source line with the module hooks of npu_agent.location) with a sink that discards the records;
+- "no location": the same without the module path and source line (`Capturer(locate=False)`, no module hooks):
+  the difference is what locating calls costs, printed per record; the bench also times `location.current()`'s
+  work itself on every captured call of one extra capture-only round (module path and source line, us per call);
 - "online": the real agent streaming to a real gpu-server subprocess on loopback, forward and backward checked.
   Its cost includes the agent's background work: after each round the bench waits until the server acknowledged
   every record and counts that time and CPU in.
@@ -52,7 +55,7 @@ import torch  # noqa: E402
 torch.set_num_threads(1)
 
 from examples.demo import TinyLM, batches, train_step  # noqa: E402
-from npu_agent import PrecisionDebugger  # noqa: E402
+from npu_agent import PrecisionDebugger, location  # noqa: E402
 from npu_agent.backward import BackwardTaps  # noqa: E402
 from npu_agent.capture import CaptureMode, Capturer  # noqa: E402
 
@@ -66,9 +69,10 @@ MODELS = {
 class _CaptureOnly:
     """The capture mode alone, as a start/stop/step facade, its records discarded."""
 
-    def __init__(self) -> None:
+    def __init__(self, locate: bool = True) -> None:
         self.records = 0
-        self.cap = Capturer(self._sink, backward=BackwardTaps(self._sink))
+        self.locate = locate
+        self.cap = Capturer(self._sink, backward=BackwardTaps(self._sink), locate=locate)
         self.mode = CaptureMode(self.cap)
 
     def _sink(self, rec) -> None:
@@ -76,9 +80,12 @@ class _CaptureOnly:
 
     def start(self):
         self.mode.__enter__()
+        if self.locate:   # as PrecisionDebugger.start(): the module stack is followed while capture is on
+            location.install()
 
     def stop(self):
         self.mode.__exit__(None, None, None)
+        location.uninstall()
 
     def step(self):
         self.cap.release_regions()
@@ -167,6 +174,36 @@ def _round(model, opt, data, dbg) -> tuple[float, float, float, int]:
     return time.process_time() - c0, time.perf_counter() - w0, GC.seconds - g0, GC.full - f0
 
 
+class _TimedLocation:
+    """Replaces `npu_agent.location.current` for one round: does its work (module path, then source line from the
+    capture mode's frame) and adds up the time it takes."""
+
+    def __init__(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+    def __call__(self, depth: int = 1) -> tuple[str, str]:
+        frame = sys._getframe(depth)
+        t0 = time.perf_counter()
+        where = location.module_path(), location.source(frame)
+        self.seconds += time.perf_counter() - t0
+        self.calls += 1
+        return where
+
+
+def location_cost(model, opt, data) -> tuple[float, int]:
+    """us per captured call that finding its module path and source line takes: a capture-only round timed after
+    one that fills the caches (a call site's first call walks and formats once)."""
+    timed, real = _TimedLocation(), location.current
+    location.current = timed
+    try:
+        _round(model, opt, data[:1], _CaptureOnly())
+        timed.seconds, timed.calls = 0.0, 0
+        _round(model, opt, data, _CaptureOnly())
+    finally:
+        location.current = real
+    return timed.seconds / max(timed.calls, 1) * 1e6, timed.calls
+
+
 def bench_model(name: str, steps: int, rounds: int, agent_cfg: str) -> dict:
     kwargs, batch, dtype = MODELS[name]
     torch.manual_seed(0)
@@ -176,7 +213,7 @@ def bench_model(name: str, steps: int, rounds: int, agent_cfg: str) -> dict:
     _round(model, opt, data[:2], None)  # warm-up: lazy optimizer state, allocator
     capture = _CaptureOnly()
     online = _Online(agent_cfg)
-    variants = {"off": None, "capture only": capture, "online": online}
+    variants = {"off": None, "capture only": capture, "no location": _CaptureOnly(locate=False), "online": online}
     cpu = dict.fromkeys(variants, 0.0)
     wall = dict.fromkeys(variants, 0.0)
     gcs = dict.fromkeys(variants, 0.0)
@@ -189,8 +226,10 @@ def bench_model(name: str, steps: int, rounds: int, agent_cfg: str) -> dict:
             gcs[vname] += g
             full[vname] += f
     counts = online.dbg.close()
+    loc_us, loc_calls = location_cost(model, opt, data)
     n = steps * rounds
     return {"model": name, "dtype": str(dtype).replace("torch.", ""), "steps": n,
+            "location_us": loc_us, "location_calls": loc_calls,
             "records_per_step": capture.records / n, "cpu": {k: v / n for k, v in cpu.items()},
             "wall": {k: v / n for k, v in wall.items()}, "gc": {k: v / n for k, v in gcs.items()}, "full_gc": full,
             "counts": counts}
@@ -231,10 +270,16 @@ def main() -> None:
     print("\nratios (of off; per record: extra training CPU per record)")
     for r in results:
         base_c, base_w = r["cpu"]["off"], r["wall"]["off"]
-        for v in ("capture only", "online"):
+        for v in ("capture only", "no location", "online"):
             per_rec = (r["cpu"][v] - base_c) / max(r["records_per_step"], 1) * 1e6
             print(f"  {r['model']:5s} {v:13s} CPU x{r['cpu'][v] / base_c:5.2f}   wall x{r['wall'][v] / base_w:5.2f}   "
                   f"{per_rec:7.1f} us/record")
+    print("\nlocation (module path and source line of each call: npu_agent.location)")
+    for r in results:
+        hooks = (r["cpu"]["capture only"] - r["cpu"]["no location"]) / max(r["records_per_step"], 1) * 1e6
+        print(f"  {r['model']:5s} location.current() {r['location_us']:6.2f} us per captured call "
+              f"({r['location_calls']} calls timed); capture only - no location: {hooks:6.1f} us/record "
+              "(the module hooks included; noisy)")
 
 
 if __name__ == "__main__":

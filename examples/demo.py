@@ -7,6 +7,7 @@ summary and where the reports are. The model and the training loop are also used
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import math
 import os
@@ -120,6 +121,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for the reports (default: a new temporary folder)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    p.add_argument("--fault", action="store_true",
+                   help="train with one SIMULATED device bug (gelu 1.6 %% too large, examples/demo_fault.py) to see "
+                        "what a finding looks like")
     ns = p.parse_args(argv)
     work = os.path.abspath(ns.out) if ns.out else tempfile.mkdtemp(prefix="online-check-demo-")
     os.makedirs(work, exist_ok=True)
@@ -152,6 +156,12 @@ def main(argv=None) -> int:
                 return 1
             time.sleep(0.2)
         dtype = getattr(torch, ns.dtype)
+        if ns.fault:
+            from examples import demo_fault
+
+            demo_fault.install()
+            print("[demo] --fault: this training runs with a SIMULATED device bug: aten::gelu returns outputs 1.6 % "
+                  "too large (examples/demo_fault.py); the server keeps the true kernel", flush=True)
         print(f"[demo] training TinyLM for {ns.steps} steps in {ns.dtype} with the agent", flush=True)
         t0 = time.time()
         _, losses, _ = train(agent_cfg, steps=ns.steps, dtype=dtype)
@@ -169,6 +179,9 @@ def main(argv=None) -> int:
     start = text.find("gpu-server summary")
     print(text[start:] if start >= 0 else text[-4000:])
     print(f"[demo] reports are in {out}")
+    pages = sorted(glob.glob(os.path.join(glob.escape(out), "report_*.html")))
+    if pages:
+        print(f"[demo] HTML report (open it first: first failing call, module, source line, evidence): {pages[-1]}")
     return server.returncode or 0
 
 

@@ -19,6 +19,7 @@ from gpu_server.config import ServerConfig
 from gpu_server.error_data import Evidence
 from gpu_server.intake import ByteBudget, Intake, Job
 from gpu_server.pending import PendingCalls
+from gpu_server.pooled import DEFAULT_FAIL_ABOVE_ULP, PooledErrors
 from gpu_server.registry import known
 from gpu_server.reports import OPEN_FILES
 from gpu_server.spool import Entry, Spool
@@ -43,11 +44,15 @@ class ServerApp:
     def __init__(self, config: ServerConfig, out_dir: str, device: str | None = None, workers: int | None = None,
                  limits: Limits = DEFAULT_LIMITS, backward_budget: int = 4 << 30, expected_ranks: int | None = None,
                  memory_budget: int | None = None, fsync: bool = True, error_data_max_bytes: int | None = None,
-                 keep_records: bool = False, graph_budget: int = 2 << 30):
+                 keep_records: bool = False, graph_budget: int = 2 << 30,
+                 bias_fail_ulp: float = DEFAULT_FAIL_ABOVE_ULP):
         self.config = config
         self.out_dir = out_dir
         self.limits = limits
         self.summary = Summary()
+        # judging across calls (gpu_server/pooled.py): one accumulator for every worker, in the summary as api_bias
+        self.pooled = PooledErrors(fail_above_ulp=bias_fail_ulp)
+        self.summary.pooled = self.pooled
         self.devices = bench_devices(device, workers)
         self.expected_ranks = expected_ranks
         self.done = threading.Event()
@@ -65,7 +70,7 @@ class ServerApp:
         self.pending = PendingCalls(backward_budget, restored=self.recovery.half)
         self.pool = WorkerPool(self.devices, out_dir, self.ts, self.summary, self.pending,
                                on_complete=self.spool.complete, release=self.budget.release, evidence=self.evidence,
-                               graph_budget=graph_budget)
+                               graph_budget=graph_budget, pooled=self.pooled)
         self.intake = Intake(config, self.pool.submit, limits, spool=self.spool, budget=self.budget)
         for run_id, rank, seq in self.spool.seen():
             self.intake.mark_seen(run_id, rank, seq)
@@ -189,9 +194,19 @@ class ServerApp:
             error_data_not_saved=self.evidence.skipped if self.evidence else 0,
             disk_full_waits=disk.full_events, report_file_opens=OPEN_FILES.reopened)
         self.summary.set_memory(self.budget.limit, self.budget.peak)
+        bias = self._api_bias_csv()
+        self.summary.pooled = self.pooled
         path = self.summary.write_json(self.out_dir, self.ts)
         files = [p for paths in self.summary.files.values() for p in paths]
-        return files + [path] + self._html_report()
+        return files + [path] + bias + self._html_report()
+
+    def _api_bias_csv(self) -> list[str]:
+        """api_bias_{ts}.csv, the pooled statistics across calls (gpu_server/pooled.py); never fails the drain."""
+        try:
+            return [self.pooled.write_csv(self.out_dir, self.ts)]
+        except Exception as exc:  # noqa: BLE001 - the per-call reports are complete without it
+            log.warning("the pooled statistics (api_bias CSV) could not be written: %s", exc)
+            return []
 
     def _html_report(self) -> list[str]:
         """The HTML report next to the CSVs (gpu_server/html_report.py); never fails the drain."""

@@ -19,8 +19,10 @@ import torch
 from gpu_server import error_data, metrics, spread
 from gpu_server.columns import BLANK
 from gpu_server.intake import Job
-from gpu_server.output_kind import classify
+from gpu_server.nonfinite import CallFiniteness
+from gpu_server.output_kind import TENSORS, classify
 from gpu_server.pending import CallKey, Completion, PendingCalls, Waiting, call_key
+from gpu_server.pooled import PooledErrors
 from gpu_server.replay import (
     KeptForward,
     ReplayError,
@@ -30,7 +32,7 @@ from gpu_server.replay import (
     run_forward,
     run_forward_kept,
 )
-from gpu_server.reports import NULL_REPORTS, RankReports, ReportWriteError
+from gpu_server.reports import NULL_REPORTS, RankReports, ReportWriteError, Where
 from gpu_server.standards.judging import judge_pair
 from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING
 from gpu_server.summary import Summary
@@ -92,8 +94,11 @@ class Checker:
 
     def __init__(self, out_dir: str, ts: str, device: torch.device, summary: Summary, backward_budget: int = 4 << 30,
                  error_data_base: str | None = None, pending: PendingCalls | None = None,
-                 evidence: error_data.Evidence | None = None, graph_budget: int = 2 << 30):
+                 evidence: error_data.Evidence | None = None, graph_budget: int = 2 << 30,
+                 pooled: PooledErrors | None = None):
         self.out_dir = out_dir
+        self.pooled = pooled          # the run's pooled statistics across calls (gpu_server/pooled.py), shared
+        self._pool_failed = False
         self.ts = ts
         self.device = device
         self.summary = summary
@@ -165,6 +170,8 @@ class Checker:
             same, same_graph, same_error = None, None, f"same-dtype run failed: {exc}"
         if bench_graph is not None or same_graph is not None:
             self._keep_graphs(job, _Graphs(weakref.ref(job), bench_graph, same_graph))
+        self._note_finiteness(job, "forward", (job.args, job.kwargs), flatten_outputs(job.output),
+                              flatten_outputs(bench))
         members = (spread.LazyRuns(lambda: spread.forward_members(job, self.device, self.match_threads))
                    if same is not None else None)
         outcome = self._compare(rep, job, "forward", flatten_outputs(job.output), flatten_outputs(bench),
@@ -245,6 +252,9 @@ class Checker:
             same, same_error = None, f"same-dtype run failed: {exc}"
         device = list(bwd.grad_input) if isinstance(bwd.grad_input, (list, tuple)) else [bwd.grad_input]
         keep = [i for i, g in enumerate(device) if g is not None]
+        # a backward call's inputs: the gradient that reached it and its forward inputs
+        self._note_finiteness(bwd, "backward", (bwd.grad_output, fwd.args, fwd.kwargs), [device[i] for i in keep],
+                              [bench[i] for i in keep])
         members = (spread.LazyRuns(lambda: [[m[i] for i in keep] for m in spread.backward_members(
             fwd, bwd, self.device, self.match_threads)]) if same is not None else None)
         return self._compare(rep, bwd, "backward", [device[i] for i in keep], [bench[i] for i in keep],
@@ -256,8 +266,12 @@ class Checker:
         outcome = Outcome()
         if len(bench) != len(device):
             msg = f"bench and device outputs differ in structure: {len(bench)} vs {len(device)} compared values"
-            rep.write_detail(f"{job.name}.{direction}.output.0", BLANK, BLANK, BLANK, None, ERROR, msg, job.step)
-            rep.write_precision_detail(f"{job.name}.{direction}.output.0", {}, ERROR, BLANK, msg, job.step)
+            where = Where(job.seq, job.module, job.source)
+            rep.write_detail(f"{job.name}.{direction}.output.0", BLANK, BLANK, BLANK, None, ERROR, msg, job.step,
+                             where=where)
+            rep.write_precision_detail(f"{job.name}.{direction}.output.0", {}, ERROR, BLANK, msg, job.step,
+                                       where=where)
+            self._note_row(job, f"{job.name}.{direction}.output.0", ERROR, "accuracy_checking", msg)
             return Outcome([ERROR], [ERROR], msg, msg)
         for i, (d, b) in enumerate(zip(device, bench)):
             row = f"{job.name}.{direction}.output.{i}"
@@ -273,12 +287,18 @@ class Checker:
                 pair = classify(b_on, d_on)   # sorted into its kind once, for both reports
                 cmp = compare_pair(pair, spread.with_host(s_on, others))
                 verdict = judge_pair(job.api, pair, s_on, spread=others)
-            rep.write_detail(row, _dtype(b), _dtype(d), _shape(d), cmp.metrics, cmp.status, cmp.message, job.step)
+            if self._write_rows and self.pooled is not None and pair.kind == TENSORS:
+                self._pool(job, direction, i, b_on, d_on, s_on)
+            rep.write_detail(row, _dtype(b), _dtype(d), _shape(d), cmp.metrics, cmp.status, cmp.message, job.step,
+                             where=Where(job.seq, job.module, job.source))
+            self._note_row(job, row, cmp.status, "accuracy_checking", cmp.message)
             outcome.statuses.append(cmp.status)
             if cmp.status in (ERROR, WARNING) and not outcome.message:
                 outcome.message = f"{row}: {cmp.message}"
             message = "; ".join(m for m in (verdict.message, same_error) if m)
-            rep.write_precision_detail(row, verdict.cells, verdict.status, verdict.algorithm, message, job.step)
+            rep.write_precision_detail(row, verdict.cells, verdict.status, verdict.algorithm, message, job.step,
+                                       where=Where(job.seq, job.module, job.source))
+            self._note_row(job, row, verdict.status, "api_precision_compare", f"{verdict.algorithm} {message}")
             if self._write_rows:
                 self.summary.standard_row(verdict.algorithm, verdict.status)
             outcome.precision.append(verdict.status)
@@ -286,11 +306,41 @@ class Checker:
                 outcome.precision_message = f"{row}: {verdict.algorithm} {message}".strip()
         return outcome
 
+    def _pool(self, job: Job, direction: str, index: int, bench: Any, device: Any, same: Any) -> None:
+        """One compared output into the pooled statistics across calls; never fails the row (logged once)."""
+        try:
+            self.pooled.observe(f"{job.category}.{job.api}", direction, bench, device, same, output_index=index)
+        except Exception:  # noqa: BLE001 - the pooled statistics are a view of the rows, never a reason to lose one
+            if not self._pool_failed:
+                self._pool_failed = True
+                log.exception("pooled statistics: %s.%s.output.%d could not be pooled (logged once)", job.name,
+                              direction, index)
+
     def _skip_rows(self, rep: RankReports, job: Job, direction: str, reason: str) -> Outcome:
         row = f"{job.name}.{direction}.output.0"
-        rep.write_detail(row, BLANK, BLANK, BLANK, None, SKIP, reason, job.step)
-        rep.write_precision_detail(row, {}, SKIP, BLANK, reason, job.step)
+        where = Where(job.seq, job.module, job.source)
+        rep.write_detail(row, BLANK, BLANK, BLANK, None, SKIP, reason, job.step, where=where)
+        rep.write_precision_detail(row, {}, SKIP, BLANK, reason, job.step, where=where)
+        self._note_row(job, row, SKIP, "accuracy_checking", reason)
         return Outcome([SKIP], [SKIP], reason, reason)
+
+    def _note_row(self, job: Job, row: str, status: str, report: str, message: str) -> None:
+        """The summary's first anomaly in execution order (gpu_server/summary.py) sees every details row."""
+        if self._write_rows:
+            self.summary.row_done(job.rank, job.step, job.seq, row, status, report, message, job.module, job.source)
+
+    def _note_finiteness(self, job: Job, direction: str, inputs: Any, device: list, bench: list) -> None:
+        """Whether this call made the first inf/NaN from finite inputs, or received some (gpu_server/nonfinite.py)."""
+        if not self._write_rows:
+            return
+        try:
+            fin = CallFiniteness.of(inputs, device, bench)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic must never fail the call's rows
+            log.debug("finiteness of %s not measured: %s", job.name, exc)
+            return
+        if fin.origin or not fin.inputs_finite:
+            self.summary.nonfinite(job.rank, job.step, job.seq, job.name, direction, job.module, job.source,
+                                   fin.inputs_finite, fin.device, fin.bench)
 
     # -- result rows -------------------------------------------------------------------------------------------
     def _finish(self, job: Job, forward: Outcome, backward: Outcome | None, fwd_job: Job | None = None,
@@ -300,18 +350,25 @@ class Checker:
         pfwd, pbwd = aggregate(forward.precision), aggregate(backward.precision) if backward else BLANK
         msg = forward.message or (backward.message if backward else "")
         pmsg = forward.precision_message or (backward.precision_message if backward else "")
+        call = fwd_job if fwd_job is not None else job   # the result row is the call's: its forward record's
+        where = Where(call.seq, call.module, call.source)
         rep.write_result(job.name, fwd, bwd, msg if SKIP in (fwd, bwd) or ERROR in (fwd, bwd)
-                         or WARNING in (fwd, bwd) else "", job.step)
+                         or WARNING in (fwd, bwd) else "", job.step, where=where)
         rep.write_precision_result(job.name, pfwd, pbwd, pmsg if pfwd != PASS or pbwd not in (PASS, BLANK) else "",
-                                   job.step)
+                                   job.step, where=where)
         if not self._write_rows:
             return
-        self.summary.call_done(job.rank, job.name, fwd, bwd, pfwd, pbwd, pmsg or msg)
+        self.summary.call_done(job.rank, job.name, fwd, bwd, pfwd, pbwd, pmsg or msg, module=call.module)
         if self.evidence is not None and fwd_job is not None and ERROR in (fwd, bwd, pfwd, pbwd):
-            self.evidence.save(fwd_job, bwd_job, pmsg or msg)
+            folder = self.evidence.save(fwd_job, bwd_job, pmsg or msg)
+            if folder:
+                self.summary.evidence_saved(job.rank, job.name, job.step, folder)
 
     def _finish_waiting(self, run_id: str, rank: int, step: int, name: str, waiting: Waiting, why: str) -> None:
-        job = Job(run_id=run_id, rank=rank, step=step, seq=0, name=name, category="", api="", direction=pb.BACKWARD)
+        fwd = waiting.job   # None once evicted: its seq is still known
+        job = Job(run_id=run_id, rank=rank, step=step, seq=fwd.seq if fwd is not None else waiting.record.seq,
+                  name=name, category="", api="", direction=pb.BACKWARD, module=fwd.module if fwd is not None else "",
+                  source=fwd.source if fwd is not None else "")
         self._finish(job, waiting.outcome, Outcome([SKIP], [SKIP], why, why), fwd_job=waiting.job)
 
     def flush_run(self, run_id: str, rank: int, why: str) -> Completion:

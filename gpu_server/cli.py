@@ -61,6 +61,10 @@ def _args(argv):
     p.add_argument("--keep-records", action="store_true",
                    help="keep every record after it is reported (in OUT/spool/kept/, for `gpu-server recheck`) "
                         "instead of deleting it; costs as much disk as the training sends (off by default)")
+    p.add_argument("--bias-fail-ulp", type=float, default=None, metavar="X",
+                   help="judging across calls (docs/pooled.md): a bias of an API pooled over the run that is "
+                        "statistically significant is an error above X ULP of the device dtype, a finding below "
+                        "(default 0.005)")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     return p.parse_args(argv)
 
@@ -99,6 +103,9 @@ def main(argv=None) -> int:
               "MiB, --memory-mb): such a record could not be held; raise --memory-mb or lower --max-record-mb",
               file=sys.stderr)
         return 2
+    if ns.bias_fail_ulp is not None and not ns.bias_fail_ulp >= 0:
+        print("gpu-server: --bias-fail-ulp must be 0 or more (ULP of the device dtype)", file=sys.stderr)
+        return 2
     if ns.max_streams < 1 or ns.record_timeout_s <= 0:
         print("gpu-server: --max-streams must be at least 1 and --record-timeout-s positive", file=sys.stderr)
         return 2
@@ -124,7 +131,8 @@ def main(argv=None) -> int:
                         expected_ranks=expected if ns.exit_when_done else None,
                         memory_budget=memory,
                         error_data_max_bytes=None if ns.error_data_max_mb is None else int(ns.error_data_max_mb * MiB),
-                        keep_records=ns.keep_records, graph_budget=int(max(0.0, ns.graph_memory_mb) * MiB))
+                        keep_records=ns.keep_records, graph_budget=int(max(0.0, ns.graph_memory_mb) * MiB),
+                        **({} if ns.bias_fail_ulp is None else {"bias_fail_ulp": ns.bias_fail_ulp}))
         app.start()
     except (ValueError, OSError, SpoolError) as exc:
         print(f"gpu-server: {exc}", file=sys.stderr)
@@ -161,8 +169,7 @@ def main(argv=None) -> int:
               f"in {os.path.join(os.path.abspath(ns.out), 'spool')}: fix the cause and restart with the same --out",
               file=sys.stderr)
         return 3
-    failed = sum(app.summary.failed.values())
-    return 1 if ns.fail_on == "error" and failed else 0
+    return 1 if ns.fail_on == "error" and app.summary.failed_run() else 0
 
 
 if __name__ == "__main__":

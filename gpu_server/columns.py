@@ -40,8 +40,9 @@ PRECISION_DETAILS_HEADER = [
     "ULP误差判定结果", "双千指标", "双千指标判定结果", "比对结果", "比对算法", "Message",
 ]
 
-# Our own columns, always after msprobe's.
-EXTRA_COLUMNS = ["Step"]
+# Our own columns, always after msprobe's: the training step, the record's sequence number (per run and rank), the
+# module path the call ran in ("TinyLM.blocks.0.attn.proj") and the user's line that made it ("train.py:42 (forward)").
+EXTRA_COLUMNS = ["Step", "Seq", "Module", "Source"]
 
 BLANK = " "  # a cell a check does not set
 FLOAT_DECIMALS = 14

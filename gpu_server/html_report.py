@@ -2,29 +2,42 @@
 
 Written by the server when it has drained (gpu_server/app.py) and on demand by `gpu-server report OUT`. It works
 offline (on a cluster with no network): every plot is inline SVG drawn here, the only script is a few lines inline
-(sorting and filtering the table), nothing is fetched. It shows
+(sorting and filtering the table), nothing is fetched. It reads top-down, from the first anomaly to its evidence:
 
-- the verdicts at a glance: calls, and output rows by API and by precision standard;
-- the failing and warning calls first, sortable and filterable (also by link: `report.html#filter=gelu&status=error`),
-  each with its metrics, its message and links to its error-data folders
+- the first anomaly: the earliest failing call across ranks and the first one of each rank, with its module path,
+  its source line (the first user frame), its message and a link to its error-data folder;
+- the non-finite values, when the summary has them: the call where they first appear, whether the device and the
+  bench (in the device dtype) overflow there, and the verdict in plain words;
+- the pooled findings: a bias of an API over all its calls (in ULP) that no single call shows;
+- the modules, worst first: calls, errors and warnings per module path;
+- the failing and warning calls, sortable and filterable (also by link: `report.html#filter=gelu&status=error`),
+  each with its module, source line, metrics, message and links to its error-data folders
   (`error_data/{ts}/{run_id}/rank{r}/{call}.step{s}/`, with `python replay.py` inside);
+- the verdicts at a glance: calls, and output rows by API and by precision standard;
 - for each failing API, the error distribution over its output rows: the standard's device / same-dtype ratio
   (1 = the device is as far from the bench as the trusted host's own run in that dtype), the threshold marked;
   and the device's relative (or ULP) error against the bench, failing rows in red;
 - per-step trends: failing calls per step and rank, and the worst ratio per step of each failing API;
 - the ranks side by side: counts per rank and failing calls per API and rank.
 
-Everything comes from the CSV reports, read with gpu_server.report_frame.load.
+Everything comes from the CSV reports, read with gpu_server.report_frame.load, and from the newest session's
+`summary_{ts}.json` (first_anomaly, nonfinite, modules, api_bias). Any of those keys may be missing (an older
+folder, CSVs alone): the first anomaly and the modules are then computed from the CSV rows (their Seq, Module and
+Source columns), the other two sections are left out. Every string shown is escaped: module paths, source lines and
+messages come from the network.
 """
 from __future__ import annotations
 
 import html
+import json
 import math
 import os
 import time
+from urllib.parse import quote
 
 import pandas as pd
 
+from gpu_server import report_files as names
 from gpu_server.atomic_file import write_atomic
 from gpu_server.report_frame import load
 from gpu_server.summary import STANDARD_NAMES
@@ -43,6 +56,12 @@ RATIOS = {
 # the device-vs-bench error shown beside the ratios (accuracy_checking_details), by algorithm
 DEVICE_ERROR = {"ULP误差比对法": "ULP误差平均值", "标杆比对法": "相对误差平均值", "绝对阈值法": "相对误差最大值"}
 MAX_TABLE_ROWS = 5000      # failing/warning calls listed in the page (the CSVs have them all)
+MAX_RANK_ROWS = 64         # ranks listed in the first-anomaly and non-finite tables
+MAX_MODULE_ROWS = 40       # modules listed (worst first)
+MAX_BIAS_ROWS = 100        # pooled-bias rows listed (findings first)
+# our columns after msprobe's (gpu_server.columns.EXTRA_COLUMNS): the agent's record number on its rank (execution
+# order), the dotted module path, the first user frame; older folders have none of them
+SEQ, MODULE, SOURCE = "Seq", "Module", "Source"
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#17becf", "#bcbd22"]
 
 
@@ -197,23 +216,49 @@ def svg_lines(series: dict[str, list[tuple[float, float]]], ylabel: str, width: 
 
 # -- the data --------------------------------------------------------------------------------------------------
 def _calls(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """One row per checked call (rank, ts, call, step): the two reports' statuses and the call's verdict."""
+    """One row per checked call (rank, ts, call, step): the two reports' statuses and the call's verdict, and the
+    call's module path, source line and record number (`module`, `source`, `seq`; blank in older folders)."""
     keys = ["rank", "ts", "call", "step"]
-    pr = frames["precision_result"][keys + ["forward", "backward", "message"]].rename(
-        columns={"forward": "p_fwd", "backward": "p_bwd", "message": "p_msg"})
-    rr = frames["result"][keys + ["forward", "backward", "message"]].rename(
-        columns={"forward": "t_fwd", "backward": "t_bwd", "message": "t_msg"})
+    extras = {MODULE: "module", SOURCE: "source", SEQ: "seq"}
+
+    def side(kind: str, prefix: str) -> pd.DataFrame:
+        frame = frames[kind]
+        cols = {"forward": f"{prefix}_fwd", "backward": f"{prefix}_bwd", "message": f"{prefix}_msg"}
+        cols.update({c: f"{prefix}_{name}" for c, name in extras.items() if c in frame.columns})
+        return frame[keys + list(cols)].rename(columns=cols)
+
     # Rows carry no run id: several training runs sending the same rank, call and step to one session give rows
     # with equal keys. The two reports write a call's rows together, in the same order: the n-th of each pairs up.
-    calls = _nth(pr, keys).merge(_nth(rr, keys), on=keys + ["_n"], how="outer").drop(columns="_n")
+    calls = _nth(side("precision_result", "p"), keys).merge(_nth(side("result", "t"), keys), on=keys + ["_n"],
+                                                             how="outer").drop(columns="_n")
     for c in ("p_fwd", "p_bwd", "t_fwd", "t_bwd", "p_msg", "t_msg"):
         calls[c] = calls[c].fillna(" ").astype(str)
+    for name in extras.values():
+        found = [calls.pop(f"{p}_{name}") for p in ("p", "t") if f"{p}_{name}" in calls.columns]
+        if name == "seq":
+            seqs = [_seq(f) for f in found]
+            calls[name] = seqs[0].fillna(seqs[1]) if len(seqs) == 2 else seqs[0] if seqs else float("nan")
+        else:
+            texts = [[_text(v) for v in f] for f in found]
+            calls[name] = ([a or b for a, b in zip(*texts)] if len(texts) == 2 else texts[0] if texts
+                           else [""] * len(calls))
     calls["precision"] = [_worst([a, b]) for a, b in zip(calls.p_fwd, calls.p_bwd)]
     calls["two_way"] = [_worst([a, b]) for a, b in zip(calls.t_fwd, calls.t_bwd)]
     calls["verdict"] = [_worst([a, b]) for a, b in zip(calls.precision, calls.two_way)]
     calls["api"] = calls["call"].str.split(".").str[:2].str.join(".")
     calls["step"] = calls["step"].fillna(-1).astype(int)
     return calls
+
+
+def _text(v) -> str:
+    """A text cell, stripped; '' for a blank or missing one."""
+    return "" if v is None or v is pd.NA or (isinstance(v, float) and math.isnan(v)) else str(v).strip()
+
+
+def _seq(values) -> pd.Series:
+    """A Seq column as floats (NaN where blank): report_frame types it as a nullable integer, older code as text."""
+    series = pd.Series(values).astype(object)
+    return pd.to_numeric(series.where(series.notna(), None).map(_text), errors="coerce").astype(float)
 
 
 def _nth(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -263,6 +308,355 @@ def _worst_rows(pdet: pd.DataFrame, det: pd.DataFrame) -> dict[tuple, dict]:
     return out
 
 
+# -- the top-down view: first anomaly, non-finite values, pooled findings, modules -------------------------------
+def _summary_json(out_dir: str, ts: str | None) -> dict:
+    """The session's summary_{ts}.json as a dict; {} when there is none or it cannot be read (the page then falls
+    back to what the CSVs give)."""
+    if not ts:
+        return {}
+    try:
+        with open(names.summary_path(out_dir, ts), encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _api_bias_csv(out_dir: str, ts: str) -> str:
+    """The path of the session's pooled-bias CSV (written beside the summary)."""
+    namer = getattr(names, "api_bias_path", None)
+    return namer(out_dir, ts) if namer else os.path.join(out_dir, f"api_bias_{ts}.csv")
+
+
+def _d(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _int(value) -> int | None:
+    if isinstance(value, bool) or value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return int(number) if math.isfinite(number) else None
+
+
+def _cell_num(value) -> str:
+    """A number from the summary JSON, formatted; anything else escaped as text."""
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return _num(value)
+    return _e(value)
+
+
+def _module_cell(module) -> str:
+    module = _text(module)
+    return f"<code>{_e(module)}</code>" if module else "<span class='muted'>outside modules</span>"
+
+
+def _filter_href(text: str, status: str = "") -> str:
+    """A link to the failing-calls table filtered on `text` (the page's script reads the fragment)."""
+    return "#filter=" + quote(text, safe="") + (f"&amp;status={quote(status, safe='')}" if status else "")
+
+
+def _anomaly_candidates(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Every failing row of the four reports as a first-anomaly candidate: rank, ts, step, seq, call, row,
+    direction, module, source, report, message, and `kind_order` (output rows before call rows, accuracy_checking
+    first) and `order` (the row's place in its file) for ties."""
+    columns = ["rank", "ts", "step", "seq", "call", "row", "direction", "module", "source", "report", "status",
+               "message", "kind_order", "order"]
+    parts = []
+    # on equal Seq: output rows before call rows, accuracy_checking before api_precision_compare (as the summary)
+    for kind, status_col, report, kind_order in (("details", "Status", "accuracy_checking", 0),
+                                                 ("precision_details", "比对结果", "api_precision_compare", 1),
+                                                 ("result", None, "accuracy_checking", 2),
+                                                 ("precision_result", None, "api_precision_compare", 3)):
+        frame = frames.get(kind)
+        if frame is None or not len(frame):
+            continue
+        if status_col is not None:
+            if status_col not in frame.columns:
+                continue
+            bad = frame[frame[status_col].fillna("").astype(str).str.strip() == "error"]
+            rows, directions = bad["API Name"], bad["direction"]
+        else:
+            fwd = frame["forward"].fillna("").astype(str).str.strip() == "error"
+            bwd = frame["backward"].fillna("").astype(str).str.strip() == "error"
+            bad = frame[fwd | bwd]
+            rows = bad["call"]
+            directions = pd.Series(["forward" if f else "backward" for f in fwd[fwd | bwd]], index=bad.index)
+        if not len(bad):
+            continue
+        blank = pd.Series([""] * len(bad), index=bad.index)
+        parts.append(pd.DataFrame({
+            "rank": bad["rank"].astype(int), "ts": bad["ts"].astype(str),
+            "step": bad["step"].astype("Float64").fillna(-1).astype(int) if "step" in bad.columns else -1,
+            "seq": _seq(bad[SEQ]) if SEQ in bad.columns else float("nan"),
+            "call": bad["call"].astype(str), "row": rows.astype(str), "direction": directions.fillna("").astype(str),
+            "module": bad[MODULE].map(_text) if MODULE in bad.columns else blank,
+            "source": bad[SOURCE].map(_text) if SOURCE in bad.columns else blank,
+            "report": report, "status": "error",
+            "message": bad["Message"].map(_text) if "Message" in bad.columns else blank,
+            "kind_order": kind_order, "order": bad.index.to_numpy()}))
+    if not parts:
+        return pd.DataFrame({c: pd.Series(dtype=object) for c in columns})
+    return pd.concat(parts, ignore_index=True)[columns]
+
+
+def _first_anomaly_from_csv(frames: dict[str, pd.DataFrame]) -> dict:
+    """The summary's `first_anomaly` computed from the CSV rows: per rank the failing row with the smallest Seq
+    (without Seq: the earliest step, then file order); across ranks the smallest (step, position in the step), the
+    position being Seq minus the smallest Seq of that rank and step. Entries carry `ts` (for the evidence link)."""
+    cand = _anomaly_candidates(frames)
+    if not len(cand):
+        return {"earliest": None, "by_rank": {}}
+    cand["_noseq"] = cand["seq"].isna()
+    cand["_dir"] = (cand["direction"] != "forward").astype(int)
+    cand = cand.sort_values(["rank", "ts", "_noseq", "seq", "step", "kind_order", "_dir", "order"], kind="stable")
+    firsts = cand.groupby("rank", sort=True).head(1)
+    # the smallest Seq of each (rank, ts, step) over every row of the reports, failing or not
+    lows: dict[tuple, float] = {}
+    for frame in frames.values():
+        if SEQ not in frame.columns or not len(frame):
+            continue
+        seqs = pd.DataFrame({"rank": frame["rank"].astype(int), "ts": frame["ts"].astype(str),
+                             "step": frame["step"].astype("Float64").fillna(-1).astype(int), "seq": _seq(frame[SEQ])})
+        for key, low in seqs.dropna(subset=["seq"]).groupby(["rank", "ts", "step"])["seq"].min().items():
+            lows[key] = min(low, lows.get(key, low))
+    by_rank, order = {}, []
+    for row in firsts.to_dict("records"):
+        seq = row["seq"]
+        entry = {k: row[k] for k in ("rank", "ts", "call", "row", "step", "direction", "module", "source", "report",
+                                     "status", "message")}
+        entry["seq"] = None if pd.isna(seq) else int(seq)
+        low = lows.get((row["rank"], row["ts"], row["step"]))
+        position = seq - low if not pd.isna(seq) and low is not None else math.inf
+        by_rank[str(row["rank"])] = entry
+        order.append(((row["ts"], row["step"], position, row["rank"]), entry))
+    return {"earliest": min(order, key=lambda item: item[0])[1], "by_rank": by_rank}
+
+
+def _modules_from_calls(calls: pd.DataFrame) -> list[dict] | None:
+    """The summary's `modules` computed from the calls: calls, errors and warnings per module path, worst first;
+    None when the reports carry no module paths (an older folder)."""
+    if "module" not in calls.columns or not any(calls["module"]):
+        return None
+    table = calls.assign(_err=calls["verdict"] == "error", _warn=calls["verdict"] == "Warning").groupby(
+        "module").agg(calls=("call", "size"), errors=("_err", "sum"), warnings=("_warn", "sum")).reset_index()
+    table = table.sort_values(["errors", "warnings", "calls", "module"], ascending=[False, False, False, True],
+                              kind="stable")
+    return [{"module": m, "calls": int(c), "errors": int(e), "warnings": int(w)}
+            for m, c, e, w in zip(table["module"], table["calls"], table["errors"], table["warnings"])]
+
+
+def _section_first_anomaly(first: dict, origin: str, out_dir: str, report_dir: str, ts: str | None) -> list[str]:
+    parts = ["<h2 id='first-anomaly'>First anomaly</h2>"]
+    earliest = first.get("earliest")
+    by_rank = {k: v for k, v in _d(first.get("by_rank")).items() if isinstance(v, dict)}
+    if not isinstance(earliest, dict) and not by_rank:
+        parts.append("<p class='ok'>No call failed.</p>")
+        return parts
+
+    def link(entry: dict) -> str:
+        rank, step = _int(entry.get("rank")), _int(entry.get("step"))
+        if rank is None or not _text(entry.get("call")):
+            return "<span class='muted'>none</span>"
+        return _error_link(out_dir, report_dir, _text(entry.get("ts")) or ts or "", rank, _text(entry.get("call")),
+                           -1 if step is None else step)
+
+    if isinstance(earliest, dict):
+        call = _text(earliest.get("call"))
+        parts.append(
+            "<div class='first' id='earliest'>"
+            f"<div class='headline'>Earliest failing call: <a href='{_e(_filter_href(call))}'><b>{_e(call)}</b></a>"
+            f" on rank {_cell_num(earliest.get('rank'))}, step {_cell_num(earliest.get('step'))}"
+            f" ({_e(earliest.get('direction'))})</div>"
+            f"<div>module {_module_cell(earliest.get('module'))}</div>"
+            f"<div>source <code>{_e(earliest.get('source')) or '-'}</code></div>"
+            f"<div>row <code>{_e(earliest.get('row'))}</code> &middot; {_e(earliest.get('report'))}</div>"
+            f"<div class='msg'>{_e(_text(earliest.get('message'))[:600])}</div>"
+            f"<div>error data: {link(earliest)}</div></div>")
+    ranks = sorted(by_rank, key=lambda k: (_int(k) is None, _int(k) or 0, k))
+    parts.append("<h3>First failing call of each rank</h3><div class='scroll'><table id='first-table'><thead><tr>"
+                 "<th>rank</th><th>step</th><th>seq</th><th>call</th><th>row</th><th>direction</th><th>module</th>"
+                 "<th>source</th><th>report</th><th>message</th><th>error data</th></tr></thead><tbody>")
+    for key in ranks[:MAX_RANK_ROWS]:
+        entry = by_rank[key]
+        mark = " class='earliest'" if isinstance(earliest, dict) and all(
+            str(entry.get(k)) == str(earliest.get(k)) for k in ("rank", "call", "row", "step")) else ""
+        parts.append(
+            f"<tr{mark} data-rank='{_e(key)}'><td class='num'>{_e(key)}</td>"
+            f"<td class='num'>{_cell_num(entry.get('step'))}</td><td class='num'>{_cell_num(entry.get('seq'))}</td>"
+            f"<td>{_e(entry.get('call'))}</td><td>{_e(entry.get('row'))}</td><td>{_e(entry.get('direction'))}</td>"
+            f"<td>{_module_cell(entry.get('module'))}</td><td><code>{_e(entry.get('source'))}</code></td>"
+            f"<td>{_e(entry.get('report'))}</td><td class='msg'>{_e(_text(entry.get('message'))[:600])}</td>"
+            f"<td>{link(entry)}</td></tr>")
+    parts.append("</tbody></table></div>")
+    if len(ranks) > MAX_RANK_ROWS:
+        parts.append(f"<p class='muted'>the first {MAX_RANK_ROWS} of {len(ranks)} ranks</p>")
+    parts.append(f"<p class='muted'>{_e(origin)}</p>")
+    return parts
+
+
+def _overflow_words(entry: dict) -> str:
+    device, bench = entry.get("device") is True, entry.get("bench") is True
+    if device and bench:
+        return ("not a device fault: the device and the bench (run in the device dtype) both overflow here, the "
+                "training's own overflow")
+    if device:
+        return ("a device fault: the device output is non-finite from finite inputs while the bench in the device "
+                "dtype stays finite")
+    if bench:
+        return "the bench (in the device dtype) overflows here, the device does not"
+    return "neither the device nor the bench overflows here"
+
+
+def _section_nonfinite(nonfinite: dict) -> list[str]:
+    origin, first_input = nonfinite.get("origin"), nonfinite.get("first_input")
+    by_rank = {k: v for k, v in _d(nonfinite.get("by_rank")).items() if isinstance(v, dict)}
+    verdict = _text(nonfinite.get("verdict"))
+    if not isinstance(origin, dict) and not isinstance(first_input, dict) and not verdict and not any(
+            isinstance(v.get("origin"), dict) or isinstance(v.get("first_input"), dict) for v in by_rank.values()):
+        return []
+    parts = ["<h2 id='nonfinite'>Non-finite values (inf/nan)</h2>"]
+    if verdict:
+        parts.append(f"<p class='verdict' id='nonfinite-verdict'><b>{_e(verdict)}</b></p>")
+    if isinstance(origin, dict):
+        call = _text(origin.get("call"))
+        parts.append(
+            "<div class='first' id='nonfinite-origin'>"
+            f"<div class='headline'>First non-finite output: <a href='{_e(_filter_href(call))}'><b>{_e(call)}</b></a>"
+            f" on rank {_cell_num(origin.get('rank'))}, step {_cell_num(origin.get('step'))}"
+            f" ({_e(origin.get('direction'))})</div>"
+            f"<div>module {_module_cell(origin.get('module'))}</div>"
+            f"<div>source <code>{_e(origin.get('source')) or '-'}</code></div>"
+            f"<div>device output non-finite: <b>{'yes' if origin.get('device') is True else 'no'}</b> &middot; "
+            f"bench in the device dtype non-finite: <b>{'yes' if origin.get('bench') is True else 'no'}</b></div>"
+            f"<div>In plain words: {_e(_overflow_words(origin))}.</div></div>")
+    elif isinstance(first_input, dict):
+        call = _text(first_input.get("call"))
+        parts.append(
+            "<div class='first' id='nonfinite-origin'>"
+            f"<div class='headline'>First call with non-finite inputs: <a href='{_e(_filter_href(call))}'>"
+            f"<b>{_e(call)}</b></a> on rank {_cell_num(first_input.get('rank'))}, step "
+            f"{_cell_num(first_input.get('step'))} ({_e(first_input.get('direction'))})</div>"
+            f"<div>module {_module_cell(first_input.get('module'))}</div>"
+            f"<div>source <code>{_e(first_input.get('source')) or '-'}</code></div>"
+            "<div>In plain words: no checked call made them; they came from code the checker does not see (the "
+            "optimizer step, the data or an unchecked region), not a device fault of a checked call.</div></div>")
+    if by_rank:
+        parts.append("<div class='scroll'><table id='nonfinite-table'><thead><tr><th>rank</th>"
+                     "<th>first non-finite output</th><th>step</th><th>module</th><th>source</th><th>device</th>"
+                     "<th>bench</th><th>first call with non-finite inputs</th><th>step</th><th>module</th>"
+                     "<th>source</th></tr></thead><tbody>")
+        ranks = sorted(by_rank, key=lambda k: (_int(k) is None, _int(k) or 0, k))
+        for key in ranks[:MAX_RANK_ROWS]:
+            o, i = _d(by_rank[key].get("origin")), _d(by_rank[key].get("first_input"))
+            cells = [f"<td class='num'>{_e(key)}</td>"]
+            for entry, flags in ((o, True), (i, False)):
+                if entry:
+                    cells += [f"<td>{_e(entry.get('call'))} <span class='muted'>{_e(entry.get('direction'))}</span>"
+                              "</td>", f"<td class='num'>{_cell_num(entry.get('step'))}</td>",
+                              f"<td>{_module_cell(entry.get('module'))}</td>",
+                              f"<td><code>{_e(entry.get('source'))}</code></td>"]
+                else:
+                    cells += ["<td class='muted'>none</td>", "<td></td>", "<td></td>", "<td></td>"]
+                if flags:
+                    cells += [f"<td class='{'s-error' if entry.get(k) is True else ''}'>"
+                              f"{'yes' if entry.get(k) is True else 'no' if entry else ''}</td>"
+                              for k in ("device", "bench")]
+            parts.append(f"<tr data-rank='{_e(key)}'>" + "".join(cells) + "</tr>")
+        parts.append("</tbody></table></div>")
+        if len(ranks) > MAX_RANK_ROWS:
+            parts.append(f"<p class='muted'>the first {MAX_RANK_ROWS} of {len(ranks)} ranks</p>")
+    parts.append("<p class='muted'>device: the device's output is non-finite although its inputs are finite; bench: "
+                 "the bench, run in the device's dtype, is non-finite too (then the values overflow in that dtype "
+                 "whatever the hardware). The first call with non-finite inputs received values from code the "
+                 "checker does not see (the optimizer step, for instance).</p>")
+    return parts
+
+
+def _section_api_bias(bias: dict, csv_link: str | None) -> list[str]:
+    rows = [a for a in bias.get("apis") or [] if isinstance(a, dict)] if isinstance(bias.get("apis"), list) else []
+    findings = [a for a in bias.get("findings") or [] if isinstance(a, dict)] if isinstance(
+        bias.get("findings"), list) else []
+    rows = rows or findings
+    if not rows and not bias:
+        return []
+    rank = {"error": 0, "finding": 1, "pass": 2}
+
+    def size(a: dict) -> float:
+        try:
+            return -abs(float(a.get("bias_ulp")))
+        except (TypeError, ValueError):
+            return 0.0
+    rows = sorted(rows, key=lambda a: (rank.get(_text(a.get("verdict")), 3), size(a)))
+    n_findings = sum(_text(a.get("verdict")) in ("finding", "error") for a in rows)
+    parts = [f"<h2 id='api-bias'>Pooled findings: bias of an API over all its calls ({n_findings})</h2>",
+             "<p class='muted'>Every call of an API, direction and dtype pooled: the mean signed error of the device "
+             "against the bench in ULP (bias), of its magnitude (magnitude bias), the spread of the device's errors "
+             "against the same-dtype run's (spread ratio), and the smallest bias the pooled elements can detect. A "
+             "bias too small for any one call to fail is a finding here"]
+    extra = []
+    if bias.get("false_alarm_rate_per_api") is not None:
+        extra.append(f"false-alarm rate {_cell_num(bias.get('false_alarm_rate_per_api'))} per API")
+    if bias.get("tests") is not None:
+        extra.append(f"{_cell_num(bias.get('tests'))} tests")
+    if bias.get("fail_above_ulp") is not None:
+        extra.append(f"error above {_cell_num(bias.get('fail_above_ulp'))} ULP")
+    parts.append((" (" + ", ".join(extra) + ")" if extra else "") + ".")
+    if csv_link:
+        parts.append(f" All rows: <a href='{_e(csv_link)}'>{_e(csv_link)}</a>.")
+    parts.append("</p>")
+    if not rows:
+        parts.append("<p>No API was pooled.</p>")
+        return parts
+    parts.append("<div class='scroll'><table id='bias-table'><thead><tr><th>API</th><th>direction</th><th>dtype</th>"
+                 "<th>calls</th><th>elements</th><th>bias (ULP)</th><th>magnitude bias (ULP)</th>"
+                 "<th>spread ratio</th><th>smallest detectable bias (ULP)</th><th>verdict</th></tr></thead><tbody>")
+    for a in rows[:MAX_BIAS_ROWS]:
+        verdict = _text(a.get("verdict"))
+        cls = {"error": "s-error", "finding": "s-finding"}.get(verdict, "s-pass" if verdict == "pass" else "")
+        parts.append(
+            f"<tr data-verdict='{_e(verdict)}' class='{'hot' if verdict in ('error', 'finding') else ''}'>"
+            f"<td>{_e(a.get('api'))}</td><td>{_e(a.get('direction'))}</td><td>{_e(a.get('dtype'))}</td>"
+            + "".join(f"<td class='num'>{_cell_num(a.get(k))}</td>" for k in
+                      ("calls", "elements", "bias_ulp", "magnitude_bias_ulp", "spread_ratio", "detectable_ulp"))
+            + f"<td class='{cls}'>{_e(verdict)}</td></tr>")
+    parts.append("</tbody></table></div>")
+    if len(rows) > MAX_BIAS_ROWS:
+        parts.append(f"<p class='muted'>the first {MAX_BIAS_ROWS} of {len(rows)} rows (findings first)</p>")
+    return parts
+
+
+def _section_modules(modules: list | None, origin: str) -> list[str]:
+    parts = ["<h2 id='modules'>Modules, worst first</h2>"]
+    rows = [m for m in modules or [] if isinstance(m, dict)]
+    if not rows:
+        parts.append("<p class='muted'>The reports carry no module paths (an agent older than the Module column)."
+                     "</p>" if modules is None else "<p class='muted'>No module was checked.</p>")
+        return parts
+    parts.append("<table id='module-table'><thead><tr><th>module</th><th>calls</th><th>errors</th><th>warnings</th>"
+                 "</tr></thead><tbody>")
+    for m in rows[:MAX_MODULE_ROWS]:
+        module, errors, warnings = _text(m.get("module")), _int(m.get("errors")) or 0, _int(m.get("warnings")) or 0
+        status = "error" if errors else "Warning" if warnings else ""
+        label = (f"<a href='{_e(_filter_href(module, status))}'>{_module_cell(module)}</a>" if module and status
+                 else _module_cell(module))
+        parts.append(f"<tr data-module='{_e(module)}'><td>{label}</td><td class='num'>{_cell_num(m.get('calls'))}</td>"
+                     f"<td class='num {'s-error' if errors else ''}'>{errors}</td>"
+                     f"<td class='num {'s-Warning' if warnings else ''}'>{warnings}</td></tr>")
+    parts.append("</tbody></table>")
+    if len(rows) > MAX_MODULE_ROWS:
+        parts.append(f"<p class='muted'>the worst {MAX_MODULE_ROWS} of {len(rows)} modules</p>")
+    parts.append(f"<p class='muted'>{_e(origin)}</p>")
+    return parts
+
+
 # -- the page --------------------------------------------------------------------------------------------------
 _CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;margin:24px;color:#222;background:#fff}
@@ -281,6 +675,16 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 svg.plot text{font-size:11px;fill:#333} .grid{display:flex;flex-wrap:wrap;gap:18px}
 .card{border:1px solid #e3e3e3;border-radius:6px;padding:8px 12px}
 input,select{font-size:13px;padding:3px 6px;margin-right:8px}
+nav{margin:10px 0;font-size:13px} nav a{margin-right:12px}
+.first{border:1px solid #d62728;border-left:6px solid #d62728;border-radius:6px;padding:8px 14px;margin:8px 0;
+max-width:1100px;background:#fff8f8} .first div{margin:3px 0} .first .headline{font-size:16px}
+.first .msg{max-width:none;color:#444} #nonfinite-origin{border-color:#7b1fa2;background:#fbf6fd}
+code{font-family:SFMono-Regular,Consolas,monospace;font-size:12px;background:#f5f5f5;padding:0 3px;
+word-break:break-all} td code{white-space:nowrap;word-break:normal} .ok{color:#2ca02c;font-weight:bold}
+.verdict{font-size:15px}
+tr.earliest td{background:#fff0f0;font-weight:bold} tr.hot td{background:#fff4e0}
+tr.hot td.s-error,td.s-error{color:#fff;background:#d62728}
+.s-finding,tr.hot td.s-finding{background:#ff9f1c;font-weight:bold} b.bad{color:#d62728}
 """
 
 _JS = """
@@ -296,10 +700,19 @@ _JS = """
     document.getElementById('shown').textContent=shown;
   }
   q.addEventListener('input',apply); st.addEventListener('change',apply);
-  location.hash.replace(/^#/,'').split('&').forEach(function(kv){   // #filter=TEXT&status=error: a link to a view
-    var p=kv.split('='), v=decodeURIComponent(p[1]||'');
-    if(p[0]==='filter') q.value=v; if(p[0]==='status') st.value=v;
+  function fromHash(){   // #filter=TEXT&status=error: a link to a view (from another page, or this page's links)
+    var found=false;
+    location.hash.replace(/^#/,'').split('&').forEach(function(kv){
+      var p=kv.split('='), v; try{v=decodeURIComponent(p[1]||'');}catch(e){v=p[1]||'';}
+      if(p[0]==='filter'){q.value=v; found=true;} if(p[0]==='status'){st.value=v; found=true;}
+    });
+    if(found&&!/status=/.test(location.hash)) st.value='';
+    return found;
+  }
+  window.addEventListener('hashchange',function(){
+    if(fromHash()){apply(); document.getElementById('failing').scrollIntoView();}
   });
+  fromHash();
   Array.prototype.forEach.call(t.tHead.rows[0].cells,function(th,i){
     th.addEventListener('click',function(){
       var asc=th.getAttribute('data-asc')!=='1'; th.setAttribute('data-asc',asc?'1':'0');
@@ -330,6 +743,8 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
     ranks = sorted(set(int(r) for r in calls["rank"].dropna()))
     steps = sorted(set(int(s) for s in calls["step"] if s >= 0))
     verdicts = _status_counts(calls["verdict"])
+    ts = sessions[-1] if sessions else None
+    summary = _summary_json(out_dir, ts)
     parts = [f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Online accuracy check: "
              f"{_e(os.path.basename(os.path.abspath(out_dir)))}</title><style>{_CSS}</style></head><body>",
              "<h1>Online accuracy check report</h1>",
@@ -337,52 +752,51 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
              f" &middot; ranks {', '.join(map(str, ranks)) or '-'} &middot; steps "
              f"{(str(steps[0]) + '-' + str(steps[-1])) if steps else '-'} &middot; written "
              f"{time.strftime('%Y-%m-%d %H:%M:%S')}</div>",
-             "<div class='tiles' id='tiles'>",
-             f"<div class='tile'><b id='n-calls'>{len(calls)}</b>calls checked</div>"]
-    for status, label in (("error", "calls failed"), ("Warning", "with a warning"), ("SKIP", "skipped"),
-                          ("pass", "passed")):
-        parts.append(f"<div class='tile {status}'><b id='n-{status}'>{verdicts.get(status, 0)}</b>{label}</div>")
-    parts.append(f"<div class='tile'><b>{len(pdet)}</b>output rows judged</div></div>")
-    parts.append("<p class='muted'>A call's verdict is the worst of its forward and backward statuses in both reports: "
-                 "api_precision_compare (the precision standards, judged against the same-dtype run on the trusted "
-                 "host) and accuracy_checking (the two-way status against the upcast bench). See docs/standards.md."
-                 "</p>")
+             f"<div>{len(calls)} calls checked: <b class='{'bad' if verdicts.get('error') else ''}'>"
+             f"{verdicts.get('error', 0)} failed</b>, {verdicts.get('Warning', 0)} with a warning, "
+             f"{verdicts.get('SKIP', 0)} skipped, {verdicts.get('pass', 0)} passed</div>",
+             ""]
+    nav_at = len(parts) - 1   # the navigation line, once the sections present are known
 
-    # verdicts by API and by standard
-    by_api = []
-    for api, group in calls.groupby("api"):
-        by_api.append((api, _status_counts(group["verdict"])))
-    by_api.sort(key=lambda item: (-item[1].get("error", 0), -item[1].get("Warning", 0), item[0]))
-    parts.append("<h2 id='by-api'>Verdicts by API</h2><div class='grid'><div>")
-    parts.append(svg_stacked_bars(by_api[:40]))
-    if len(by_api) > 40:
-        parts.append(f"<p class='muted'>{len(by_api) - 40} more APIs in the table</p>")
-    parts.append("</div><div><table id='api-table'><thead><tr><th>API</th><th>calls</th><th>error</th>"
-                 "<th>Warning</th><th>SKIP</th><th>pass</th></tr></thead><tbody>")
-    for api, c in by_api:
-        parts.append(f"<tr data-api='{_e(api)}'><td>{_e(api)}</td><td class='num'>{sum(c.values())}</td>"
-                     + "".join(f"<td class='num {'s-' + s if c.get(s) and s != 'pass' else ''}'>{c.get(s, 0)}</td>"
-                               for s in ("error", "Warning", "SKIP", "pass")) + "</tr>")
-    parts.append("</tbody></table></div></div>")
-    by_std = []
-    if len(pdet):
-        for algo, group in pdet.groupby(pdet["比对算法"].fillna(" ").str.strip().replace("", "none (SKIP)")):
-            by_std.append((f"{STANDARD_NAMES.get(algo, algo)} ({algo})" if algo in STANDARD_NAMES else algo,
-                           _status_counts(group["比对结果"].fillna("SKIP"))))
-    parts.append("<h2 id='by-standard'>Output rows by precision standard (比对算法)</h2>")
-    parts.append(svg_stacked_bars(sorted(by_std, key=lambda x: -x[1].get("error", 0))))
+    # the top-down view: the first anomaly, the non-finite values, the pooled findings, the modules
+    first = _d(summary.get("first_anomaly"))
+    if isinstance(first.get("earliest"), dict) or any(isinstance(v, dict) for v in _d(first.get("by_rank")).values()):
+        origin = f"from summary_{ts}.json"
+    else:   # no summary, an older one, or one whose rows had no Seq (an older agent): the CSV rows tell
+        first = _first_anomaly_from_csv(frames)
+        origin = ("computed from the CSV rows: per rank the failing row with the smallest Seq (execution order); "
+                  "across ranks the earliest step, then the earliest place in that step")
+    parts += _section_first_anomaly(first, origin, out_dir, report_dir, ts)
+    parts += _section_nonfinite(_d(summary.get("nonfinite")))
+    bias_csv = _api_bias_csv(out_dir, ts) if ts else ""
+    bias_link = (os.path.relpath(bias_csv, report_dir).replace(os.sep, "/")
+                 if bias_csv and os.path.isfile(bias_csv) else None)
+    parts += _section_api_bias(_d(summary.get("api_bias")), bias_link)
+    if isinstance(summary.get("modules"), list):
+        parts += _section_modules(summary["modules"], f"from summary_{ts}.json")
+    else:
+        parts += _section_modules(_modules_from_calls(calls) if len(calls) else [],
+                                  "computed from the CSV rows (a call's verdict is the worst of its statuses)")
+
+    sections = [("first-anomaly", "first anomaly"), ("nonfinite", "non-finite"), ("api-bias", "pooled findings"),
+                ("modules", "modules"), ("failing", "failing calls"), ("verdicts", "verdicts"),
+                ("distributions", "distributions"), ("trends", "trends"), ("ranks", "ranks")]
+    present = "".join(parts)
+    parts[nav_at] = "<nav>" + "".join(f"<a href='#{ident}'>{label}</a>" for ident, label in sections
+                                 if ident in ("failing", "verdicts", "distributions", "trends", "ranks")
+                                 or f"id='{ident}'" in present) + "</nav>"
 
     # failing and warning calls
     bad = calls[calls["verdict"].isin(["error", "Warning"])].copy()
     bad["order"] = bad["verdict"].map(ORDER)
     bad = bad.sort_values(["order", "api", "rank", "step", "call"], kind="stable")
     parts.append(f"<h2 id='failing'>Failing and warning calls ({len(bad)})</h2>")
-    parts.append("<div><input id='filter' placeholder='filter: API, rank, message...' size='40'>"
+    parts.append("<div><input id='filter' placeholder='filter: API, module, source, rank, message...' size='48'>"
                  "<select id='status'><option value=''>error and Warning</option><option>error</option>"
                  "<option>Warning</option></select> <span class='muted'><span id='shown'>"
                  f"{len(bad)}</span> shown; click a header to sort</span></div>")
     parts.append("<div class='scroll'><table id='calls'><thead><tr><th>verdict</th><th>API</th><th>call</th>"
-                 "<th>rank</th><th>step</th>"
+                 "<th>rank</th><th>step</th><th>module</th><th>source</th>"
                  "<th>precision fwd/bwd</th><th>two-way fwd/bwd</th><th>worst output</th><th>standard</th>"
                  "<th>ratio (device / same-dtype)</th><th>cosine</th><th>max abs err</th><th>mean rel err</th>"
                  "<th>mean ULP</th><th>message</th><th>error data</th></tr></thead><tbody>")
@@ -399,7 +813,8 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
             f"<tr data-verdict='{_e(row['verdict'])}' data-api='{_e(row['api'])}'>"
             f"<td class='s-{_e(row['verdict'])}' data-v='{ORDER.get(row['verdict'], 9)}'>{_e(row['verdict'])}</td>"
             f"<td>{_e(row['api'])}</td><td>{_e(row['call'])}</td><td class='num'>{row['rank']}</td>"
-            f"<td class='num'>{row['step']}</td><td>{_e(row['p_fwd'])} / {_e(row['p_bwd'])}</td>"
+            f"<td class='num'>{row['step']}</td><td>{_module_cell(row['module'])}</td>"
+            f"<td><code>{_e(row['source'])}</code></td><td>{_e(row['p_fwd'])} / {_e(row['p_bwd'])}</td>"
             f"<td>{_e(row['t_fwd'])} / {_e(row['t_bwd'])}</td><td>{_e(w.get('API Name', ''))}</td>"
             f"<td>{_e(STANDARD_NAMES.get(algo, algo))}</td><td>{_e(ratio)}</td>"
             + "".join(f"<td class='num'>{_num(w.get(k))}</td>" for k in ("余弦相似度", "最大绝对误差", "dev_mean_rel",
@@ -410,6 +825,40 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
     if len(bad) > MAX_TABLE_ROWS:
         parts.append(f"<p class='muted'>the first {MAX_TABLE_ROWS} of {len(bad)} calls (errors first); all of them "
                      "are in the CSV files and in gpu_server.reports.load</p>")
+
+    # verdicts at a glance, by API and by standard
+    parts.append("<h2 id='verdicts'>Verdicts at a glance</h2><div class='tiles' id='tiles'>")
+    parts.append(f"<div class='tile'><b id='n-calls'>{len(calls)}</b>calls checked</div>")
+    for status, label in (("error", "calls failed"), ("Warning", "with a warning"), ("SKIP", "skipped"),
+                          ("pass", "passed")):
+        parts.append(f"<div class='tile {status}'><b id='n-{status}'>{verdicts.get(status, 0)}</b>{label}</div>")
+    parts.append(f"<div class='tile'><b>{len(pdet)}</b>output rows judged</div></div>")
+    parts.append("<p class='muted'>A call's verdict is the worst of its forward and backward statuses in both reports: "
+                 "api_precision_compare (the precision standards, judged against the same-dtype run on the trusted "
+                 "host) and accuracy_checking (the two-way status against the upcast bench). See docs/standards.md."
+                 "</p>")
+    by_api = []
+    for api, group in calls.groupby("api"):
+        by_api.append((api, _status_counts(group["verdict"])))
+    by_api.sort(key=lambda item: (-item[1].get("error", 0), -item[1].get("Warning", 0), item[0]))
+    parts.append("<h3 id='by-api'>Verdicts by API</h3><div class='grid'><div>")
+    parts.append(svg_stacked_bars(by_api[:40]))
+    if len(by_api) > 40:
+        parts.append(f"<p class='muted'>{len(by_api) - 40} more APIs in the table</p>")
+    parts.append("</div><div><table id='api-table'><thead><tr><th>API</th><th>calls</th><th>error</th>"
+                 "<th>Warning</th><th>SKIP</th><th>pass</th></tr></thead><tbody>")
+    for api, c in by_api:
+        parts.append(f"<tr data-api='{_e(api)}'><td>{_e(api)}</td><td class='num'>{sum(c.values())}</td>"
+                     + "".join(f"<td class='num {'s-' + s if c.get(s) and s != 'pass' else ''}'>{c.get(s, 0)}</td>"
+                               for s in ("error", "Warning", "SKIP", "pass")) + "</tr>")
+    parts.append("</tbody></table></div></div>")
+    by_std = []
+    if len(pdet):
+        for algo, group in pdet.groupby(pdet["比对算法"].fillna(" ").str.strip().replace("", "none (SKIP)")):
+            by_std.append((f"{STANDARD_NAMES.get(algo, algo)} ({algo})" if algo in STANDARD_NAMES else algo,
+                           _status_counts(group["比对结果"].fillna("SKIP"))))
+    parts.append("<h3 id='by-standard'>Output rows by precision standard (比对算法)</h3>")
+    parts.append(svg_stacked_bars(sorted(by_std, key=lambda x: -x[1].get("error", 0))))
 
     # error distributions of failing APIs
     failing_apis = [api for api, c in by_api if c.get("error")]

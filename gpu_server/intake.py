@@ -64,6 +64,19 @@ class Job:
     intra_op_threads: int = 0  # CPU training's thread count (0: unknown / not a CPU device)
     nbytes: int = 0
     reserved: int = 0          # bytes of the server's memory budget this job holds until it is checked
+    module: str = ""           # where the call was made (the header's, through wire_text): "TinyLM.blocks.0.attn"
+    source: str = ""           # "train.py:42 (forward)"
+
+
+MAX_WHERE = 1024   # characters kept of a record's module path and source location
+
+
+def wire_text(value: str, limit: int = MAX_WHERE) -> str:
+    """A free-text header field (module, source) as the reports keep it: as sent when short and printable, else cut
+    to `limit` characters and escaped (protos.limits.log_text). Never a reason to reject the record."""
+    if len(value) <= limit and value.isprintable():
+        return value
+    return log_text(value, limit)
 
 
 class ByteBudget:
@@ -441,7 +454,8 @@ class Intake:
         match = valid_call_name(name)
         category, api = (match.group(1), match.group(2)) if match else ("", "")
         job = job or Job(run_id=h.run_id if RUN_ID.match(h.run_id) else "invalid", rank=h.rank, step=h.step,
-                         seq=h.seq, name=name, category=category, api=api, direction=h.direction or pb.FORWARD)
+                         seq=h.seq, name=name, category=category, api=api, direction=h.direction or pb.FORWARD,
+                         module=wire_text(h.module), source=wire_text(h.source))
         job.skip_reason = reason
         job.backward_expected = False
         job.reserved = 0
@@ -473,7 +487,7 @@ def decode_job(record: pb.Record, payload: bytes | bytearray | memoryview, limit
         autocast=(record.autocast.enabled, record.autocast.dtype, record.autocast.device_type),
         inplace=record.inplace, backward_expected=record.backward_expected, skip_reason=record.skip_reason[:1000],
         intra_op_threads=min(record.intra_op_threads, 1024),
-        nbytes=len(payload),
+        nbytes=len(payload), module=wire_text(h.module), source=wire_text(h.source),
     )
     if record.HasField("random"):
         r = record.random

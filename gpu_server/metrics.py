@@ -61,7 +61,9 @@ class OutputMetrics:
     ulp_mean: float | None = None
     ulp_over_threshold: float | None = None
     # Element counts behind the shares and rates (not a report column): numel, small, small_bad, ulp_over,
-    # hundredth, thousandth, ten_thousandth. The confidence bounds need them (standards.registry.wilson).
+    # hundredth, thousandth, ten_thousandth, inf_nan (elements non-finite on either side, the bench in the device
+    # dtype) and inf_nan_bad (those that disagree: another class or sign, a finite value not saturated). The
+    # confidence bounds and the non-finite rules need them (standards.registry.wilson, gpu_server/verdict.py).
     counts: Mapping[str, int] | None = field(default=None, compare=False, repr=False)
 
 
@@ -415,7 +417,7 @@ class _Accumulator:
             ulp_mean=f["sum_ulp"] / numel,
             ulp_over_threshold=c["ulp_over"] / numel,
             counts={"numel": numel, **{k: c[k] for k in ("small", "small_bad", "ulp_over", "hundredth", "thousandth",
-                                                         "ten_thousandth")}},
+                                                         "ten_thousandth", "inf_nan", "inf_nan_bad")}},
         )
 
 

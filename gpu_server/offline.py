@@ -72,7 +72,7 @@ def summarize(out_dir: str):
     """A gpu_server.summary.Summary rebuilt from the CSV reports of every session in `out_dir`, with the end and
     transport counts of the sessions' summary_{ts}.json files where they exist."""
     from gpu_server.report_frame import report_files
-    from gpu_server.summary import Summary
+    from gpu_server.summary import SavedFindings, Summary
 
     summary = Summary()
     sessions = sorted({ts for _, ts, _ in report_files(out_dir, "result")})
@@ -92,8 +92,37 @@ def summarize(out_dir: str):
             summary.rank_ended(end.get("run_id", ""), int(end.get("rank", 0)), counts)
         for key, n in saved.get("transport", {}).items():
             summary.count(key, int(n))
+        if isinstance(saved.get("api_bias"), dict):   # the pooled test needs every element: kept from the run
+            summary.pooled = SavedFindings(saved["api_bias"])
+        _reload_nonfinite(summary, saved.get("nonfinite"))
+    _find_evidence(summary, out_dir)
     summary.session = {"sessions": sessions}
     return summary
+
+
+def _find_evidence(summary, out_dir: str) -> None:
+    """The error-data folder of each rank's first failing call, where the server saved it inside `out_dir` (a
+    relative error_data_path, msprobe's default)."""
+    for rank, e in list(summary.first_anomaly.items()):
+        pattern = os.path.join(glob.escape(out_dir), "error_data", "*", "*", f"rank{int(rank)}",
+                               glob.escape(f"{e['call']}.step{int(e['step'])}"))
+        found = sorted(p for p in glob.glob(pattern) if os.path.isdir(p))
+        if found:
+            summary.evidence_saved(rank, e["call"], e["step"], found[-1])
+
+
+def _reload_nonfinite(summary, saved) -> None:
+    """The origins of inf/NaN a session's summary JSON saved (they need the tensors: the CSVs do not have them)."""
+    by_rank = saved.get("by_rank") if isinstance(saved, dict) else None
+    for rank, entries in (by_rank or {}).items():
+        for kind, inputs_finite in (("origin", True), ("first_input", False)):
+            e = (entries or {}).get(kind)
+            try:
+                summary.nonfinite(int(rank), int(e["step"]), int(e["seq"]), str(e["call"]), str(e.get("direction", "")),
+                                  str(e.get("module", "")), str(e.get("source", "")), inputs_finite,
+                                  bool(e.get("device")), bool(e.get("bench")))
+            except (TypeError, KeyError, ValueError):   # absent, or not what a server wrote
+                continue
 
 
 def summary_main(argv: list[str]) -> int:
@@ -111,7 +140,7 @@ def summary_main(argv: list[str]) -> int:
         print(json.dumps(data, indent=2, ensure_ascii=False))
     else:
         print(summary.human().replace(f" ({summary.as_dict()['elapsed_s']:.1f} s)", "", 1))
-    return 1 if ns.fail_on == "error" and sum(summary.failed.values()) else 0
+    return 1 if ns.fail_on == "error" and summary.failed_run() else 0
 
 
 # -- compare (msprobe api_precision_compare) -------------------------------------------------------------------

@@ -82,5 +82,7 @@ def bit_identical(a: torch.Tensor | None, b: torch.Tensor) -> bool:
     """Same dtype, same shape, same bits (NaN payloads and signed zeros included)."""
     if a is None or a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return False
+    if b.numel() == 0:
+        return True   # nothing to differ (an empty view may have stride 0, which a byte view refuses)
     a, b = a.detach().to(b.device).reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
     return torch.equal(a.view(torch.uint8), b.view(torch.uint8))

@@ -2,7 +2,7 @@
 
     accuracy_checking_result_{ts}_rank{r}.csv      api_precision_compare_result_{ts}_rank{r}.csv
     accuracy_checking_details_{ts}_rank{r}.csv     api_precision_compare_details_{ts}_rank{r}.csv
-    summary_{ts}.json
+    summary_{ts}.json                              api_bias_{ts}.csv (the pooled test across calls, all ranks)
 
 `{ts}` is the session's start time (`%Y%m%d%H%M%S`, kept across restarts with the same --out).
 """
@@ -57,3 +57,8 @@ def session_reports(out_dir: str, ts: str) -> dict[str, tuple[str, int]]:
 
 def summary_path(out_dir: str, ts: str) -> str:
     return os.path.join(out_dir, f"summary_{ts}.json")
+
+
+def api_bias_path(out_dir: str, ts: str) -> str:
+    """The pooled findings across calls of session `ts` (gpu_server/pooled.py): one row per API, direction, dtype."""
+    return os.path.join(out_dir, f"api_bias_{ts}.csv")

@@ -4,8 +4,10 @@ A `--out` folder holds, per server session `{ts}` and rank `r`, the four CSV fil
 reads one kind of them (all ranks, all sessions) into one frame:
 
 - msprobe's headers are kept as they are (Chinese ones included), every cell typed: metric and ratio columns are
-  floats (a blank cell, `' '`, is NaN; `nan`/`inf` are read as such), `Step` is an integer, statuses are strings;
+  floats (a blank cell, `' '`, is NaN; `nan`/`inf` are read as such), `Step` and `Seq` are (nullable) integers,
+  `Module` and `Source` strings ("" when blank or when a file predates them), statuses are strings;
 - each msprobe column also gets an English alias (`cosine`, `rmse_ratio`, `result`, `algorithm`, ...; see ALIASES);
+- lower-case aliases of our own columns: `step`, `seq`, `module`, `source`;
 - columns of our own: `rank`, `ts` (the server session), `file`, and from the row's API name `call`
   (`Functional.gelu.0`), `api` (`Functional.gelu`), `direction` (forward/backward) and `output` (the index) for
   the details kinds.
@@ -23,6 +25,7 @@ import re
 import pandas as pd
 
 from gpu_server.columns import (
+    BLANK,
     DETAILS_HEADER,
     EXTRA_COLUMNS,
     METRIC_COLUMNS,
@@ -88,15 +91,18 @@ def report_files(out_dir: str, kind: str) -> list[tuple[str, str, int]]:
 
 def _typed(frame: pd.DataFrame, kind: str) -> pd.DataFrame:
     for column in frame.columns:
-        if column == "Step":
+        if column in ("Step", "Seq"):
             frame[column] = pd.to_numeric(frame[column], errors="coerce").astype("Int64")
+        elif column in ("Module", "Source"):   # text; blank (or absent from an older file) is ""
+            frame[column] = frame[column].fillna("").replace(BLANK, "").astype(str)
         elif column in _NUMERIC:
             frame[column] = pd.to_numeric(frame[column].str.strip().replace("", None), errors="coerce").astype(float)
     for chinese, english in ALIASES[kind].items():
         if chinese in frame.columns and english not in frame.columns:
             frame[english] = frame[chinese]
-    if "Step" in frame.columns:
-        frame["step"] = frame["Step"]
+    for ours in EXTRA_COLUMNS:
+        if ours in frame.columns:
+            frame[ours.lower()] = frame[ours]
     name = frame.columns[0]
     if kind in ("details", "precision_details"):
         parts = frame[name].str.extract(_ROW)

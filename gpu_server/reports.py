@@ -1,6 +1,7 @@
 """The CSV reports of one rank (docs/design.md §6.6): msprobe's file names (gpu_server/report_files.py) and headers,
 UTF-8 with
-BOM, one row at a time, flushed after each row. Our own columns (Step) come after msprobe's.
+BOM, one row at a time, flushed after each row. Our own columns (Step, Seq, Module, Source: columns.EXTRA_COLUMNS) come
+after msprobe's; a row's Seq, Module and Source come in a `Where`.
 
 Open files are bounded: the report files of every rank share one `OpenFiles` cache (least recently used closed
 first, reopened in append mode), sized from the process's open-file limit, so hundreds of ranks do not exhaust
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import csv
+import dataclasses
 import errno
 import io
 import logging
@@ -36,6 +38,25 @@ from gpu_server.metrics import OutputMetrics
 
 log = logging.getLogger("gpu_server")
 _BOM = "\ufeff".encode()
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where a row's call was made: the record's seq (None: unknown), its module path and source location (the
+    agent's npu_agent.location, as the intake kept them)."""
+
+    seq: int | None = None
+    module: str = ""
+    source: str = ""
+
+
+NOWHERE = Where()
+
+
+def _tail(step: int, where: Where) -> list:
+    """The cells of our own columns (EXTRA_COLUMNS): Step, Seq, Module, Source."""
+    return [step, BLANK if where.seq is None else where.seq, clean(where.module) or BLANK,
+            clean(where.source) or BLANK]
 
 
 class ReportWriteError(OSError):
@@ -181,27 +202,30 @@ class RankReports:
     def paths(self) -> list[str]:
         return [f.path for f in (self.result, self.details, self.precision_result, self.precision_details)]
 
-    def write_result(self, api: str, forward: str, backward: str, message: str, step: int) -> None:
+    def write_result(self, api: str, forward: str, backward: str, message: str, step: int,
+                     where: Where = NOWHERE) -> None:
         with self._lock:
-            self.result.write([api, forward, backward, clean(message) or BLANK, step])
+            self.result.write([api, forward, backward, clean(message) or BLANK, *_tail(step, where)])
 
     def write_detail(self, row_name: str, bench_dtype: str, device_dtype: str, shape: str,
-                     metrics: OutputMetrics | None, status: str, message: str, step: int) -> None:
+                     metrics: OutputMetrics | None, status: str, message: str, step: int,
+                     where: Where = NOWHERE) -> None:
         values = [cell(getattr(metrics, attr) if metrics else None) for attr, _ in METRIC_COLUMNS]
         with self._lock:
             self.details.write([row_name, bench_dtype or BLANK, device_dtype or BLANK, shape or BLANK, *values, status,
-                                clean(message) or BLANK, step])
+                                clean(message) or BLANK, *_tail(step, where)])
 
-    def write_precision_result(self, api: str, forward: str, backward: str, message: str, step: int) -> None:
+    def write_precision_result(self, api: str, forward: str, backward: str, message: str, step: int,
+                               where: Where = NOWHERE) -> None:
         with self._lock:
-            self.precision_result.write([api, forward, backward, clean(message) or BLANK, step])
+            self.precision_result.write([api, forward, backward, clean(message) or BLANK, *_tail(step, where)])
 
     def write_precision_detail(self, row_name: str, cells: dict, status: str, algorithm: str, message: str,
-                               step: int) -> None:
+                               step: int, where: Where = NOWHERE) -> None:
         row = [row_name]
         for title in PRECISION_DETAILS_HEADER[1:-3]:
             row.append(cell(cells.get(title)))
-        row += [status, algorithm or BLANK, clean(message) or BLANK, step]
+        row += [status, algorithm or BLANK, clean(message) or BLANK, *_tail(step, where)]
         with self._lock:
             self.precision_details.write(row)
 

@@ -63,12 +63,18 @@ def cut_reports(out_dir: str, ts: str, state: JournalState, fsync: bool) -> dict
     return cut
 
 
-def _rows(path: str) -> list[list[str]]:
+def _calls(path: str) -> list[tuple[str, str]]:
+    """(API name, Step) of every row of a report file (the Step column found by its header: our columns after
+    msprobe's may grow)."""
     try:
         with open(path, encoding="utf-8-sig", newline="") as fh:
-            return list(csv.reader(fh))[1:]
+            rows = list(csv.reader(fh))
     except (OSError, csv.Error, UnicodeDecodeError):
         return []
+    if not rows:
+        return []
+    step = rows[0].index("Step") if "Step" in rows[0] else -1
+    return [(r[0], r[step]) for r in rows[1:] if len(r) > max(step, 0)]
 
 
 def rebuild_from_reports(out_dir: str, ts: str, entries: list[Entry], state: JournalState) -> int:
@@ -77,11 +83,10 @@ def rebuild_from_reports(out_dir: str, ts: str, entries: list[Entry], state: Jou
     results: dict[int, set[tuple[str, str]]] = {}
     forwards: dict[int, set[tuple[str, str]]] = {}
     for rank in {e.key[1] for e in entries}:
-        results[rank] = {(r[0], r[-1]) for r in
-                         _rows(report_files.path(out_dir, report_files.RESULT, ts, rank)) if r}
-        forwards[rank] = {(r[0].split(".forward.output.")[0], r[-1]) for r in
-                          _rows(report_files.path(out_dir, report_files.DETAILS, ts, rank))
-                          if r and ".forward.output." in r[0]}
+        results[rank] = set(_calls(report_files.path(out_dir, report_files.RESULT, ts, rank)))
+        forwards[rank] = {(name.split(".forward.output.")[0], step) for name, step in
+                          _calls(report_files.path(out_dir, report_files.DETAILS, ts, rank))
+                          if ".forward.output." in name}
     found = 0
     for e in entries:
         call = (e.name, str(e.step))

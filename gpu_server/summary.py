@@ -14,7 +14,7 @@ from gpu_server import report_files
 from gpu_server.atomic_file import write_atomic
 from gpu_server.drain_rate import DrainRate
 from gpu_server.standards import standard_labels
-from gpu_server.standards.registry import ERROR, SKIP, STATUSES
+from gpu_server.standards.registry import ERROR, SKIP, STATUSES, WARNING
 
 log = logging.getLogger("gpu_server")
 
@@ -45,6 +45,13 @@ class Summary:
         self.report_failure_examples: list[str] = []
         self.quarantined: list[dict] = []      # spooled records that could not be read back or decoded
         self.durability: dict = {}
+        self.first_anomaly: dict[int, dict] = {}       # per rank: the failing output row with the smallest seq
+        self._step_start: dict[tuple[int, int], int] = {}   # (rank, step) -> smallest seq of a row seen
+        self.nonfinite_origin: dict[int, dict] = {}    # per rank: the first call making inf/NaN from finite inputs
+        self.nonfinite_input: dict[int, dict] = {}     # per rank: the first call receiving inf/NaN
+        self.modules: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.pooled = None     # gpu_server.pooled.PooledErrors of the run (the app sets it): "api_bias"
+        self.evidence: dict[tuple[int, str, int], str] = {}   # (rank, call, step) -> its error_data folder
 
     def add_files(self, rank: int, paths: list[str]) -> None:
         with self._lock:
@@ -78,9 +85,100 @@ class Summary:
         with self._lock:
             self.transport[key] += n
 
-    def call_done(self, rank: int, name: str, fwd: str, bwd: str, pfwd: str, pbwd: str, message: str) -> None:
+    def row_done(self, rank: int, step: int, seq: int | None, row: str, status: str, report: str, message: str,
+                 module: str = "", source: str = "") -> None:
+        """One details row (either report). Keeps where each step starts on each rank and the first failing row
+        in execution order (the agent's seq: forward calls in order, then the backward records)."""
+        if seq is None:
+            return
+        with self._lock:
+            key = (rank, step)
+            if seq < self._step_start.get(key, seq + 1):
+                self._step_start[key] = seq
+            if status != ERROR:
+                return
+            first = self.first_anomaly.get(rank)
+            if first is not None and (first["seq"], first["report"] != "accuracy_checking") <= (
+                    seq, report != "accuracy_checking"):
+                return
+            parts = row.split(".")
+            self.first_anomaly[rank] = {
+                "rank": rank, "call": ".".join(parts[:3]), "row": row, "step": step, "seq": seq,
+                "direction": parts[3] if len(parts) > 3 else "", "module": module, "source": source,
+                "report": report, "status": status, "message": message[:500]}
+
+    def evidence_saved(self, rank: int, call: str, step: int, folder: str) -> None:
+        """A failing call's error-data folder (gpu_server/error_data.py): the first anomaly links to its own."""
+        with self._lock:
+            if len(self.evidence) < 100_000:
+                self.evidence[(rank, call, step)] = folder
+
+    def nonfinite(self, rank: int, step: int, seq: int, name: str, direction: str, module: str, source: str,
+                  inputs_finite: bool, device: bool, bench: bool) -> None:
+        """One replayed call's finiteness (gpu_server/nonfinite.py): keeps per rank the first origin of inf/NaN
+        (finite inputs, non-finite outputs) and the first call that received inf/NaN."""
+        entry = {"rank": rank, "call": name, "step": step, "seq": seq, "direction": direction, "module": module,
+                 "source": source, "device": device, "bench": bench}
+        with self._lock:
+            if inputs_finite and (device or bench):
+                first = self.nonfinite_origin.get(rank)
+                if first is None or seq < first["seq"]:
+                    self.nonfinite_origin[rank] = entry
+            elif not inputs_finite:
+                first = self.nonfinite_input.get(rank)
+                if first is None or seq < first["seq"]:
+                    self.nonfinite_input[rank] = entry
+
+    def failed_run(self) -> bool:
+        """`--fail-on error`: some call failed, or a pooled finding across calls is above the user's limit."""
+        with self._lock:
+            if sum(self.failed.values()):
+                return True
+        bias = self.pooled.as_dict() if self.pooled is not None else None
+        return any(f.get("verdict") == ERROR for f in (bias or {}).get("findings", ()))
+
+    def _position(self, entry: dict) -> tuple[int, int]:
+        """(step, position within the step on its rank): ranks running one program compare by this."""
+        return entry["step"], entry["seq"] - self._step_start.get((entry["rank"], entry["step"]), entry["seq"])
+
+    def _first_anomaly(self) -> dict:
+        def entry(e: dict) -> dict:
+            return {**e, "evidence": self.evidence.get((e["rank"], e["call"], e["step"]), "")}
+
+        by_rank = {str(r): entry(e) for r, e in sorted(self.first_anomaly.items())}
+        earliest = min(self.first_anomaly.values(), key=lambda e: (*self._position(e), e["rank"]), default=None)
+        return {"earliest": entry(earliest) if earliest else None, "by_rank": by_rank}
+
+    def _nonfinite(self) -> dict:
+        from gpu_server.nonfinite import CallFiniteness
+
+        ranks = sorted(set(self.nonfinite_origin) | set(self.nonfinite_input))
+        by_rank = {str(r): {"origin": self.nonfinite_origin.get(r), "first_input": self.nonfinite_input.get(r)}
+                   for r in ranks}
+        origin = min(self.nonfinite_origin.values(), key=lambda e: (*self._position(e), e["rank"]), default=None)
+        first_input = min(self.nonfinite_input.values(), key=lambda e: (*self._position(e), e["rank"]),
+                          default=None)
+        if origin is not None:
+            verdict = (f"first inf/NaN made by {origin['call']} (rank {origin['rank']}, step {origin['step']}): "
+                       + CallFiniteness(True, origin["device"], origin["bench"]).verdict())
+        elif first_input is not None:
+            verdict = (f"inf/NaN entered the checked calls from code the checker does not see (first received by "
+                       f"{first_input['call']}, rank {first_input['rank']}, step {first_input['step']}): the "
+                       "optimizer step, the data or an unchecked region; not a device fault of a checked call")
+        else:
+            verdict = ""
+        return {"verdict": verdict, "origin": origin, "first_input": first_input, "by_rank": by_rank}
+
+    def call_done(self, rank: int, name: str, fwd: str, bwd: str, pfwd: str, pbwd: str, message: str,
+                  module: str = "") -> None:
         with self._lock:
             self.checked[rank] += 1
+            per_module = self.modules[module]
+            per_module["calls"] += 1
+            if ERROR in (fwd, bwd, pfwd, pbwd):
+                per_module["errors"] += 1
+            elif WARNING in (fwd, bwd, pfwd, pbwd):
+                per_module["warnings"] += 1
             for s in (fwd, bwd):
                 if s.strip():
                     self.result_status[s] += 1
@@ -110,37 +208,39 @@ class Summary:
             self.memory = {"payload_budget_bytes": budget, "payload_peak_bytes": peak}
 
     def seed_from_reports(self, out_dir: str, ts: str) -> None:
-        """A resumed session: count the result rows the earlier server processes wrote (after the cut-back)."""
+        """A resumed session, or `gpu-server summary`: count the rows the earlier server processes wrote (after the
+        cut-back), and find the first failing row and the modules from their Seq, Module and Source columns."""
         for name, (kind, rank) in sorted(report_files.session_reports(out_dir, ts).items()):
             if kind != report_files.RESULT:
                 continue
-            path = os.path.join(out_dir, name)
-            precision = report_files.path(out_dir, report_files.PRECISION_RESULT, ts, rank)
-            try:
-                with open(path, encoding="utf-8-sig", newline="") as fh:
-                    rows = list(csv.reader(fh))[1:]
-                prows = []
-                if os.path.exists(precision):
-                    with open(precision, encoding="utf-8-sig", newline="") as fh:
-                        prows = list(csv.reader(fh))[1:]
-            except (OSError, csv.Error, UnicodeDecodeError):
+            rows = _read_rows(os.path.join(out_dir, name))
+            if rows is None:
                 continue
-            pmap = {r[0]: r for r in prows if len(r) >= 4}
-            pdetails = report_files.path(out_dir, report_files.PRECISION_DETAILS, ts, rank)
-            if os.path.exists(pdetails):
-                try:
-                    with open(pdetails, encoding="utf-8-sig", newline="") as fh:
-                        for row in csv.DictReader(fh):
-                            self.standard_row(row.get("比对算法") or " ", row.get("比对结果") or SKIP)
-                except (OSError, csv.Error):
-                    pass
+            precision = {(r.get("API Name"), r.get("Step")): r
+                         for r in _read_rows(report_files.path(out_dir, report_files.PRECISION_RESULT, ts, rank)) or ()}
+            for row in _read_rows(report_files.path(out_dir, report_files.PRECISION_DETAILS, ts, rank)) or ():
+                self.standard_row(row.get("比对算法") or " ", row.get("比对结果") or SKIP)
+                self._seed_row(rank, row, row.get("比对结果") or SKIP, "api_precision_compare")
+            for row in _read_rows(report_files.path(out_dir, report_files.DETAILS, ts, rank)) or ():
+                self._seed_row(rank, row, row.get("Status") or SKIP, "accuracy_checking")
             for r in rows:
-                if len(r) < 4:
+                api = r.get("API name")
+                if not api:
                     continue
-                p = pmap.get(r[0], [r[0], " ", " ", ""])
-                self.call_done(rank, r[0], r[1], r[2], p[1], p[2], p[3] or r[3])
+                p = precision.get((api, r.get("Step")), {})
+                self.call_done(rank, api, r.get("Forward Test Success") or " ", r.get("Backward Test Success") or " ",
+                               p.get("Forward Test Success") or " ", p.get("Backward Test Success") or " ",
+                               (p.get("Message") or "").strip() or r.get("Message") or "",
+                               module=(r.get("Module") or "").strip())
             with self._lock:
                 self.files.setdefault(rank, report_files.rank_paths(out_dir, ts, rank))
+
+    def _seed_row(self, rank: int, row: dict, status: str, report: str) -> None:
+        seq, step = _int(row.get("Seq")), _int(row.get("Step"))
+        if seq is not None and step is not None:
+            self.row_done(rank, step, seq, row.get("API Name") or "", status, report,
+                          (row.get("Message") or "").strip(), (row.get("Module") or "").strip(),
+                          (row.get("Source") or "").strip())
 
     def rank_ended(self, run_id: str, rank: int, counts: dict) -> None:
         with self._lock:
@@ -179,6 +279,12 @@ class Summary:
                                           "examples": list(self.report_failure_examples)},
                 "quarantined_records": list(self.quarantined),
                 "durability": dict(self.durability),
+                "first_anomaly": self._first_anomaly(),
+                "nonfinite": self._nonfinite(),
+                "modules": [{"module": m, "calls": c["calls"], "errors": c["errors"], "warnings": c["warnings"]}
+                            for m, c in sorted(self.modules.items(),
+                                               key=lambda kv: (-kv[1]["errors"], -kv[1]["warnings"], kv[0]))],
+                "api_bias": self.pooled.as_dict() if self.pooled is not None else None,
             }
 
     def write_json(self, out_dir: str, ts: str) -> str:
@@ -192,6 +298,7 @@ class Summary:
         lines = [f"gpu-server summary: {sum(d['records_received'].values())} records received, "
                  f"{sum(d['calls_checked'].values())} API calls checked, {sum(d['calls_failed'].values())} failed "
                  f"({d['elapsed_s']:.1f} s)"]
+        lines += _top_down(d)
         lines.append("  accuracy_checking (two-way):    " + _counts(d["accuracy_checking_status"]))
         lines.append("  api_precision_compare (standards): " + _counts(d["api_precision_compare_status"]))
         for name, counts in d["api_precision_compare_rows_by_standard"].items():
@@ -228,5 +335,71 @@ class Summary:
         return "\n".join(lines)
 
 
+def _where(e: dict) -> str:
+    module = f" in {e['module']}" if e.get("module") else ""
+    source = f" at {e['source']}" if e.get("source") else ""
+    return f"{e['call']} {e.get('direction', '')} (rank {e['rank']}, step {e['step']}){module}{source}"
+
+
+def _top_down(d: dict) -> list[str]:
+    """The lines a user reads first: the first failing call, where it runs, the origin of inf/NaN, the findings
+    across calls and the modules with errors (README, "Reading the report")."""
+    lines = []
+    first = d["first_anomaly"]
+    if first["earliest"]:
+        e = first["earliest"]
+        lines.append(f"  FIRST FAILING CALL: {_where(e)}")
+        lines.append(f"    row {e['row']} ({e['report']}): {e['message'][:200]}")
+        if e.get("evidence"):
+            lines.append(f"    evidence (its tensors and replay.py): {e['evidence']}")
+        others = [x for r, x in first["by_rank"].items() if x["row"] != e["row"] or x["rank"] != e["rank"]]
+        for x in others[:8]:
+            lines.append(f"    first on rank {x['rank']}: {_where(x)}")
+    if d["nonfinite"]["verdict"]:
+        lines.append(f"  inf/NaN: {d['nonfinite']['verdict']}")
+        origin = d["nonfinite"]["origin"] or d["nonfinite"]["first_input"]
+        if origin and (origin.get("module") or origin.get("source")):
+            lines.append(f"    at {_where(origin)}")
+    bias = d.get("api_bias") or {}
+    for f in bias.get("findings", [])[:10]:
+        lines.append(f"  across calls, {f['verdict'].upper()}: {f['api']} {f['direction']} {f['dtype']}: bias "
+                     f"{f.get('bias_ulp', 0):+.4g} ULP, in magnitude {f.get('magnitude_bias_ulp', 0):+.4g} ULP, "
+                     f"spread ratio {f.get('spread_ratio', 0):.3g} over {f.get('calls', 0)} calls (smallest "
+                     f"detectable {f.get('detectable_ulp', 0):.2g} ULP)")
+    failing = [m for m in d["modules"] if m["errors"]]
+    if failing:
+        lines.append("  modules with failing calls: " + ", ".join(
+            f"{m['module'] or '(outside any module)'} {m['errors']}/{m['calls']}" for m in failing[:6]))
+    return lines
+
+
 def _counts(c: dict) -> str:
     return ", ".join(f"{s} {c.get(s, 0)}" for s in STATUSES)
+
+
+class SavedFindings:
+    """The pooled findings of a finished session, as its summary JSON saved them (`gpu-server summary`)."""
+
+    def __init__(self, saved: dict):
+        self.saved = saved
+
+    def as_dict(self) -> dict:
+        return self.saved
+
+
+def _read_rows(path: str) -> list[dict] | None:
+    """A report CSV's rows as dicts by column title (None when it cannot be read)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as fh:
+            return list(csv.DictReader(fh))
+    except (OSError, csv.Error, UnicodeDecodeError):
+        return None
+
+
+def _int(cell: str | None) -> int | None:
+    try:
+        return int(str(cell).strip())
+    except (TypeError, ValueError):
+        return None

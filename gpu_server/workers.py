@@ -25,6 +25,7 @@ from gpu_server.checker import Checker
 from gpu_server.error_data import Evidence
 from gpu_server.intake import Job
 from gpu_server.pending import Completion, PendingCalls
+from gpu_server.pooled import PooledErrors
 from gpu_server.reports import ReportWriteError
 from gpu_server.summary import Summary
 
@@ -66,13 +67,14 @@ class WorkerPool:
                  pending: PendingCalls, queue_size: int = 65536,
                  on_complete: Callable[[list, list, dict[str, int]], None] | None = None,
                  release: Callable[[int], None] | None = None, evidence: Evidence | None = None,
-                 graph_budget: int = 2 << 30):
+                 graph_budget: int = 2 << 30, pooled: PooledErrors | None = None):
         self.summary = summary
         self.pending = pending
         self.on_complete = on_complete or (lambda done, half, files: None)
         self.release = release or (lambda n: None)
         replay.warm_up()   # before the transport opens (the pool is built first): no record waits for it
-        self.checkers = [Checker(out_dir, ts, d, summary, pending=pending, evidence=evidence, graph_budget=graph_budget)
+        self.checkers = [Checker(out_dir, ts, d, summary, pending=pending, evidence=evidence, graph_budget=graph_budget,
+                                 pooled=pooled)   # one PooledErrors shared by every worker (thread-safe)
                          for d in devices]
         cpu_workers = sum(d.type == "cpu" for d in devices)
         if cpu_workers > 1:

@@ -42,6 +42,8 @@ class _Entry:
     leaf: list[bool] = dataclasses.field(default_factory=list)   # per slot: the input is a leaf (a parameter)
     left: int = 0
     emitted: bool = False
+    module: str = ""                     # where the forward call was made (npu_agent.location)
+    source: str = ""
 
 
 def _copy(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -86,7 +88,7 @@ class BackwardTaps:
         if not ctx.recompute and rec.inputs is not None and not rec.inputs.requires_grad:
             return   # no input requires grad: nothing to tap, no walk
         first = ctx.args[0] if ctx.args and isinstance(ctx.args[0], torch.Tensor) else None
-        entry = _Entry(rec.name, rec.step, [], [])
+        entry = _Entry(rec.name, rec.step, [], [], module=rec.module, source=rec.source)
         position = -1
         aliases: dict[int, torch.Tensor] = {}
 
@@ -207,7 +209,7 @@ class BackwardTaps:
         rec = PendingRecord(
             name=entry.name, step=entry.step, direction=BACKWARD,
             grad_output=_snap(entry.grad_out), grad_input=_snap(entry.grad_in),
-            grad_input_positions=tuple(entry.positions), grad_enabled=True,
+            grad_input_positions=tuple(entry.positions), grad_enabled=True, module=entry.module, source=entry.source,
         )
         self.sink(rec)
 
@@ -220,7 +222,7 @@ class BackwardTaps:
                 self._emit(e)
             else:
                 self.sink(PendingRecord(name=e.name, step=e.step, direction=BACKWARD, grad_enabled=True,
-                                        grad_input=_snap([])))
+                                        grad_input=_snap([]), module=e.module, source=e.source))
 
 
 def _snap(values: list[Any]) -> Snapshot:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from npu_agent import naming
+from npu_agent import location, naming
 from npu_agent.records import PendingRecord
 from npu_agent.sampling import call_site
 from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
@@ -123,7 +123,8 @@ class Capturer:
     """Turns calls into PendingRecords and hands them to `sink` (the sender)."""
 
     def __init__(self, sink: Callable[[PendingRecord], object], api_list: tuple[str, ...] = (),
-                 scope: tuple[str, ...] = (), backward: BackwardTaps | None = None, sampler: Sampler | None = None):
+                 scope: tuple[str, ...] = (), backward: BackwardTaps | None = None, sampler: Sampler | None = None,
+                 locate: bool = True):
         # sink: the sender's submit; its result (False: dropped) is ignored here, the sender counts its drops
         self.sink = sink
         self.api_list = api_list
@@ -131,6 +132,7 @@ class Capturer:
         self.backward = backward          # npu_agent.backward.BackwardTaps, or None
         snapshot_install()                # copy-on-write before optimizer.step() / zero_grad of held tensors
         self.sampler = sampler            # npu_agent.sampling.Sampler, or None: every call
+        self.locate = locate              # records carry their module path and source line (npu_agent.location)
         self.counters = naming.Counters()
         self.step = 0
         self.captured = 0
@@ -190,6 +192,8 @@ class Capturer:
             return None
         rec = PendingRecord(name=name, step=self.step, grad_enabled=grad_enabled,
                             inplace=inplace, autocast=autocast_state(args, kwargs))
+        if self.locate:   # from the frame below CaptureMode.__torch_function__ (ours: this one, then that one)
+            rec.module, rec.source = location.current(3)
         if category == "Distributed":
             rec.skip_reason = "collective communication is not replayed on the benchmark host"
             return CallContext(rec, category, api, args, kwargs)

@@ -18,6 +18,7 @@ import threading
 import uuid
 from typing import Any
 
+from npu_agent import location
 from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.config import AgentConfig, load_config
 from npu_agent.sampling import Policy, Sampler
@@ -133,6 +134,10 @@ class PrecisionDebugger:
             if self._mode in function_mode_stack():
                 return
             self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            try:   # the module stack, followed only while capture is on
+                location.install()
+            except Exception:  # noqa: BLE001 - never raise into the training; records go out without a module
+                log.debug("online check: installing the module hooks failed", exc_info=True)
 
     def stop(self) -> None:
         with self._lock:
@@ -145,6 +150,7 @@ class PrecisionDebugger:
             elif mode in stack:
                 log.warning("online check: stop() called while another TorchFunctionMode is active above ours; "
                             "capture stops when that mode exits")
+            location.uninstall()
             try:   # what the training does next is not seen by the mode: unsent references get their copies
                 HELD.protect_all()
             except Exception:  # noqa: BLE001 - never raise into the training; such a record goes out SKIP

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from npu_agent.location import MAX_TEXT
 from npu_agent.payload import FRAMES_IN_PLACE, FramePayload, SmallPayload
 from npu_agent.snapshot import HELD, Snapshot
 from protos import online_check_pb2 as pb
@@ -48,6 +49,8 @@ class PendingRecord:
     rng_device: str = ""
     mask: Any = None                  # dropout family: the true keep-mask (bool tensor)
     skip_reason: str = ""
+    module: str = ""                  # the module path it ran in ("TinyLM.blocks.0.attn"; npu_agent.location)
+    source: str = ""                  # the user's line that made the call ("train.py:42 (forward)")
     seq: int = -1                     # assigned when the sender accepts it
     held_bytes: int = 0               # what it counts against the sender's budget (`nbytes` when accepted)
     encoded: Encoded | None = None    # once encoded (then the snapshots are let go)
@@ -216,6 +219,10 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int,
     out = pb.Record()
     h = out.header
     h.run_id, h.rank, h.step, h.seq, h.name, h.direction = run_id, rank, rec.step, rec.seq, rec.name, rec.direction
+    if rec.module:
+        h.module = rec.module[:MAX_TEXT]
+    if rec.source:
+        h.source = rec.source[:MAX_TEXT]
     out.grad_enabled, out.inplace, out.backward_expected = rec.grad_enabled, rec.inplace, rec.backward_expected
     out.skip_reason = rec.skip_reason
     out.autocast.SetInParent()

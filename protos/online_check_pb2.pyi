@@ -131,20 +131,24 @@ class Random(_message.Message):
     def __init__(self, generator_state: _Optional[bytes] = ..., device_type: _Optional[str] = ..., mask: _Optional[int] = ..., has_mask: _Optional[bool] = ...) -> None: ...
 
 class RecordHeader(_message.Message):
-    __slots__ = ("run_id", "rank", "step", "seq", "name", "direction")
+    __slots__ = ("run_id", "rank", "step", "seq", "name", "direction", "module", "source")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     step: int
     seq: int
     name: str
     direction: Direction
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., seq: _Optional[int] = ..., name: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ...) -> None: ...
+    module: str
+    source: str
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., seq: _Optional[int] = ..., name: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., module: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class Record(_message.Message):
     __slots__ = ("header", "tensors", "payload_bytes", "args", "kwargs", "output", "grad_enabled", "autocast", "inplace", "random", "grad_output", "grad_input", "backward_expected", "skip_reason", "grad_input_positions", "intra_op_threads")

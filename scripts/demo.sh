@@ -3,4 +3,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m examples.demo "$@"
+exec .venv/bin/python -m examples.demo "$@"   # --fault: one simulated device bug (examples/demo_fault.py)

@@ -212,7 +212,10 @@ def _mul_ulp(self: torch.Tensor, other) -> torch.Tensor:
             return out
         out = out.contiguous()
         index = torch.arange(out.numel(), dtype=torch.int64).reshape(out.shape)
-        chosen = (torch.remainder(index * 2654435761, 1000) < MUL_SHARE_PER_MILLE) & torch.isfinite(out) & (out != 0)
+        # the hash through aten::mul.out: `index * k` would call this replaced mul.Tensor itself, whose division
+        # by a float64 reciprocal is inexact for these integers (the chosen share was then not the one asked for)
+        hashed = torch.mul(index, 2654435761, out=torch.empty_like(index))
+        chosen = (torch.remainder(hashed, 1000) < MUL_SHARE_PER_MILLE) & torch.isfinite(out) & (out != 0)
         bits = out.view(torch.int16)
         return torch.where(chosen, bits + MUL_ULPS, bits).view(out.dtype)
 

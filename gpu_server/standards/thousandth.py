@@ -26,6 +26,12 @@ def double_thousandth(inp: StandardInput) -> StandardResult:
     # a few elements far out are a fault whatever their share: the device's max relative error must stay within
     # GROSS times the spread's
     gross = members and inp.device.max_rel_err > GROSS * max(m.max_rel_err or 0.0 for m in members)
+    # inf/NaN where the bench has none (or other ones), more than a correct run has, fail whatever the share: the
+    # maximum relative error above skips non-finite elements (docs/standards.md, non-finite values)
+    bad = c.get("inf_nan_bad", 0) if c else 0
+    if bad > max((m.counts.get("inf_nan_bad", 0) for m in members), default=0):
+        ok, gross = False, True
+        messages.append(f"{bad} inf/NaN values disagree with the bench (in the device's dtype)")
     if not ok and c and members and not gross:
         # the spread rule (docs/standards.md): not significantly more elements outside than a correct run has
         outside = wilson(c["numel"] - c["thousandth"], c["numel"], upper=False)

@@ -1,0 +1,249 @@
+"""Where a captured call was made: the module it ran in and the line of the user's code that made it.
+
+- The module path: while capture is on (`install()` at `PrecisionDebugger.start()`, `uninstall()` at `stop()`),
+  global forward pre/post hooks push and pop each module on a per-thread stack (the post hook is `always_call`, so
+  an exception pops too). The path of the innermost module is the outermost module's class name followed by the
+  dotted attribute names down to it: `TinyLM.blocks.0.attn.proj` (a child found through its parent's `_modules`,
+  or deeper: a `ModuleList` is never called itself). Outside any module: "". Each prefix of the stack's path is
+  computed once, when first asked for, and kept until the stack is popped below it.
+- The source location: the first frame that is not torch's, ours (`npu_agent`, `protos`) or a stdlib wrapper
+  (`contextlib`, `functools`), i.e. the user's code: `path/to/train.py:123 (forward)`, the path relative to the
+  working directory when under it. Which code objects are skipped is cached per code object, the final string per
+  (code object, instruction), so a call site seen before costs a short walk of dictionary look-ups.
+
+Nothing here raises into the training: a failure gives "" and is logged once.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import sys
+import threading
+import weakref
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+from torch.compiler import is_compiling
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+import protos
+
+log = logging.getLogger("npu_agent")
+
+MAX_TEXT = 512            # module paths and source locations are cut to this on the agent
+_MAX_CACHE = 1 << 16      # entries of each cache before it is emptied and refilled
+_MAX_SEARCH = 100_000     # submodules searched for a child that is not a direct attribute of its caller
+
+
+class _Stack(threading.local):
+    """Per thread: the modules whose forward is running, outermost first, and the paths of its prefixes."""
+
+    def __init__(self) -> None:
+        self.modules: list[torch.nn.Module] = []
+        self.paths: list[str] = []   # paths[i]: the path of modules[i] (len(paths) <= len(modules))
+
+
+_STACK = _Stack()
+_handles: list[Any] = []
+_failed = False
+
+
+# -- the module stack -------------------------------------------------------------------------------------------
+def _push(module: torch.nn.Module, args: Any) -> None:
+    if is_compiling():   # a compiled region: nothing of ours is traced into it
+        return None
+    _STACK.modules.append(module)
+    return None
+
+
+def _pop(module: torch.nn.Module, args: Any, output: Any) -> None:
+    if is_compiling():
+        return None
+    s = _STACK
+    mods = s.modules
+    if mods and mods[-1] is module:
+        mods.pop()
+    else:   # hooks installed while this module was running, or a module whose forward re-entered: cut to it
+        for i in range(len(mods) - 1, -1, -1):
+            if mods[i] is module:
+                del mods[i:]
+                break
+    if len(s.paths) > len(mods):
+        del s.paths[len(mods):]
+    return None
+
+
+def install() -> None:
+    """Start following the module stack (idempotent). The calling thread's stack starts empty."""
+    if _handles:
+        return
+    _STACK.modules.clear()
+    _STACK.paths.clear()
+    _handles.append(register_module_forward_pre_hook(_push))
+    _handles.append(register_module_forward_hook(_pop, always_call=True))
+
+
+def uninstall() -> None:
+    """Remove the global hooks (idempotent)."""
+    while _handles:
+        _handles.pop().remove()
+    _STACK.modules.clear()
+    _STACK.paths.clear()
+
+
+def installed() -> bool:
+    return bool(_handles)
+
+
+# (id(parent), id(child)) -> the child's name under the parent. An entry goes when either module is freed (the
+# callbacks of the weak references in _REFS), before its id can be reused: a hit needs no further check.
+_NAMES: dict[tuple[int, int], str] = {}
+_REFS: dict[tuple[int, int], tuple[Any, Any]] = {}
+
+
+def _forget(key: tuple[int, int], _ref: Any) -> None:
+    _NAMES.pop(key, None)
+    _REFS.pop(key, None)
+
+
+def _child_name(parent: torch.nn.Module, child: torch.nn.Module) -> str:
+    key = (id(parent), id(child))
+    name = _NAMES.get(key)
+    if name is not None:
+        return name
+    name = _find(parent, child)
+    if len(_NAMES) >= _MAX_CACHE:
+        _NAMES.clear()
+        _REFS.clear()
+    forget = functools.partial(_forget, key)
+    _REFS[key] = (weakref.ref(parent, forget), weakref.ref(child, forget))
+    _NAMES[key] = name
+    return name
+
+
+def _find(parent: torch.nn.Module, child: torch.nn.Module) -> str:
+    """The dotted attribute path of `child` under `parent`, the shallowest first (`blocks.0` for a block of a
+    ModuleList); the child's class name when it is not a submodule of `parent` at all."""
+    for name, m in parent._modules.items():
+        if m is child:
+            return name
+    seen = {id(parent)}
+    level: list[tuple[str, torch.nn.Module]] = [("", parent)]
+    searched = 0
+    while level and searched < _MAX_SEARCH:
+        below: list[tuple[str, torch.nn.Module]] = []
+        for prefix, mod in level:
+            for name, m in mod._modules.items():
+                if m is None or id(m) in seen:
+                    continue
+                path = prefix + name
+                if m is child:
+                    return path
+                seen.add(id(m))
+                searched += 1
+                below.append((path + ".", m))
+        level = below
+    return type(child).__name__
+
+
+def module_path() -> str:
+    """The path of the innermost module running on this thread, or ""."""
+    s = _STACK
+    mods, paths = s.modules, s.paths
+    n = len(mods)
+    if n == len(paths):
+        return paths[-1] if n else ""
+    while len(paths) < n:
+        i = len(paths)
+        paths.append(type(mods[0]).__name__ if i == 0 else paths[-1] + "." + _child_name(mods[i - 1], mods[i]))
+    return paths[-1]
+
+
+# -- the source location ----------------------------------------------------------------------------------------
+def _package_dir(module: Any) -> str:
+    path: str = module.__file__
+    return os.path.dirname(os.path.abspath(path)) + os.sep
+
+
+_SKIP_DIRS: tuple[str, ...] = (_package_dir(torch), os.path.dirname(os.path.abspath(__file__)) + os.sep,
+                                _package_dir(protos))
+_SKIP_FILES = frozenset(os.path.abspath(m.__file__) for m in (contextlib, functools) if m.__file__)
+_npu_dir: str | None = None   # torch_npu's folder once it is imported ("" when it has no file)
+
+# id(code) -> _SKIPPED, or {f_lasti: "file:line (function)"} for the user's code. _HELD holds each code object
+# while it is there, so its id is not reused.
+_SKIPPED: dict[int, str] = {}
+_CODES: dict[int, dict[int, str]] = {}
+_HELD: dict[int, CodeType] = {}
+_sites = 0
+
+
+def _skipped(filename: str) -> bool:
+    global _npu_dir
+    if _npu_dir is None and "torch_npu" in sys.modules:   # Ascend hosts: torch_npu's frames are torch's
+        module = sys.modules["torch_npu"]
+        _npu_dir = _package_dir(module) if getattr(module, "__file__", None) else ""
+    path = os.path.abspath(filename) if not filename.startswith("<") else filename
+    if path in _SKIP_FILES or path.startswith(_SKIP_DIRS):
+        return True
+    npu = _npu_dir
+    return npu is not None and npu != "" and path.startswith(npu)
+
+
+def _classify(code: CodeType) -> dict[int, str]:
+    global _sites
+    if len(_CODES) >= _MAX_CACHE or _sites >= _MAX_CACHE:
+        _CODES.clear()
+        _HELD.clear()
+        _sites = 0
+    _HELD[id(code)] = code
+    sites = _CODES[id(code)] = _SKIPPED if _skipped(code.co_filename) else {}
+    return sites
+
+
+def _site(frame: FrameType, sites: dict[int, str]) -> str:
+    global _sites
+    code = frame.f_code
+    path = code.co_filename
+    if not path.startswith("<"):
+        cwd = os.getcwd()
+        full = os.path.abspath(path)
+        if full.startswith(cwd.rstrip(os.sep) + os.sep):
+            path = os.path.relpath(full, cwd)
+    text = sites[frame.f_lasti] = f"{path}:{frame.f_lineno} ({code.co_name})"[:MAX_TEXT]
+    _sites += 1
+    return text
+
+
+def source(frame: FrameType | None = None) -> str:
+    """`file:line (function)` of the user's code that led to this call (from `frame`, default the caller's), or ""
+    when every frame is torch's or ours."""
+    f: FrameType | None = frame if frame is not None else sys._getframe(1)
+    codes, skipped = _CODES, _SKIPPED
+    while f is not None:
+        sites = codes.get(id(f.f_code))
+        if sites is None:
+            sites = _classify(f.f_code)
+        if sites is not skipped:
+            text = sites.get(f.f_lasti)
+            return text if text is not None else _site(f, sites)
+        f = f.f_back
+    return ""
+
+
+def current(depth: int = 1) -> tuple[str, str]:
+    """(module path, source location) of the call being made now; ("", "") if finding them failed (logged once).
+    The walk for the source starts `depth` frames up (1: the caller's frame); a caller that knows frames of its own
+    are next skips them (`sys._getframe(n)` passes over frames without building their frame objects)."""
+    try:
+        return module_path(), source(sys._getframe(depth))
+    except Exception as exc:  # noqa: BLE001 - never raise into the training
+        global _failed
+        if not _failed:
+            _failed = True
+            log.warning("online check: finding the module and source line of a call failed (%s: %s); such calls "
+                        "are reported without them", type(exc).__name__, exc)
+        return "", ""

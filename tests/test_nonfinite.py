@@ -1,0 +1,105 @@
+"""Non-finite values (docs/standards.md, "Non-finite values"): the device judged on its finite part where its
+inf/NaN agree with the bench's, never forgiven where they disagree more than a correct run's, and the origin of a
+training's first inf/NaN."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gpu_server.nonfinite import CallFiniteness, all_finite, bench_nonfinite
+from gpu_server.output_kind import bit_identical, classify
+from gpu_server.standards.judging import judge_pair
+from gpu_server.verdict import compare_pair
+
+INF, NAN = math.inf, math.nan
+
+
+def _status(bench, device, same):
+    return compare_pair(classify(bench, device), [same])
+
+
+def test_one_element_opposite_infinity_is_an_error_although_the_same_dtype_run_errs_too():
+    bench = torch.tensor([INF], dtype=torch.float64)
+    same = torch.tensor([INF], dtype=torch.float32)
+    for device in (torch.tensor([-INF]), torch.tensor([1.0]), torch.tensor([NAN])):
+        cmp = _status(bench, device, same)
+        assert cmp.status == "error", (device, cmp.message)
+
+
+def test_the_same_infinity_on_one_element_passes():
+    cmp = _status(torch.tensor([INF], dtype=torch.float64), torch.tensor([INF]), torch.tensor([INF]))
+    assert cmp.status == "pass"
+    assert "in both" in cmp.message
+
+
+def _overflowing_float16(seed: int):
+    """A float16 output whose bench (float32) exceeds 65504 in a few places: inf in float16 on both sides; the
+    finite part rounded correctly (device and same-dtype run round the bench to nearest)."""
+    g = torch.Generator().manual_seed(seed)
+    bench = torch.randn(4096, generator=g) * 100
+    bench[[5, 77, 900]] = torch.tensor([70000.0, -80000.0, 1e6])
+    device = bench.to(torch.float16)
+    same = bench.double().to(torch.float16)
+    return bench, device, same
+
+
+def test_training_overflow_agreeing_with_the_bench_is_judged_on_the_finite_part():
+    bench, device, same = _overflowing_float16(0)
+    before = compare_pair(classify(bench, device), [])   # without a same-dtype run the rule applies alike
+    assert before.status == "pass", before.message
+    cmp = _status(bench, device, same)
+    assert cmp.status == "pass", cmp.message
+    assert "3 inf/NaN values in both" in cmp.message and "4093 finite elements" in cmp.message
+    assert cmp.metrics is not None and cmp.metrics.cosine is None or math.isnan(cmp.metrics.cosine)
+
+
+def test_a_wrong_finite_part_beside_agreeing_infinities_is_still_an_error():
+    bench, device, same = _overflowing_float16(1)
+    device = device.clone()
+    device[1000:1400] = device[1000:1400] * 1.5
+    cmp = _status(bench, device, same)
+    assert cmp.status == "error", cmp.message
+    assert "finite elements" in cmp.message
+
+
+def test_infinities_at_other_positions_or_signs_are_an_error():
+    bench, device, same = _overflowing_float16(2)
+    flipped = device.clone()
+    flipped[5] = -flipped[5]                     # -inf where the bench overflows to +inf
+    assert _status(bench, flipped, same).status == "error"
+    extra = device.clone()
+    extra[10] = INF                              # inf where the bench is finite
+    assert _status(bench, extra, same).status == "error"
+
+
+def test_double_thousandth_fails_nan_on_the_device_alone():
+    g = torch.Generator().manual_seed(3)
+    bench = torch.randn(1, 4, 32, 32, generator=g)                    # a 4,096-element convolution output
+    same = bench.to(torch.bfloat16)
+    device = same.clone()
+    device.view(-1)[[3, 400, 1000, 2000, 4000]] = NAN
+    pair = classify(bench, device)
+    verdict = judge_pair("conv2d", pair, same)
+    assert verdict.algorithm == "双千指标法"
+    assert verdict.status == "error", verdict.message
+    clean = judge_pair("conv2d", classify(bench, same.clone()), same)
+    assert clean.status == "pass", clean.message
+
+
+def test_bit_identical_on_empty_views_with_stride_zero():
+    t = torch.zeros(1).expand(0)
+    assert bit_identical(t, t.clone())
+    assert not bit_identical(torch.zeros(0, dtype=torch.float16), t)
+
+
+def test_call_finiteness_tells_the_origin_and_whose_fault():
+    x = torch.ones(4, dtype=torch.float16)
+    both = CallFiniteness.of((x,), [torch.tensor([INF], dtype=torch.float16)], [torch.tensor([70000.0])])
+    assert both.origin and both.device and both.bench and "own overflow" in both.verdict()
+    device_only = CallFiniteness.of((x,), [torch.tensor([NAN], dtype=torch.float16)], [torch.tensor([1.0])])
+    assert device_only.origin and not device_only.bench and "device fault" in device_only.verdict()
+    carried = CallFiniteness.of((torch.tensor([NAN]),), [torch.tensor([NAN])], [torch.tensor([NAN])])
+    assert not carried.origin and not carried.inputs_finite
+    assert all_finite({"a": [x, 3, None]}) and not all_finite((x, torch.tensor([INF])))
+    assert not bench_nonfinite([torch.tensor([65000.0])], [torch.tensor([1.0], dtype=torch.float16)])
