@@ -14,6 +14,7 @@
    second-device runs of 1., and the smallest bias it finds per dtype, side by side with the per-call reports: one
    server session per variant of a sweep of `--fault-per-mille` (bfloat16 `mul`, `--fault-ulps 1`, ConvNet) and of
    `--gelu-scale-log2` (TinyLM, the demo model, bfloat16 / float16 / float32), 2 training steps each.
+5. The cost of saying where: the module path and source line of each captured call, in us (npu_agent/location.py).
 
     python bench/fidelity.py --skip-measure --skip-faults --skip-sweep    # 1. and 4. only
 
@@ -313,6 +314,32 @@ def pooled_sweep(parallel: int = 2) -> None:
         print(f"  smallest found by the pooled test, {dtype}: {label} (bias in magnitude {bias:+.4f} ULP)")
 
 
+def location_part(steps: int = 8) -> None:
+    """5. What saying *where* costs on the training thread: the module path and source line of each captured call
+    (npu_agent/location.py), TinyLM in bfloat16, capture only (bench/overhead.py's variants, timed in this process
+    on one thread)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import overhead  # noqa: E402 - bench/overhead.py: the capture-only facades and the timed location
+    import torch
+
+    kwargs, batch, dtype = overhead.MODELS["tiny"]
+    torch.manual_seed(0)
+    model = overhead.TinyLM(dropout=0.1, **kwargs).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = list(overhead.batches(steps, batch=batch, seq=kwargs["seq"], vocab=kwargs["vocab"]))
+    us, calls = overhead.location_cost(model, opt, data)
+    located, bare = overhead._CaptureOnly(), overhead._CaptureOnly(locate=False)
+    cpu = {"with": 0.0, "without": 0.0}
+    for _ in range(3):   # interleaved: the difference includes the global module hooks
+        cpu["with"] += overhead._round(model, opt, data, located)[0]
+        cpu["without"] += overhead._round(model, opt, data, bare)[0]
+    per_record = (cpu["with"] - cpu["without"]) / max(located.records, 1) * 1e6
+    print("\n5. The module path and source line of each captured call (TinyLM, bfloat16, capture only, one thread)")
+    print(f"  location.current(): {us:.1f} us per captured call ({calls} calls, caches warm)")
+    print(f"  capture with location - without, whole training thread (module hooks included): {per_record:+.1f} us "
+          f"per record ({located.records} records; noisy on a shared machine)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=1)
@@ -322,7 +349,10 @@ def main() -> None:
     p.add_argument("--skip-measure", action="store_true", help="skip the in-process spread measurements")
     p.add_argument("--skip-faults", action="store_true", help="skip the faults of tests/faulty_kernels.py")
     p.add_argument("--skip-pooled", action="store_true", help="skip the pooled test's sweep (4.)")
+    p.add_argument("--skip-location", action="store_true", help="skip the cost of module path and source line (5.)")
     ns = p.parse_args()
+    if not ns.skip_location:
+        location_part()
     if not ns.skip_measure:
         measure_spread()
     if ns.only_measure:

@@ -111,7 +111,7 @@ class Summary:
         """A failing call's error-data folder (gpu_server/error_data.py): the first anomaly links to its own."""
         with self._lock:
             if len(self.evidence) < 100_000:
-                self.evidence[(rank, call, step)] = folder
+                self.evidence[(rank, call, step)] = os.path.normpath(folder)
 
     def nonfinite(self, rank: int, step: int, seq: int, name: str, direction: str, module: str, source: str,
                   inputs_finite: bool, device: bool, bench: bool) -> None:

@@ -13,6 +13,7 @@ import pytest
 
 from tests import support
 from tests.faulty_kernels import run_trainings
+from tests.test_html_report import chromium, needs_chromium
 
 pytestmark = pytest.mark.slow
 
@@ -73,3 +74,14 @@ def test_the_html_report_opens_with_it(run):
     box = page[section:page.find("<h2", section + 4)]
     assert "Functional.gelu.0" in box and "TinyLM.blocks.0" in box and "examples/demo.py:" in box
     assert "Functional.gelu.1" in box and "backward" in box          # rank 1's first, in the per-rank table
+
+
+@needs_chromium
+def test_the_rendered_page_shows_it_first(run):
+    page = sorted(glob.glob(os.path.join(run, "report_*.html")))[-1]
+    proc = chromium("--dump-dom", "file://" + page)
+    assert proc.returncode == 0 and "</html>" in proc.stdout, proc.stderr[-2000:]
+    dom = proc.stdout
+    top = dom[dom.index('id="first-anomaly"'):dom.index('id="failing"')]
+    assert "Functional.gelu.0" in top and "TinyLM.blocks.0" in top and "examples/demo.py:" in top, top[:3000]
+    assert dom.index('id="first-anomaly"') < dom.index('id="modules"') < dom.index('id="failing"')
