@@ -469,17 +469,10 @@ def _section_first_anomaly(first: dict, origin: str, out_dir: str, report_dir: s
                            -1 if step is None else step)
 
     if isinstance(earliest, dict):
-        call = _text(earliest.get("call"))
-        parts.append(
-            "<div class='first' id='earliest'>"
-            f"<div class='headline'>Earliest failing call: <a href='{_e(_filter_href(call))}'><b>{_e(call)}</b></a>"
-            f" on rank {_cell_num(earliest.get('rank'))}, step {_cell_num(earliest.get('step'))}"
-            f" ({_e(earliest.get('direction'))})</div>"
-            f"<div>module {_module_cell(earliest.get('module'))}</div>"
-            f"<div>source <code>{_e(earliest.get('source')) or '-'}</code></div>"
-            f"<div>row <code>{_e(earliest.get('row'))}</code> &middot; {_e(earliest.get('report'))}</div>"
-            f"<div class='msg'>{_e(_text(earliest.get('message'))[:600])}</div>"
-            f"<div>error data: {link(earliest)}</div></div>")
+        parts.append(_call_box("earliest", "Earliest failing call", earliest, [
+            f"<div>row <code>{_e(earliest.get('row'))}</code> &middot; {_e(earliest.get('report'))}</div>",
+            f"<div class='msg'>{_e(_text(earliest.get('message'))[:600])}</div>",
+            f"<div>error data: {link(earliest)}</div>"]))
     ranks = sorted(by_rank, key=lambda k: (_int(k) is None, _int(k) or 0, k))
     parts.append("<h3>First failing call of each rank</h3><div class='scroll'><table id='first-table'><thead><tr>"
                  "<th>rank</th><th>step</th><th>seq</th><th>call</th><th>row</th><th>direction</th><th>module</th>"
@@ -500,6 +493,17 @@ def _section_first_anomaly(first: dict, origin: str, out_dir: str, report_dir: s
         parts.append(f"<p class='muted'>the first {MAX_RANK_ROWS} of {len(ranks)} ranks</p>")
     parts.append(f"<p class='muted'>{_e(origin)}</p>")
     return parts
+
+
+def _call_box(box_id: str, title: str, entry: dict, more: list[str]) -> str:
+    """A highlighted box naming one call: where it ran (rank, step, direction, module, source line), then `more`."""
+    call = _text(entry.get("call"))
+    return (f"<div class='first' id='{box_id}'>"
+            f"<div class='headline'>{title}: <a href='{_e(_filter_href(call))}'><b>{_e(call)}</b></a>"
+            f" on rank {_cell_num(entry.get('rank'))}, step {_cell_num(entry.get('step'))}"
+            f" ({_e(entry.get('direction'))})</div>"
+            f"<div>module {_module_cell(entry.get('module'))}</div>"
+            f"<div>source <code>{_e(entry.get('source')) or '-'}</code></div>" + "".join(more) + "</div>")
 
 
 def _overflow_words(entry: dict) -> str:
@@ -526,28 +530,14 @@ def _section_nonfinite(nonfinite: dict) -> list[str]:
     if verdict:
         parts.append(f"<p class='verdict' id='nonfinite-verdict'><b>{_e(verdict)}</b></p>")
     if isinstance(origin, dict):
-        call = _text(origin.get("call"))
-        parts.append(
-            "<div class='first' id='nonfinite-origin'>"
-            f"<div class='headline'>First non-finite output: <a href='{_e(_filter_href(call))}'><b>{_e(call)}</b></a>"
-            f" on rank {_cell_num(origin.get('rank'))}, step {_cell_num(origin.get('step'))}"
-            f" ({_e(origin.get('direction'))})</div>"
-            f"<div>module {_module_cell(origin.get('module'))}</div>"
-            f"<div>source <code>{_e(origin.get('source')) or '-'}</code></div>"
+        parts.append(_call_box("nonfinite-origin", "First non-finite output", origin, [
             f"<div>device output non-finite: <b>{'yes' if origin.get('device') is True else 'no'}</b> &middot; "
-            f"bench in the device dtype non-finite: <b>{'yes' if origin.get('bench') is True else 'no'}</b></div>"
-            f"<div>In plain words: {_e(_overflow_words(origin))}.</div></div>")
+            f"bench in the device dtype non-finite: <b>{'yes' if origin.get('bench') is True else 'no'}</b></div>",
+            f"<div>In plain words: {_e(_overflow_words(origin))}.</div>"]))
     elif isinstance(first_input, dict):
-        call = _text(first_input.get("call"))
-        parts.append(
-            "<div class='first' id='nonfinite-origin'>"
-            f"<div class='headline'>First call with non-finite inputs: <a href='{_e(_filter_href(call))}'>"
-            f"<b>{_e(call)}</b></a> on rank {_cell_num(first_input.get('rank'))}, step "
-            f"{_cell_num(first_input.get('step'))} ({_e(first_input.get('direction'))})</div>"
-            f"<div>module {_module_cell(first_input.get('module'))}</div>"
-            f"<div>source <code>{_e(first_input.get('source')) or '-'}</code></div>"
+        parts.append(_call_box("nonfinite-origin", "First call with non-finite inputs", first_input, [
             "<div>In plain words: no checked call made them; they came from code the checker does not see (the "
-            "optimizer step, the data or an unchecked region), not a device fault of a checked call.</div></div>")
+            "optimizer step, the data or an unchecked region), not a device fault of a checked call.</div>"]))
     if by_rank:
         parts.append("<div class='scroll'><table id='nonfinite-table'><thead><tr><th>rank</th>"
                      "<th>first non-finite output</th><th>step</th><th>module</th><th>source</th><th>device</th>"
