@@ -258,7 +258,13 @@ class Summary:
 
     def as_dict(self) -> dict:
         with self._lock:
-            return {
+            return {   # the top-down view first (README, "Reading the report top-down"), then the counts
+                "first_anomaly": self._first_anomaly(),
+                "nonfinite": self._nonfinite(),
+                "api_bias": self.pooled.as_dict() if self.pooled is not None else None,
+                "modules": [{"module": m, "calls": c["calls"], "errors": c["errors"], "warnings": c["warnings"]}
+                            for m, c in sorted(self.modules.items(),
+                                               key=lambda kv: (-kv[1]["errors"], -kv[1]["warnings"], kv[0]))],
                 "elapsed_s": round(time.time() - self.started, 3),
                 "records_received": dict(self.received), "calls_checked": dict(self.checked),
                 "calls_failed": dict(self.failed),
@@ -279,12 +285,6 @@ class Summary:
                                           "examples": list(self.report_failure_examples)},
                 "quarantined_records": list(self.quarantined),
                 "durability": dict(self.durability),
-                "first_anomaly": self._first_anomaly(),
-                "nonfinite": self._nonfinite(),
-                "modules": [{"module": m, "calls": c["calls"], "errors": c["errors"], "warnings": c["warnings"]}
-                            for m, c in sorted(self.modules.items(),
-                                               key=lambda kv: (-kv[1]["errors"], -kv[1]["warnings"], kv[0]))],
-                "api_bias": self.pooled.as_dict() if self.pooled is not None else None,
             }
 
     def write_json(self, out_dir: str, ts: str) -> str:
