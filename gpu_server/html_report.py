@@ -488,11 +488,16 @@ def _section_first_anomaly(first: dict, origin: str, out_dir: str, report_dir: s
             f"<td>{_module_cell(entry.get('module'))}</td><td><code>{_e(entry.get('source'))}</code></td>"
             f"<td>{_e(entry.get('report'))}</td><td class='msg'>{_e(_text(entry.get('message'))[:600])}</td>"
             f"<td>{link(entry)}</td></tr>")
-    parts.append("</tbody></table></div>")
-    if len(ranks) > MAX_RANK_ROWS:
-        parts.append(f"<p class='muted'>the first {MAX_RANK_ROWS} of {len(ranks)} ranks</p>")
-    parts.append(f"<p class='muted'>{_e(origin)}</p>")
+    parts += _table_end("</tbody></table></div>", len(ranks), MAX_RANK_ROWS, "the first", "ranks", origin)
     return parts
+
+
+def _table_end(close: str, total: int, shown: int, which: str, noun: str, origin: str) -> list[str]:
+    """The end of a bounded table: its closing tags, how many rows it shows when cut, and where the data came from."""
+    out = [close]
+    if total > shown:
+        out.append(f"<p class='muted'>{which} {shown} of {total} {noun}</p>")
+    return out + [f"<p class='muted'>{_e(origin)}</p>"]
 
 
 def _call_box(box_id: str, title: str, entry: dict, more: list[str]) -> str:
@@ -640,10 +645,7 @@ def _section_modules(modules: list | None, origin: str) -> list[str]:
         parts.append(f"<tr data-module='{_e(module)}'><td>{label}</td><td class='num'>{_cell_num(m.get('calls'))}</td>"
                      f"<td class='num {'s-error' if errors else ''}'>{errors}</td>"
                      f"<td class='num {'s-Warning' if warnings else ''}'>{warnings}</td></tr>")
-    parts.append("</tbody></table>")
-    if len(rows) > MAX_MODULE_ROWS:
-        parts.append(f"<p class='muted'>the worst {MAX_MODULE_ROWS} of {len(rows)} modules</p>")
-    parts.append(f"<p class='muted'>{_e(origin)}</p>")
+    parts += _table_end("</tbody></table>", len(rows), MAX_MODULE_ROWS, "the worst", "modules", origin)
     return parts
 
 
