@@ -64,14 +64,13 @@ def compare_pair(pair: OutputPair, spread: Iterable = ()) -> OutputComparison:
     if pair.kind == OTHER:
         return OutputComparison(None, ERROR, f"unexpected output type {type(pair.bench).__name__}")
     cmp = _compare_tensors(pair)
-    if cmp.status in (ERROR, WARNING):
-        spread = list(spread)
-        if not _judge_finite_part(cmp, pair, spread):
-            _forgive(cmp, pair, spread)
+    # `spread` is lazy (gpu_server/spread.with_host): its stochastic-rounding runs are computed only when consumed
+    if cmp.status in (ERROR, WARNING) and not _judge_finite_part(cmp, pair, spread):
+        _forgive(cmp, pair, spread)
     return cmp
 
 
-def _judge_finite_part(cmp: OutputComparison, pair: OutputPair, spread: list) -> bool:
+def _judge_finite_part(cmp: OutputComparison, pair: OutputPair, spread: Iterable) -> bool:
     """An output with inf/NaN where the device and the bench (in the device's dtype) agree on every non-finite
     position and sign (or saturate alike) is judged on its finite part: the elements finite on both sides, with the
     same rules (docs/standards.md, deviations: msprobe's NaN cosine made every such output an error). Returns False,
