@@ -119,15 +119,13 @@ class Summary:
         (finite inputs, non-finite outputs) and the first call that received inf/NaN."""
         entry = {"rank": rank, "call": name, "step": step, "seq": seq, "direction": direction, "module": module,
                  "source": source, "device": device, "bench": bench}
+        if inputs_finite and not (device or bench):
+            return
+        kept = self.nonfinite_origin if inputs_finite else self.nonfinite_input
         with self._lock:
-            if inputs_finite and (device or bench):
-                first = self.nonfinite_origin.get(rank)
-                if first is None or seq < first["seq"]:
-                    self.nonfinite_origin[rank] = entry
-            elif not inputs_finite:
-                first = self.nonfinite_input.get(rank)
-                if first is None or seq < first["seq"]:
-                    self.nonfinite_input[rank] = entry
+            first = kept.get(rank)
+            if first is None or seq < first["seq"]:
+                kept[rank] = entry
 
     def failed_run(self) -> bool:
         """`--fail-on error`: some call failed, or a pooled finding across calls is above the user's limit."""
@@ -341,6 +339,11 @@ def _where(e: dict) -> str:
     return f"{e['call']} {e.get('direction', '')} (rank {e['rank']}, step {e['step']}){module}{source}"
 
 
+def _ratio(value) -> str:
+    """A spread ratio of the pooled findings: None is how the JSON spells an infinite one."""
+    return "inf" if value is None else f"{value:.3g}"
+
+
 def _top_down(d: dict) -> list[str]:
     """The lines a user reads first: the first failing call, where it runs, the origin of inf/NaN, the findings
     across calls and the modules with errors (README, "Reading the report")."""
@@ -364,7 +367,7 @@ def _top_down(d: dict) -> list[str]:
     for f in bias.get("findings", [])[:10]:
         lines.append(f"  across calls, {f['verdict'].upper()}: {f['api']} {f['direction']} {f['dtype']}: bias "
                      f"{f.get('bias_ulp', 0):+.4g} ULP, in magnitude {f.get('magnitude_bias_ulp', 0):+.4g} ULP, "
-                     f"spread ratio {f.get('spread_ratio', 0):.3g} over {f.get('calls', 0)} calls (smallest "
+                     f"spread ratio {_ratio(f.get('spread_ratio'))} over {f.get('calls', 0)} calls (smallest "
                      f"detectable {f.get('detectable_ulp', 0):.2g} ULP)")
     failing = [m for m in d["modules"] if m["errors"]]
     if failing:
