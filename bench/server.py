@@ -14,7 +14,8 @@
    training steps recorded (all ranks).
 
 `--keep DIR` keeps the recorded folder (and the training's step time) in DIR; `--records DIR` reuses such a folder
-instead of training again. `--baseline SRC` also times the server code of another source tree (e.g. a `git archive`
+instead of training again. `--replay-in both` (the default) times each worker count with replays in worker
+processes (the server's default) and in the server's own threads, side by side. `--baseline SRC` also times the server code of another source tree (e.g. a `git archive`
 of main) on the same records, in the same run, so that before and after are printed side by side.
 
 Prints records/s, the server's seconds per training step for each worker count, and the ratio to the training's
@@ -100,7 +101,8 @@ def train(work: str, ns, checked: bool, rank: int = 0) -> dict:
     return _json_line(proc.stdout)
 
 
-def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str = ROOT) -> tuple[float, int, float]:
+def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str = ROOT,
+          replay_in: str = "process") -> tuple[float, int, float]:
     """Seconds from the server's start to its exit once every rank's records are checked, records checked, and the
     server's CPU seconds (user + system; steadier than wall time on a shared machine)."""
     out = tempfile.mkdtemp(prefix="out-", dir=work)
@@ -111,7 +113,7 @@ def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str 
                                                 "rank_list": [], "tls_path": ""}}, fh)
     exe = os.path.join(os.path.dirname(sys.executable), "gpu-server")
     cmd = [exe, "--config", cfg, "--out", out, "--quiet", "--exit-when-done", "--world-size", str(ranks),
-           "--device", device, "--workers", str(workers)]
+           "--device", device, "--workers", str(workers)] + (["--replay-in", replay_in] if replay_in else [])
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=_pin(list(range(1, 1 + workers))),
@@ -138,6 +140,8 @@ def main() -> None:
     p.add_argument("--keep", help="keep the recorded folder and the training's step time in this folder")
     p.add_argument("--records", help="time the server on a folder kept with --keep instead of training again")
     p.add_argument("--baseline", help="also time the server code of this source tree on the same records")
+    p.add_argument("--replay-in", choices=("both", "process", "thread"), default="both",
+                   help="time replays in worker processes, in the server's threads, or both side by side (default)")
     ns = p.parse_args()
     work = tempfile.mkdtemp(prefix="bench-server-")
     try:
@@ -159,12 +163,14 @@ def main() -> None:
                     json.dump({"plain": plain, "recorded": recorded, "steps": ns.steps, "ranks": ns.ranks}, fh)
             shutil.copytree(nfs, keep, copy_function=_link_or_copy)
         rows = []
-        codes = [("", ROOT)] + ([(" (baseline)", os.path.abspath(ns.baseline))] if ns.baseline else [])
+        modes = ("process", "thread") if ns.replay_in == "both" else (ns.replay_in,)
+        codes = [(f" --replay-in {m}", ROOT, m) for m in modes] + (
+            [(" (baseline)", os.path.abspath(ns.baseline), "")] if ns.baseline else [])
         for workers in (1, 2) if ns.ranks >= 2 else (1,):
-            for label, root in codes:
+            for label, root, mode in codes:
                 shutil.rmtree(nfs, ignore_errors=True)
                 shutil.copytree(keep, nfs, copy_function=_link_or_copy)   # the server consumes its folder
-                seconds, records, cpu = serve(work, nfs, workers, ns.ranks, ns.device, root)
+                seconds, records, cpu = serve(work, nfs, workers, ns.ranks, ns.device, root, mode)
                 rows.append((f"{workers}{label}", seconds, records, cpu))
         base = plain["cpu_per_step"]
         print(f"training alone (1 core): {base * 1e3:.0f} ms CPU/step ({plain['wall_per_step'] * 1e3:.0f} ms wall); "

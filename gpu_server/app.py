@@ -22,6 +22,7 @@ from gpu_server.pending import PendingCalls
 from gpu_server.pooled import DEFAULT_FAIL_ABOVE_ULP, PooledErrors
 from gpu_server.registry import known
 from gpu_server.reports import OPEN_FILES
+from gpu_server.sandbox import SandboxLimits
 from gpu_server.spool import Entry, Spool
 from gpu_server.summary import Summary
 from gpu_server.workers import WorkerPool, bench_devices
@@ -45,7 +46,8 @@ class ServerApp:
                  limits: Limits = DEFAULT_LIMITS, backward_budget: int = 4 << 30, expected_ranks: int | None = None,
                  memory_budget: int | None = None, fsync: bool = True, error_data_max_bytes: int | None = None,
                  keep_records: bool = False, graph_budget: int = 2 << 30,
-                 bias_fail_ulp: float = DEFAULT_FAIL_ABOVE_ULP):
+                 bias_fail_ulp: float = DEFAULT_FAIL_ABOVE_ULP, replay_in: str = "process",
+                 replay_timeout_s: float = 120.0, replay_memory: int | None = None):
         self.config = config
         self.out_dir = out_dir
         self.limits = limits
@@ -70,7 +72,9 @@ class ServerApp:
         self.pending = PendingCalls(backward_budget, restored=self.recovery.half)
         self.pool = WorkerPool(self.devices, out_dir, self.ts, self.summary, self.pending,
                                on_complete=self.spool.complete, release=self.budget.release, evidence=self.evidence,
-                               graph_budget=graph_budget, pooled=self.pooled)
+                               graph_budget=graph_budget, pooled=self.pooled,
+                               sandbox=SandboxLimits(replay_in, replay_timeout_s, replay_memory),
+                               on_quarantine=self.spool.quarantine, max_record_bytes=limits.max_record_bytes)
         self.intake = Intake(config, self.pool.submit, limits, spool=self.spool, budget=self.budget)
         for run_id, rank, seq in self.spool.seen():
             self.intake.mark_seen(run_id, rank, seq)
@@ -97,6 +101,10 @@ class ServerApp:
             self.summary.set_durability(spool_damaged_regions=len(rec.damage),
                                         spool_damaged_bytes=sum(d.skipped for d in rec.damage))
         for entry in rec.replay:
+            if entry.key in rec.quarantined:   # its replay cost a worker process: never replayed again
+                self._quarantine(entry, f"its replay killed a replay worker before the restart "
+                                        f"({rec.quarantined[entry.key]})", replayable=False)
+                continue
             self.budget.acquire(entry.payload_len)
             try:
                 record, payload = self.spool.read(entry)
@@ -113,7 +121,7 @@ class ServerApp:
         for end in rec.ends:
             self._apply_end(end, persist=False)
 
-    def _quarantine(self, entry: Entry, why: str) -> None:
+    def _quarantine(self, entry: Entry, why: str, replayable: bool = True) -> None:
         """A spooled record that cannot be read back or decoded: a SKIP row says so (and its entry is done)."""
         self.quarantined += 1
         run_id, rank, seq = entry.key
@@ -126,7 +134,7 @@ class ServerApp:
         job = Job(run_id=run_id, rank=rank, step=entry.step, seq=seq, name=name or f"invalid.record.{seq}",
                   category=category, api=api, direction=entry.direction or pb.FORWARD,
                   skip_reason=f"quarantined at restart: {why}")
-        if category and known(category, api) is not None:
+        if replayable and category and known(category, api) is not None:
             job.skip_reason += " (and the API is not replayable)"
         self.pool.submit(job)
 
@@ -182,6 +190,7 @@ class ServerApp:
         disk.stopping.set()
         self.spool.flush()
         self.pool.drain_and_stop()
+        self.summary.count("replay_workers_replaced", self.pool.replaced)
         self.spool.close()
         self.summary.count("spool_left", self.spool.live_records())
         if self.spool.keep:   # --keep-records: what the kept records cost on disk (spool/kept/, all starts)

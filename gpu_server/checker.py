@@ -23,16 +23,9 @@ from gpu_server.nonfinite import CallFiniteness
 from gpu_server.output_kind import TENSORS, classify
 from gpu_server.pending import CallKey, Completion, PendingCalls, Waiting, call_key
 from gpu_server.pooled import PooledErrors
-from gpu_server.replay import (
-    KeptForward,
-    ReplayError,
-    backward_from,
-    flatten_outputs,
-    run_backward,
-    run_forward,
-    run_forward_kept,
-)
+from gpu_server.replay import ReplayError, flatten_outputs
 from gpu_server.reports import NULL_REPORTS, RankReports, ReportWriteError, Where
+from gpu_server.sandbox import InlineReplayer, OnLost, Replayer, WorkerLost
 from gpu_server.standards.judging import judge_pair
 from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING
 from gpu_server.summary import Summary
@@ -74,15 +67,12 @@ def _to_bench(device_output: Any, bench: Any) -> Any:
 
 @dataclasses.dataclass
 class _Graphs:
-    """The forward replays of a call waiting for its backward record, with their autograd graphs."""
+    """The forward replays of a call waiting for its backward record, with their autograd graphs (held by the
+    replayer, gpu_server/sandbox.py: in this process or in its worker process)."""
 
     job: weakref.ref          # the forward job (weakly: an eviction from gpu_server/pending.py frees its inputs)
-    bench: KeptForward | None
-    same: KeptForward | None
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes for k in (self.bench, self.same) if k is not None)
+    kept: Any
+    nbytes: int
 
 
 class Checker:
@@ -95,7 +85,8 @@ class Checker:
     def __init__(self, out_dir: str, ts: str, device: torch.device, summary: Summary, backward_budget: int = 4 << 30,
                  error_data_base: str | None = None, pending: PendingCalls | None = None,
                  evidence: error_data.Evidence | None = None, graph_budget: int = 2 << 30,
-                 pooled: PooledErrors | None = None):
+                 pooled: PooledErrors | None = None, replayer: Replayer | None = None,
+                 on_lost: OnLost | None = None):
         self.out_dir = out_dir
         self.pooled = pooled          # the run's pooled statistics across calls (gpu_server/pooled.py), shared
         self._pool_failed = False
@@ -110,6 +101,8 @@ class Checker:
         self.graph_budget = graph_budget
         self._graphs: OrderedDict[CallKey, _Graphs] = OrderedDict()   # oldest first
         self._graph_bytes = 0
+        self.replayer = replayer if replayer is not None else InlineReplayer(device)
+        self.on_lost = on_lost or (lambda job, why: None)   # a replay that killed its worker: quarantine the record
 
     def reports(self, rank: int) -> RankReports:
         if not self._write_rows:
@@ -156,26 +149,17 @@ class Checker:
             return self._forward_complete(job, out)
         keep = job.backward_expected and self.graph_budget > 0
         try:
-            bench, bench_graph = (run_forward_kept(job, self.device, bench=True) if keep
-                                  else (run_forward(job, self.device, bench=True), None))
-        except ReplayError as exc:
-            out = self._skip_rows(rep, job, "forward", str(exc))
+            runs = self.replayer.forward(job, keep, self.match_threads)
+        except (ReplayError, WorkerLost) as exc:
+            out = self._skip_rows(rep, job, "forward", self._failed(job, exc))
             return self._forward_complete(job, out)
-        try:
-            same, same_graph = (run_forward_kept(job, self.device, bench=False, match_threads=self.match_threads)
-                                if keep else (run_forward(job, self.device, bench=False,
-                                                          match_threads=self.match_threads), None))
-            same_error = ""
-        except ReplayError as exc:
-            same, same_graph, same_error = None, None, f"same-dtype run failed: {exc}"
-        if bench_graph is not None or same_graph is not None:
-            self._keep_graphs(job, _Graphs(weakref.ref(job), bench_graph, same_graph))
-        self._note_finiteness(job, "forward", (job.args, job.kwargs), flatten_outputs(job.output),
-                              flatten_outputs(bench))
-        members = (spread.LazyRuns(lambda: spread.forward_members(job, self.device, self.match_threads))
-                   if same is not None else None)
-        outcome = self._compare(rep, job, "forward", flatten_outputs(job.output), flatten_outputs(bench),
-                                flatten_outputs(same) if same is not None else None, same_error, members)
+        if runs.kept is not None:
+            self._keep_graphs(job, _Graphs(weakref.ref(job), runs.kept, runs.nbytes))
+        self._note_finiteness(job, "forward", (job.args, job.kwargs), flatten_outputs(job.output), runs.bench)
+        members = (spread.LazyRuns(lambda: self.replayer.forward_members(job, self.match_threads))
+                   if runs.same is not None else None)
+        outcome = self._compare(rep, job, "forward", flatten_outputs(job.output), runs.bench, runs.same,
+                                runs.same_error, members)
         if job.backward_expected:
             return self._hold(job, outcome)
         self._finish(job, outcome, None, fwd_job=job)
@@ -201,7 +185,8 @@ class Checker:
     # -- backward ----------------------------------------------------------------------------------------------
     def _check_backward(self, job: Job, waiting: Waiting | None) -> Completion:
         rep = self.reports(job.rank)
-        graphs = self._drop_graphs(call_key(job))   # used by this backward replay, or by none
+        graphs = self._drop_graphs(call_key(job), used=True)   # used by this backward replay, or by none
+        used = None
         fwd_job = waiting.job if waiting is not None else None
         forward = waiting.outcome if waiting is not None else Outcome(
             [SKIP], [SKIP], "forward record of this call was not received")
@@ -217,7 +202,10 @@ class Checker:
         elif job.grad_input is None or not flatten_outputs(job.grad_input):
             bwd = Outcome()   # no gradient reached this call's inputs: no backward rows (" ")
         else:
-            bwd = self._replay_backward(rep, fwd_job, job, graphs if graphs and graphs.job() is fwd_job else None)
+            used = graphs if graphs and graphs.job() is fwd_job else None
+            bwd = self._replay_backward(rep, fwd_job, job, used)
+        if graphs is not None and used is None:
+            self.replayer.drop(graphs.kept)
         self._finish(job, forward, bwd, fwd_job=fwd_job, bwd_job=job)
         return self.pending.backward_done(job, waiting)
 
@@ -230,33 +218,35 @@ class Checker:
         while self._graph_bytes > self.graph_budget and self._graphs:
             self._drop_graphs(next(iter(self._graphs)))
 
-    def _drop_graphs(self, key: CallKey) -> _Graphs | None:
+    def _drop_graphs(self, key: CallKey, used: bool = False) -> _Graphs | None:
         graphs = self._graphs.pop(key, None)
         if graphs is not None:
             self._graph_bytes -= graphs.nbytes
+            if not used:
+                self.replayer.drop(graphs.kept)
         return graphs
 
-    def _backward_run(self, graph: KeptForward | None, fwd: Job, bwd: Job, bench: bool) -> list:
-        if graph is not None:
-            return backward_from(graph, fwd, bwd, self.device, match_threads=self.match_threads)
-        return run_backward(fwd, bwd, self.device, bench=bench, match_threads=self.match_threads)
+    def _failed(self, job: Job, exc: Exception) -> str:
+        """The SKIP reason of a replay that failed; one that cost its worker process quarantines the record."""
+        why = str(exc)
+        if isinstance(exc, WorkerLost):
+            log.error("%s (rank %d, step %d, seq %d): %s", job.name, job.rank, job.step, job.seq, why)
+            self.on_lost(job, why)
+        return why
 
     def _replay_backward(self, rep: RankReports, fwd: Job, bwd: Job, graphs: _Graphs | None = None) -> Outcome:
         try:
-            bench = self._backward_run(graphs.bench if graphs else None, fwd, bwd, bench=True)
-        except ReplayError as exc:
-            return self._skip_rows(rep, bwd, "backward", str(exc))
-        try:
-            same, same_error = self._backward_run(graphs.same if graphs else None, fwd, bwd, bench=False), ""
-        except ReplayError as exc:
-            same, same_error = None, f"same-dtype run failed: {exc}"
+            runs = self.replayer.backward(fwd, bwd, graphs.kept if graphs else None, self.match_threads)
+        except (ReplayError, WorkerLost) as exc:
+            return self._skip_rows(rep, bwd, "backward", self._failed(bwd, exc))
+        bench, same, same_error = runs.bench, runs.same, runs.same_error
         device = list(bwd.grad_input) if isinstance(bwd.grad_input, (list, tuple)) else [bwd.grad_input]
         keep = [i for i, g in enumerate(device) if g is not None]
         # a backward call's inputs: the gradient that reached it and its forward inputs
         self._note_finiteness(bwd, "backward", (bwd.grad_output, fwd.args, fwd.kwargs), [device[i] for i in keep],
                               [bench[i] for i in keep])
-        members = (spread.LazyRuns(lambda: [[m[i] for i in keep] for m in spread.backward_members(
-            fwd, bwd, self.device, self.match_threads)]) if same is not None else None)
+        members = (spread.LazyRuns(lambda: [[m[i] for i in keep] for m in self.replayer.backward_members(
+            fwd, bwd, self.match_threads)]) if same is not None else None)
         return self._compare(rep, bwd, "backward", [device[i] for i in keep], [bench[i] for i in keep],
                              [same[i] for i in keep] if same is not None else None, same_error, members)
 
@@ -388,3 +378,4 @@ class Checker:
         self._graph_bytes = 0
         for rep in self._reports.values():
             rep.close()
+        self.replayer.close()

@@ -50,8 +50,9 @@ def _args(argv):
                    help="payload bytes held at once: being received, spooled, waiting for a worker (default: a "
                         "quarter of the host's memory, at least 1024); a full budget slows the agents down")
     p.add_argument("--error-data-max-mb", type=float, default=None,
-                   help="cap on the evidence saved under error_data_path (default: no cap); past it, failing calls "
-                        "are still reported, only their tensors are not saved")
+                   help="cap on the evidence saved under error_data_path per session (default: 1024, or a quarter of "
+                        "the disk space free at the start when that is less); past it, failing calls are still "
+                        "reported, only their tensors are not saved; 0 saves none")
     p.add_argument("--max-streams", type=int, default=DEFAULT_LIMITS.max_streams,
                    help=f"agent streams served at once (default {DEFAULT_LIMITS.max_streams}); one more is refused "
                         "with a message the agent logs")
@@ -61,6 +62,17 @@ def _args(argv):
     p.add_argument("--keep-records", action="store_true",
                    help="keep every record after it is reported (in OUT/spool/kept/, for `gpu-server recheck`) "
                         "instead of deleting it; costs as much disk as the training sends (off by default)")
+    p.add_argument("--replay-in", choices=("process", "thread"), default="process",
+                   help="where replays run: 'process' (default) in a long-lived worker process per worker, capped by "
+                        "--replay-memory-mb and --replay-timeout-s, replaced when a replay kills it; 'thread' in the "
+                        "server process itself (no caps: only for records you trust, and for measuring the difference)")
+    p.add_argument("--replay-memory-mb", type=float, default=None,
+                   help="per replay worker process: memory one replay may use beyond the worker's start-up size "
+                        "(default: an eighth of the host's memory, at least 2048); a replay that needs more is "
+                        "reported SKIP naming this option")
+    p.add_argument("--replay-timeout-s", type=float, default=120.0,
+                   help="the longest one replay may run (default 120); a longer one is stopped, its worker replaced, "
+                        "its record quarantined and reported SKIP naming this option")
     p.add_argument("--bias-fail-ulp", type=float, default=None, metavar="X",
                    help="judging across calls (docs/pooled.md): a bias of an API pooled over the run that is "
                         "statistically significant is an error above X ULP of the device dtype, a finding below "
@@ -106,6 +118,9 @@ def main(argv=None) -> int:
     if ns.bias_fail_ulp is not None and not ns.bias_fail_ulp >= 0:
         print("gpu-server: --bias-fail-ulp must be 0 or more (ULP of the device dtype)", file=sys.stderr)
         return 2
+    if ns.replay_timeout_s <= 0 or (ns.replay_memory_mb is not None and ns.replay_memory_mb <= 0):
+        print("gpu-server: --replay-timeout-s and --replay-memory-mb must be positive", file=sys.stderr)
+        return 2
     if ns.max_streams < 1 or ns.record_timeout_s <= 0:
         print("gpu-server: --max-streams must be at least 1 and --record-timeout-s positive", file=sys.stderr)
         return 2
@@ -132,6 +147,8 @@ def main(argv=None) -> int:
                         memory_budget=memory,
                         error_data_max_bytes=None if ns.error_data_max_mb is None else int(ns.error_data_max_mb * MiB),
                         keep_records=ns.keep_records, graph_budget=int(max(0.0, ns.graph_memory_mb) * MiB),
+                        replay_in=ns.replay_in, replay_timeout_s=ns.replay_timeout_s,
+                        replay_memory=None if ns.replay_memory_mb is None else int(ns.replay_memory_mb * MiB),
                         **({} if ns.bias_fail_ulp is None else {"bias_fail_ulp": ns.bias_fail_ulp}))
         app.start()
     except (ValueError, OSError, SpoolError) as exc:

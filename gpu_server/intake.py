@@ -66,6 +66,8 @@ class Job:
     reserved: int = 0          # bytes of the server's memory budget this job holds until it is checked
     module: str = ""           # where the call was made (the header's, through wire_text): "TinyLM.blocks.0.attn"
     source: str = ""           # "train.py:42 (forward)"
+    wire: tuple[Any, Any] | None = None   # (pb.Record, payload) it was decoded from: a replay worker process decodes
+                                          # the same bytes again (gpu_server/sandbox.py)
 
 
 MAX_WHERE = 1024   # characters kept of a record's module path and source location
@@ -487,7 +489,7 @@ def decode_job(record: pb.Record, payload: bytes | bytearray | memoryview, limit
         autocast=(record.autocast.enabled, record.autocast.dtype, record.autocast.device_type),
         inplace=record.inplace, backward_expected=record.backward_expected, skip_reason=record.skip_reason[:1000],
         intra_op_threads=min(record.intra_op_threads, 1024),
-        nbytes=len(payload), module=wire_text(h.module), source=wire_text(h.source),
+        nbytes=len(payload), module=wire_text(h.module), source=wire_text(h.source), wire=(record, payload),
     )
     if record.HasField("random"):
         r = record.random

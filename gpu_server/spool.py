@@ -79,6 +79,7 @@ class Recovery:
     damage: list[Damage] = dataclasses.field(default_factory=list)   # unreadable regions of spool segments
     journal_damaged: str = ""        # why the journal could not be trusted ("" when it could)
     rebuilt: int = 0                 # with a damaged journal: spooled records found in the report files
+    quarantined: dict[Key, str] = dataclasses.field(default_factory=dict)   # of `replay`: never replayed (why)
 
 
 class Spool:
@@ -157,7 +158,8 @@ class Spool:
         self.commits.start(max(list_segments(self.dir) + kept, default=-1) + 1)
         return Recovery(ts=ts, resumed=resumed, starts=starts, replay=replay, half=half,
                         ends=list(state.ends.values()), truncated=truncated, done_count=state.done_count(),
-                        damage=damage, journal_damaged=state.damaged, rebuilt=rebuilt)
+                        damage=damage, journal_damaged=state.damaged, rebuilt=rebuilt,
+                        quarantined={e.key: state.quarantined[e.key] for e in replay if e.key in state.quarantined})
 
     def _keep_damaged(self, path: str) -> str:
         if not os.path.exists(path):
@@ -226,6 +228,11 @@ class Spool:
         self.journal.add({"d": [list(k) for k in done], "h": [list(k) for k in half], "f": names}, list(done),
                          files)
         self.commits.reported(list(done) + list(half))   # a record that could not be spooled: acknowledged now
+
+    def quarantine(self, key: Key, why: str) -> None:
+        """A record whose replay killed its worker process: journaled at once, so that a restart before its SKIP
+        rows are journaled reports it SKIP instead of replaying it again (gpu_server/sandbox.py)."""
+        self.journal.add_now({"q": [[key[0], int(key[1]), int(key[2]), why[:500]]]})
 
     def record_end(self, end: dict) -> None:
         """Persist an end message before it is acknowledged."""

@@ -4,9 +4,12 @@
                   "files": {report file name: size}, "ends": [{...}, ...]}}     always the first line
     {"d": [[run, rank, seq], ...], "h": [[run, rank, seq], ...], "f": {report file name: size}}
     {"end": {"run_id": .., "rank": .., "captured": .., ...}}
+    {"q": [[run, rank, seq, why], ...]}
 
 `d`: the record's rows are all written; `h`: a forward record whose detail rows are written while its result row
-waits for the backward record; `f`: the sizes of the report files right after those rows. Each start, and every
+waits for the backward record; `f`: the sizes of the report files right after those rows. `q`: records quarantined
+because their replay killed a replay worker process (gpu_server/sandbox.py): a restart reports them SKIP and never
+replays them. Each start, and every
 COMPACT_BYTES appended during a long session, compacts the journal into one snapshot line (written to a temporary
 file, fsync'ed, renamed).
 
@@ -43,6 +46,7 @@ class JournalState:
     half: set[Key] = dataclasses.field(default_factory=set)
     files: dict[str, int] = dataclasses.field(default_factory=dict)
     ends: dict[tuple[str, int], dict] = dataclasses.field(default_factory=dict)
+    quarantined: dict[Key, str] = dataclasses.field(default_factory=dict)   # not done yet -> why
     damaged: str = ""              # why the journal cannot be trusted ("" when it can)
     exists: bool = False
 
@@ -53,6 +57,7 @@ class JournalState:
     def mark_done(self, key: Key) -> None:
         self.done.setdefault((key[0], int(key[1])), SeqSet()).add(int(key[2]))
         self.half.discard((key[0], int(key[1]), int(key[2])))
+        self.quarantined.pop((key[0], int(key[1]), int(key[2])), None)
 
     def done_count(self) -> int:
         return sum(len(s) for s in self.done.values())
@@ -62,7 +67,8 @@ class JournalState:
         for (run, rank), seqs in sorted(self.done.items()):
             done.setdefault(run, {})[str(rank)] = seqs.ranges()
         return {"done": done, "half": sorted(list(k) for k in self.half), "files": dict(sorted(self.files.items())),
-                "ends": list(self.ends.values())}
+                "ends": list(self.ends.values()),
+                "quarantined": sorted([*k, why] for k, why in self.quarantined.items())}
 
 
 def _key(item) -> Key:
@@ -86,6 +92,7 @@ def _apply(state: JournalState, item: dict, first: bool) -> None:
         state.files.update({str(k): int(v) for k, v in snap.get("files", {}).items()})
         for end in snap.get("ends", []):
             state.ends[(end["run_id"], int(end["rank"]))] = end
+        _quarantine(state, snap.get("quarantined", []))
         return
     if first:
         raise ValueError("the first line is not a snapshot")
@@ -94,9 +101,17 @@ def _apply(state: JournalState, item: dict, first: bool) -> None:
     for k in item.get("h", []):
         state.half.add(_key(k))
     state.files.update({str(k): int(v) for k, v in item.get("f", {}).items()})
+    _quarantine(state, item.get("q", []))
     if "end" in item:
         end = item["end"]
         state.ends[(end["run_id"], int(end["rank"]))] = end
+
+
+def _quarantine(state: JournalState, items: list) -> None:
+    for run, rank, seq, why in items:
+        key = _key((run, rank, seq))
+        if not state.is_done(key):
+            state.quarantined[key] = str(why)
 
 
 def read_journal(path: str) -> JournalState:

@@ -27,6 +27,7 @@ from gpu_server.intake import Job
 from gpu_server.pending import Completion, PendingCalls
 from gpu_server.pooled import PooledErrors
 from gpu_server.reports import ReportWriteError
+from gpu_server.sandbox import SandboxLimits, make_replayer
 from gpu_server.summary import Summary
 
 log = logging.getLogger("gpu_server")
@@ -67,30 +68,54 @@ class WorkerPool:
                  pending: PendingCalls, queue_size: int = 65536,
                  on_complete: Callable[[list, list, dict[str, int]], None] | None = None,
                  release: Callable[[int], None] | None = None, evidence: Evidence | None = None,
-                 graph_budget: int = 2 << 30, pooled: PooledErrors | None = None):
+                 graph_budget: int = 2 << 30, pooled: PooledErrors | None = None,
+                 sandbox: SandboxLimits | None = None, on_quarantine: Callable[[tuple, str], None] | None = None,
+                 max_record_bytes: int = 1 << 30):
         self.summary = summary
         self.pending = pending
         self.on_complete = on_complete or (lambda done, half, files: None)
         self.release = release or (lambda n: None)
         replay.warm_up()   # before the transport opens (the pool is built first): no record waits for it
-        self.checkers = [Checker(out_dir, ts, d, summary, pending=pending, evidence=evidence, graph_budget=graph_budget,
-                                 pooled=pooled)   # one PooledErrors shared by every worker (thread-safe)
-                         for d in devices]
+        self.on_quarantine = on_quarantine or (lambda key, why: None)
         cpu_workers = sum(d.type == "cpu" for d in devices)
         if cpu_workers > 1:
             # torch's intra-op pool is shared by the process: split the cores instead of oversubscribing them, and
             # leave the thread count alone per call (see replay._threads).
             torch.set_num_threads(max(1, _usable_cores() // cpu_workers))
-            for checker in self.checkers:
-                checker.match_threads = False
             log.info("%d CPU workers, %d torch threads each; CPU same-dtype runs do not match the training's thread "
                      "count", cpu_workers, torch.get_num_threads())
+        # each worker's replays run in its own capped worker process (gpu_server/sandbox.py): started now, ready
+        # while the transport opens (the first replay waits for it)
+        limits = sandbox or SandboxLimits()
+        self.replayers = [make_replayer(d, limits, torch.get_num_threads(), max_record_bytes, f"replay-{i}")
+                          for i, d in enumerate(devices)]
+        self.checkers = [Checker(out_dir, ts, d, summary, pending=pending, evidence=evidence, graph_budget=graph_budget,
+                                 pooled=pooled,   # one PooledErrors shared by every worker (thread-safe)
+                                 replayer=r, on_lost=self._lost)
+                         for d, r in zip(devices, self.replayers)]
+        if cpu_workers > 1:
+            for checker in self.checkers:
+                checker.match_threads = False
         self._sizes: dict[int, dict[str, int]] = {}   # rank -> its report files' sizes after its last completion
         self.queues: list[queue.Queue] = [queue.Queue(maxsize=queue_size) for _ in devices]
         self.threads = [threading.Thread(target=self._run, args=(i,), name=f"gpu-server-worker-{i}", daemon=True)
                         for i in range(len(devices))]
         for t in self.threads:
             t.start()
+
+    def _lost(self, job: Job, why: str) -> None:
+        """A replay cost its worker process: the record is quarantined (journaled at once: a restart never replays
+        it) before its SKIP rows are written."""
+        self.summary.quarantine(job.rank, job.name, job.step, why)
+        try:
+            self.on_quarantine((job.run_id, job.rank, job.seq), why)
+        except Exception:  # noqa: BLE001 - its SKIP row is written anyway, which ends its spool entry too
+            log.exception("could not journal the quarantine of %s", job.name)
+
+    @property
+    def replaced(self) -> int:
+        """Replay worker processes replaced after a crash, the memory cap or the time limit."""
+        return sum(r.replaced for r in self.replayers)
 
     def _index(self, rank: int) -> int:
         return rank % len(self.queues)

@@ -1,0 +1,252 @@
+"""Replays in capped worker processes (gpu_server/sandbox.py, docs/design.md §6.7): a replay that crashes, runs out
+of its memory cap or past its time limit costs its worker process and one SKIP row, never the server, a concurrent
+training or a restart; the record is quarantined in the journal and never replayed again."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from gpu_server.sandbox import InlineReplayer, ProcessReplayer, SandboxLimits, WorkerLost
+from gpu_server.sandbox_wire import ChannelClosed, read_leaves
+from npu_agent.records import PendingRecord, encode_record
+from npu_agent.snapshot import snapshot
+from protos import online_check_pb2 as pb
+from tests import support
+from tests.test_hostile import RawStream, hello
+
+MiB = 1 << 20
+SVD_N = 1536       # a linalg_svd whose float64 bench run takes seconds on any CPU (and tens here)
+
+
+def frames_of(name: str, fn, *args, run_id: str = "sandbox", seq: int = 0, **kwargs) -> list[bytes]:
+    out = fn(*args, **kwargs)
+    rec = PendingRecord(name=name, step=0, inputs=snapshot((args, kwargs)), output=snapshot(out), seq=seq)
+    _, enc = encode_record(rec, run_id, 0)
+    return list(enc.wire_frames(4 * MiB))
+
+
+def slow_svd(seq: int, run_id: str = "sandbox") -> list[bytes]:
+    torch.manual_seed(1)
+    return frames_of(f"Torch.linalg_svd.{seq}", torch.linalg.svd, torch.randn(SVD_N, SVD_N), run_id=run_id, seq=seq)
+
+
+def relu(seq: int, run_id: str = "sandbox") -> list[bytes]:
+    return frames_of(f"Functional.relu.{seq}", torch.nn.functional.relu, torch.linspace(-2, 2, 64), run_id=run_id,
+                     seq=seq)
+
+
+def replay_workers(server_pid: int) -> list[int]:
+    """The server's replay worker processes (its children running gpu_server.sandbox_worker)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                cmd = fh.read()
+        except OSError:
+            continue
+        if ppid == server_pid and b"gpu_server.sandbox_worker" in cmd:
+            pids.append(int(entry))
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wait_for(cond, timeout: float = 120, what: str = ""):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def rows_named(out: str, prefix: str) -> dict[str, dict]:
+    return {r["API Name"]: r for r in support.read_csv(out, "accuracy_checking_details")
+            if r["API Name"].startswith(prefix)}
+
+
+def transport_counts(out: str) -> dict:
+    [path] = glob.glob(os.path.join(out, "summary_*.json"))
+    with open(path) as fh:
+        return json.load(fh)["transport"]
+
+
+def journal_lines(out: str) -> list[dict]:
+    with open(os.path.join(out, "spool", "journal.log")) as fh:
+        return [json.loads(line) for line in fh if line.strip()]
+
+
+def test_a_crashing_replay_costs_one_skip_row_while_a_training_is_checked_and_a_restart_does_not_replay_it(tmp_path):
+    with support.Server(str(tmp_path), args=("--replay-timeout-s", "600")) as server:
+        [worker] = wait_for(lambda: replay_workers(server.proc.pid), 60, "the replay worker process")
+        stream = RawStream(server.port).send(hello(), *slow_svd(0))
+        assert [a.status for a in stream.wait(1)] == [pb.Ack.ACCEPTED]
+        # the svd's replay is running in the worker process: crash it there, as a bad native kernel would
+        wait_for(lambda: cpu_seconds(worker) > 1.0, 120, "the replay to run")
+        training = support.Training(support.SMALL_TRAIN, support.agent_config(str(tmp_path / "agent.json"),
+                                                                               server.port))
+        os.kill(worker, signal.SIGSEGV)
+        assert training.result(300).returncode == 0
+        row = wait_for(lambda: rows_named(server.out, "Torch.linalg_svd.0").get("Torch.linalg_svd.0.forward.output.0"),
+                       120, "the svd's row")
+        assert row["Status"] == "SKIP"
+        assert "killed its worker process (signal SIGSEGV" in row["Message"] and "quarantined" in row["Message"]
+        [replacement] = wait_for(lambda: replay_workers(server.proc.pid), 60, "the replacement worker")
+        assert replacement != worker
+        assert any(line.get("q") and line["q"][0][:3] == ["sandbox", 0, 0] for line in journal_lines(server.out))
+        stream.close()
+        assert server.stop() == 0    # drains: every record of the training is checked
+    # the training beside it was checked in full, by the replacement worker
+    details = support.read_csv(server.out, "accuracy_checking_details")
+    trained = [r for r in details if not r["API Name"].startswith("Torch.linalg_svd")]
+    assert len(trained) >= 10 and all(r["Status"] == "pass" for r in trained), [
+        (r["API Name"], r["Message"]) for r in trained if r["Status"] != "pass"]
+    assert transport_counts(server.out)["replay_workers_replaced"] == 1
+    # a restart on the same --out: the record is done (its SKIP row is journaled), nothing is replayed again
+    with support.Server(str(tmp_path), out=server.out) as again:
+        assert again.stop() == 0
+    assert len([r for r in support.read_csv(server.out, "accuracy_checking_details")
+                if r["API Name"].startswith("Torch.linalg_svd.0")]) == 1
+
+
+def test_a_record_quarantined_before_the_server_died_is_reported_skip_at_restart_never_replayed(tmp_path):
+    out = str(tmp_path / "out")
+    server = support.Server(str(tmp_path), out=out, args=("--replay-timeout-s", "600")).start()
+    stream = RawStream(server.port).send(hello(), *slow_svd(0))
+    assert [a.status for a in stream.wait(1)] == [pb.Ack.ACCEPTED]
+    [worker] = replay_workers(server.proc.pid)
+    wait_for(lambda: cpu_seconds(worker) > 0.5, 120, "the replay to run")
+    # the server dies while the worker replays; its journal had quarantined the record (as it does when a replay
+    # kills its worker, before the SKIP row is written)
+    server.kill()
+    stream.close()
+    with open(os.path.join(out, "spool", "journal.log"), "a") as fh:
+        fh.write(json.dumps({"q": [["sandbox", 0, 0, "its worker process died with signal SIGSEGV"]]}) + "\n")
+    t0 = time.time()
+    with support.Server(str(tmp_path), out=out, port=support.free_port()) as again:
+        row = wait_for(lambda: rows_named(out, "Torch.linalg_svd.0").get("Torch.linalg_svd.0.forward.output.0"),
+                       60, "the quarantined record's row")
+        assert row["Status"] == "SKIP" and "killed a replay worker before the restart" in row["Message"]
+        assert "SIGSEGV" in row["Message"]
+        workers = replay_workers(again.proc.pid)
+        assert workers and all(cpu_seconds(w) < 30 for w in workers)   # nothing replayed the svd
+        assert again.stop() == 0
+    assert time.time() - t0 < 120
+
+
+def test_a_replay_past_the_memory_cap_is_skip_naming_the_option_and_the_worker_goes_on(tmp_path):
+    torch.manual_seed(0)
+    a, b = torch.randn(2048, 1024), torch.randn(1024, 2048)   # float64 bench: 16 + 16 + 32 MiB, above the cap
+    with support.Server(str(tmp_path), args=("--replay-memory-mb", "48")) as server:
+        stream = RawStream(server.port).send(hello(), *frames_of("Torch.mm.0", torch.mm, a, b, seq=0), *relu(1))
+        assert len(stream.wait(2)) == 2
+        rows = wait_for(lambda: (lambda r: r if len(r) == 2 else None)(rows_named(server.out, "")), 120, "rows")
+        mm = rows["Torch.mm.0.forward.output.0"]
+        assert mm["Status"] == "SKIP" and "--replay-memory-mb 48" in mm["Message"], mm["Message"]
+        assert rows["Functional.relu.1.forward.output.0"]["Status"] == "pass"
+        stream.close()
+        assert server.stop() == 0
+    assert transport_counts(server.out)["replay_workers_replaced"] == 0
+
+
+def test_a_slow_replay_is_cut_at_its_time_limit_and_the_next_record_is_checked(tmp_path):
+    with support.Server(str(tmp_path), args=("--replay-timeout-s", "1")) as server:
+        t0 = time.time()
+        stream = RawStream(server.port).send(hello(), *slow_svd(0), *relu(1))
+        assert len(stream.wait(2)) == 2
+        rows = wait_for(lambda: (lambda r: r if len(r) == 2 else None)(rows_named(server.out, "")), 120, "rows")
+        svd = rows["Torch.linalg_svd.0.forward.output.0"]
+        assert svd["Status"] == "SKIP" and "--replay-timeout-s 1" in svd["Message"], svd["Message"]
+        assert rows["Functional.relu.1.forward.output.0"]["Status"] == "pass"
+        assert time.time() - t0 < 90
+        stream.close()
+        assert server.stop() == 0
+    assert transport_counts(server.out)["replay_workers_replaced"] == 1
+
+
+# -- the replayer itself --------------------------------------------------------------------------------------------
+def job_of(frames: list[bytes]):
+    from gpu_server.intake import FrameAssembler, decode_job
+    from protos import online_check_pb2 as pb
+
+    asm = FrameAssembler()
+    done = None
+    for f in frames:
+        done = asm.feed(pb.Frame.FromString(f))
+    return decode_job(*done)
+
+
+def test_process_and_inline_replays_give_the_same_outputs():
+    torch.manual_seed(0)
+    x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8)
+    rec = PendingRecord(name="Functional.linear.0", step=0, inputs=snapshot(((x, w), {})),
+                        output=snapshot(torch.nn.functional.linear(x, w)), seq=0)
+    _, enc = encode_record(rec, "same", 0)
+    job = job_of(list(enc.wire_frames(MiB)))
+    inline = InlineReplayer(torch.device("cpu")).forward(job, keep=False, match=True)
+    proc = ProcessReplayer(torch.device("cpu"), SandboxLimits(timeout_s=60), torch.get_num_threads(), 64 * MiB)
+    try:
+        remote = proc.forward(job, keep=False, match=True)
+    finally:
+        proc.close()
+    assert len(inline.bench) == len(remote.bench) == 1
+    assert inline.bench[0].dtype == remote.bench[0].dtype == torch.float64
+    assert torch.equal(inline.bench[0], remote.bench[0]) and torch.equal(inline.same[0], remote.same[0])
+    assert not os.path.exists(proc.folder)
+
+
+def test_an_answer_that_does_not_fit_its_arena_is_refused():
+    arena = memoryview(bytearray(16))
+    with pytest.raises(ChannelClosed, match="does not fit"):
+        read_leaves([[{"t": ["float32", [8], 0, 32]}]], arena)
+    with pytest.raises(ChannelClosed, match="does not fit"):
+        read_leaves([[{"t": ["float32", [2], 12, 8]}]], arena)
+    with pytest.raises(ChannelClosed, match="unknown kind"):
+        read_leaves([[{"pickle": "x"}]], arena)
+    assert read_leaves([[{"t": ["float32", [2], 8, 8]}, {"v": 3}, {"f": "nan"}]], arena)[0][1] == 3
+
+
+def test_a_worker_that_dies_between_requests_is_replaced_on_the_next_one():
+    job = job_of(relu(0))
+    proc = ProcessReplayer(torch.device("cpu"), SandboxLimits(timeout_s=60), 1, 64 * MiB)
+    try:
+        proc.ready()
+        os.kill(proc._proc.pid, signal.SIGKILL)
+        proc._proc.wait()
+        with pytest.raises(WorkerLost, match="SIGKILL"):
+            proc.forward(job, keep=False, match=True)
+        assert proc.forward(job, keep=False, match=True).bench[0].shape == (64,)
+        assert proc.replaced == 1
+    finally:
+        proc.close()
+
+
+def test_concurrent_requests_on_one_replayer_are_serialised():
+    job = job_of(relu(0))
+    proc = ProcessReplayer(torch.device("cpu"), SandboxLimits(timeout_s=60), 1, 64 * MiB)
+    results: list = []
+    try:
+        threads = [threading.Thread(target=lambda: results.append(proc.forward(job, False, True))) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        proc.close()
+    assert len(results) == 4 and all(torch.equal(r.bench[0], results[0].bench[0]) for r in results)
