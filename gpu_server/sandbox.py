@@ -1,11 +1,12 @@
-"""Where replays run: in a capped, replaceable worker process (default) or in the server itself (docs/design.md §6.7).
+"""Where replays run: in a capped, replaceable worker process (default) or in the server itself (docs/design.md §6.8).
 
 A replay executes an allowlisted torch API on arguments a client sent. The server validates them first (the
 allowlist, sizes, index bounds), but a replay can still crash in native code, allocate far more than its record, or
 run for minutes. `ProcessReplayer` runs every replay of one server worker in a long-lived child process
-(gpu_server/sandbox_worker.py) with a memory cap (`--replay-memory-mb`: RLIMIT_AS on the CPU, the device memory
-fraction on CUDA) and a time limit per request (`--replay-timeout-s`). The records travel through shared memory
-(gpu_server/sandbox_wire.py); the child decodes them again with the same decoder. When the child dies, or is killed
+(gpu_server/sandbox_worker.py) with a memory cap (`--replay-memory-mb`: beyond what the child holds when a replay
+starts, by RLIMIT_AS on the CPU; the device memory fraction on CUDA) and a time limit per request
+(`--replay-timeout-s`). The records travel through shared memory (gpu_server/sandbox_wire.py); the child decodes
+them again with the same decoder. When the child dies, or is killed
 at its time limit, the request raises `WorkerLost`: the checker reports that call SKIP with the reason, the record is
 quarantined in the spool's journal (never replayed at a restart) and the next request starts a new child.
 

@@ -1,4 +1,4 @@
-"""What crosses between the server and its replay worker processes (docs/design.md §6.7).
+"""What crosses between the server and its replay worker processes (docs/design.md §6.8).
 
 Two channels per worker:
 - a pipe of messages: a 4-byte little-endian length, then one JSON object (never pickle: the worker has handled

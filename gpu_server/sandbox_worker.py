@@ -1,4 +1,4 @@
-"""A replay worker process: runs the replays of one server worker, inside its caps (docs/design.md §6.7).
+"""A replay worker process: runs the replays of one server worker, inside its caps (docs/design.md §6.8).
 
     python -m gpu_server.sandbox_worker --folder F --rfd R --wfd W --device cpu --threads N --memory BYTES
                                         --max-record-bytes B
@@ -8,16 +8,19 @@ same decoder the server validated it with, runs the replay functions of gpu_serv
 and answers with the outputs. It keeps the autograd graphs of forward replays whose backward record will come, under
 handles the server names in its backward request.
 
-The caps: on the CPU, RLIMIT_AS is set to the process's size after start-up plus `--memory` (an allocation past it
-fails inside the replay, which becomes that call's SKIP row); on CUDA, the device memory fraction. The server stops a
-replay that runs past its time limit by killing this process. A native crash kills only this process.
+The caps: on the CPU, before each request the soft RLIMIT_AS is set to the process's size at that moment (which
+holds the kept graphs) plus `--memory`: an allocation past it fails inside the replay, which becomes that call's
+SKIP row. On CUDA, the device memory fraction. The server stops a replay that runs past its time limit by killing
+this process. A native crash kills only this process.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import resource
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -29,7 +32,7 @@ from gpu_server.sandbox_wire import Arena, ChannelClosed, Mapped, NotTransferabl
 from protos import online_check_pb2 as pb
 from protos.limits import DEFAULT_LIMITS
 
-SLACK = 96 << 20    # address space beyond the cap for what a replay maps besides its tensors (the arenas' growth,
+SLACK = 32 << 20    # address space beyond the cap for what a replay maps besides its tensors (the arenas' growth,
                     # a thread the allocator or the intra-op pool adds later)
 
 
@@ -41,7 +44,8 @@ def _address_space() -> int:
 def memory_message(exc: BaseException, cap: int) -> str | None:
     """The SKIP reason for a replay that ran out of this worker's memory cap; None for other failures."""
     text = str(exc)
-    if isinstance(exc, MemoryError) or "can't allocate memory" in text or "out of memory" in text.lower():
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM) or \
+            "can't allocate memory" in text or "out of memory" in text.lower():
         return (f"not replayable within --replay-memory-mb {cap / (1 << 20):g}: the replay needs more memory than "
                 f"one replay worker may use ({text[:200]}); raise --replay-memory-mb if such calls are legitimate")
     return None
@@ -59,13 +63,15 @@ class Worker:
         self.next_handle = 1
 
     # -- requests ----------------------------------------------------------------------------------------------
-    def job(self, ref: Any, arena: memoryview) -> Job:
+    def job(self, ref: Any, arena: memoryview, own: bool = False) -> Job:
+        """The job a request names. Its tensors are views of the server's arena, valid until the next request,
+        unless `own` (a forward whose graph is kept: its inputs must outlive the request)."""
         (ro, rn), (po, pn) = ref["record"], ref["payload"]
         for off, n in ((ro, rn), (po, pn)):
             if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n and off + n <= len(arena)):
                 raise ChannelClosed("a record reference outside the arena")
         record = pb.Record.FromString(bytes(arena[ro:ro + rn]))
-        return decode_job(record, bytearray(arena[po:po + pn]), self.limits)
+        return decode_job(record, bytearray(arena[po:po + pn]) if own else arena[po:po + pn], self.limits)
 
     def keep(self, graph: KeptForward | None, job: Job) -> int | None:
         if graph is None:
@@ -76,7 +82,8 @@ class Worker:
         return h
 
     def forward(self, req: dict, arena: memoryview) -> dict:
-        job, keep, match = self.job(req["job"], arena), bool(req["keep"]), bool(req["match"])
+        keep, match = bool(req["keep"]), bool(req["match"])
+        job = self.job(req["job"], arena, own=keep)
         if keep:
             bench, bench_graph = replay.run_forward_kept(job, self.device, bench=True)
         else:
@@ -127,7 +134,14 @@ class Worker:
         op = req.get("op")
         if op == "drop":
             return {}
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        if self.device.type == "cpu":   # the record itself is bounded by --max-record-mb, not by the replay's cap
+            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
         arena = self.inbox.view(req["arena"])
+        if self.device.type == "cpu":   # this replay may map `cap` bytes beyond what the process holds now
+            limit = _address_space() + self.cap + SLACK
+            resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard),
+                                                    hard))
         try:
             if op == "forward":
                 body = self.forward(req, arena)
@@ -143,7 +157,7 @@ class Worker:
             return {"replay_error": memory_message(exc, self.cap) or str(exc)}
         except NotTransferable as exc:
             return {"replay_error": f"not replayable here: {exc} has no comparable form"}
-        except (MemoryError, RuntimeError) as exc:
+        except (MemoryError, RuntimeError, OSError) as exc:   # OSError: an arena that cannot grow (ENOMEM)
             why = memory_message(exc, self.cap)
             if why is None:
                 raise
@@ -181,15 +195,6 @@ def _warm_up() -> None:
     (a @ a).sum()
 
 
-def _cap_memory(device: torch.device, cap: int) -> None:
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), device)
-        return
-    limit = _address_space() + cap + SLACK
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_server.sandbox_worker")
     p.add_argument("--folder", required=True)
@@ -200,12 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory", type=int, required=True)
     p.add_argument("--max-record-bytes", type=int, default=0)
     ns = p.parse_args(argv)
+    # records are decoded as read-only views of the server's arena: the replay never writes its inputs in place (it
+    # replays on private copies), and a write would fault here instead of changing what the server holds
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
     torch.set_grad_enabled(False)
     if ns.threads > 0:
         torch.set_num_threads(ns.threads)
     _warm_up()
     worker = Worker(ns)
-    _cap_memory(worker.device, ns.memory)
+    if worker.device.type == "cuda":
+        total = torch.cuda.get_device_properties(worker.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, ns.memory / total), worker.device)
     try:
         worker.serve()
     finally:
