@@ -10,8 +10,19 @@ safetensors with a JSON description of the call and a small script that replays 
 Loading never unpickles: safetensors holds raw buffers behind a validated header, call.json is plain JSON.
 
 Each training run (the agent's run id) has its own folder, so a second run never overwrites the first's evidence.
-The evidence is capped (`--error-data-max-mb`, `Evidence`): past the cap, and when the disk is full, a call's
-evidence is not saved (counted in the summary, said once in the log) and a folder is never left half written.
+The evidence is capped (`Evidence`): past the cap, and when the disk is full, a call's evidence is not saved (the
+call is still checked and reported; the skip is counted in the summary and said once in the log) and a folder is
+never left half written. A call is saved only when its tensors fit whole under the cap (their bytes are reserved
+before writing, so workers saving at once never overshoot it together).
+
+The cap, per server session (`error_data/{ts}/`, kept across restarts with the same --out), is
+`--error-data-max-mb` when given (0: save nothing), else the default `default_max_bytes`:
+
+    min(1 GiB, a quarter of the space free on the error_data_path file system when the session starts)
+
+so that a client sending many failing calls with large tensors can neither fill the disk (the spool and the reports
+need it; a full disk pauses intake for every agent: gpu_server/disk.py) nor take more than a quarter of what is
+left. When the free space cannot be measured, the cap is 1 GiB. For more, give --error-data-max-mb explicitly.
 """
 from __future__ import annotations
 
@@ -98,6 +109,30 @@ def folder_of(base: str, ts: str, fwd: Job) -> str:
                         f"{_safe(fwd.name)}.step{int(fwd.step)}")
 
 
+DEFAULT_MAX_BYTES = 1 << 30            # the default cap: 1 GiB ...
+DEFAULT_FREE_SHARE = 4                 # ... or a quarter of the free disk space, when that is less
+
+
+def _free_bytes(path: str) -> int | None:
+    """Bytes free to this user on the file system that holds `path` (its nearest existing ancestor)."""
+    path = os.path.abspath(path)
+    while True:
+        try:
+            st = os.statvfs(path)
+            return int(st.f_bavail) * int(st.f_frsize)
+        except OSError:
+            parent = os.path.dirname(path)
+            if parent == path:
+                return None
+            path = parent
+
+
+def default_max_bytes(base: str) -> int:
+    """The cap when --error-data-max-mb is not given: min(1 GiB, a quarter of the free space under `base`)."""
+    free = _free_bytes(base)
+    return DEFAULT_MAX_BYTES if free is None else min(DEFAULT_MAX_BYTES, free // DEFAULT_FREE_SHARE)
+
+
 def _du(path: str) -> int:
     total = 0
     for root, _dirs, files in os.walk(path):
@@ -110,31 +145,57 @@ def _du(path: str) -> int:
 
 
 class Evidence:
-    """The error data of one session, bounded by `max_bytes` (None: unbounded); shared by the workers."""
+    """The error data of one session, bounded by `max_bytes` (None: the default cap, `default_max_bytes`); shared
+    by the workers."""
 
     def __init__(self, base: str, ts: str, max_bytes: int | None = None):
-        self.base, self.ts, self.max_bytes = base, ts, max_bytes
+        self.explicit = max_bytes is not None
+        self.base, self.ts = base, ts
+        self.max_bytes: int = max(0, int(max_bytes)) if max_bytes is not None else default_max_bytes(base)
         self._lock = threading.Lock()
-        self.used = _du(os.path.join(base, "error_data", ts)) if max_bytes is not None else 0
+        self.used = _du(os.path.join(base, "error_data", ts))     # a restarted session's evidence counts
         self.saved = 0
         self.skipped = 0
         self._said = False
+        if not self.explicit:
+            log.info("error data (the tensors of failing calls) capped at %.0f MiB per session: min(1 GiB, a "
+                     "quarter of the free disk space); --error-data-max-mb sets the cap", self.max_bytes / (1 << 20))
+
+    def _cap_words(self) -> str:
+        mib = f"{self.max_bytes / (1 << 20):.4g} MiB"
+        if self.explicit:
+            return f"--error-data-max-mb ({mib})"
+        return (f"the default cap on error data ({mib}: min(1 GiB, a quarter of the free disk space at the start); "
+                "--error-data-max-mb sets another)")
 
     def save(self, fwd: Job, bwd: Job | None, reason: str) -> str | None:
-        """Save one failing call's data (never raises); the folder, or None when it was not saved."""
+        """Save one failing call's data (never raises); the folder, or None when it was not saved (past the cap,
+        or when it could not be written)."""
         folder = folder_of(self.base, self.ts, fwd)
+        try:
+            need = _tensor_bytes(fwd, bwd) + _FILES_OVERHEAD
+        except Exception as exc:  # noqa: BLE001 - saving evidence must not stop the checking
+            self._skip(fwd, f"{type(exc).__name__}: {exc}")
+            return None
         with self._lock:
-            full = self.max_bytes is not None and self.used >= self.max_bytes
-        if full:
-            return self._skip(fwd, f"--error-data-max-mb ({self.max_bytes / (1 << 20):g} MiB) is reached")
+            fits = self.used + need <= self.max_bytes
+            if fits:
+                self.used += need            # reserved: workers saving at once never overshoot the cap together
+        if not fits:
+            self._skip(fwd, f"{self._cap_words()} is reached (this call's tensors: {need / (1 << 20):.4g} MiB, "
+                            f"saved so far: {self.used / (1 << 20):.4g} MiB)")
+            return None
         try:
             save(self.base, self.ts, fwd, bwd, reason)
         except Exception as exc:  # noqa: BLE001 - saving evidence must not stop the checking
             shutil.rmtree(folder, ignore_errors=True)       # never half a folder
-            return self._skip(fwd, f"{type(exc).__name__}: {exc}")
+            with self._lock:
+                self.used -= need
+            self._skip(fwd, f"{type(exc).__name__}: {exc}")
+            return None
         size = _du(folder)
         with self._lock:
-            self.used += size
+            self.used += size - need
             self.saved += 1
         return folder
 
@@ -143,9 +204,24 @@ class Evidence:
             self.skipped += 1
             say, self._said = not self._said, True
         if say:
-            log.warning("error data of %s (and of later failing calls, counted in the summary) not saved: %s",
-                        fwd.name, why)
+            log.warning("error data of %s not saved (the call is reported; later calls not saved are counted in the "
+                        "summary, not logged): %s", fwd.name, why)
         return None
+
+
+_FILES_OVERHEAD = 64 << 10    # call.json, replay.py and the safetensors header of one call, at most (roughly)
+
+
+def _tensor_bytes(fwd: Job, bwd: Job | None) -> int:
+    """The bytes of the tensors `save` writes for this call (before writing any)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for value, prefix in ((fwd.args, "input"), (fwd.kwargs, "input"), (fwd.output, "output")):
+        _encode(value, tensors, prefix)
+    if bwd is not None:
+        _encode(bwd.grad_output, tensors, "grad_output")
+        _encode(bwd.grad_input, tensors, "grad_input")
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return total + (fwd.mask.numel() * fwd.mask.element_size() if fwd.mask is not None else 0)
 
 
 def save(base: str, ts: str, fwd: Job, bwd: Job | None, reason: str) -> str:

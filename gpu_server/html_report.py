@@ -29,10 +29,10 @@ messages come from the network.
 from __future__ import annotations
 
 import html
-import json
 import math
 import os
 import time
+from typing import Any
 from urllib.parse import quote
 
 import pandas as pd
@@ -40,6 +40,7 @@ import pandas as pd
 from gpu_server import report_files as names
 from gpu_server.atomic_file import write_atomic
 from gpu_server.report_frame import load
+from gpu_server.safe_open import FileRefused, read_json
 from gpu_server.summary import STANDARD_NAMES
 
 ORDER = {"error": 0, "Warning": 1, "SKIP": 2, "pass": 3}
@@ -309,17 +310,25 @@ def _worst_rows(pdet: pd.DataFrame, det: pd.DataFrame) -> dict[tuple, dict]:
 
 
 # -- the top-down view: first anomaly, non-finite values, pooled findings, modules -------------------------------
-def _summary_json(out_dir: str, ts: str | None) -> dict:
-    """The session's summary_{ts}.json as a dict; {} when there is none or it cannot be read (the page then falls
-    back to what the CSVs give)."""
+def _summary_json(out_dir: str, ts: str | None) -> dict[str, Any]:
+    """The session's summary_{ts}.json as a dict; {} when there is none (the page then falls back to what the CSVs
+    give). One that is a link, not a regular file, not UTF-8, not JSON or not a JSON object is refused (FileRefused,
+    a ValueError naming it: gpu_server/safe_open.py); keys of other types than a server writes are ignored."""
     if not ts:
         return {}
+    path = names.summary_path(out_dir, ts)
     try:
-        with open(names.summary_path(out_dir, ts), encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+        data = read_json(path, "summary JSON")
+    except FileRefused as exc:
+        if exc.missing:
+            return {}
+        raise FileRefused(exc.path, exc.why + _MOVE_SUMMARY) from None
+    if not isinstance(data, dict):
+        raise FileRefused(path, f"holds a JSON {type(data).__name__}, not the object a server writes" + _MOVE_SUMMARY)
+    return data   # a key of another type than a server writes is left out: its section comes from the CSVs
+
+
+_MOVE_SUMMARY = "; move it out of the folder to have the report from the CSV reports alone"
 
 
 def _api_bias_csv(out_dir: str, ts: str) -> str:
@@ -724,6 +733,32 @@ _JS = """
 """
 
 
+def _top_down(summary: dict[str, Any], frames: dict[str, pd.DataFrame], calls: pd.DataFrame, out_dir: str,
+              report_dir: str, ts: str | None) -> list[str]:
+    """The top-down sections: the first anomaly, the non-finite values, the pooled findings, the modules (from the
+    summary JSON where it has them, else from the CSV rows)."""
+    parts: list[str] = []
+    first = _d(summary.get("first_anomaly"))
+    if isinstance(first.get("earliest"), dict) or any(isinstance(v, dict) for v in _d(first.get("by_rank")).values()):
+        origin = f"from summary_{ts}.json"
+    else:   # no summary, an older one, or one whose rows had no Seq (an older agent): the CSV rows tell
+        first = _first_anomaly_from_csv(frames)
+        origin = ("computed from the CSV rows: per rank the failing row with the smallest Seq (execution order); "
+                  "across ranks the earliest step, then the earliest place in that step")
+    parts += _section_first_anomaly(first, origin, out_dir, report_dir, ts)
+    parts += _section_nonfinite(_d(summary.get("nonfinite")))
+    bias_csv = _api_bias_csv(out_dir, ts) if ts else ""
+    bias_link = (os.path.relpath(bias_csv, report_dir).replace(os.sep, "/")
+                 if bias_csv and os.path.isfile(bias_csv) else None)
+    parts += _section_api_bias(_d(summary.get("api_bias")), bias_link)
+    if isinstance(summary.get("modules"), list):
+        parts += _section_modules(summary["modules"], f"from summary_{ts}.json")
+    else:
+        parts += _section_modules(_modules_from_calls(calls) if len(calls) else [],
+                                  "computed from the CSV rows (a call's verdict is the worst of its statuses)")
+    return parts
+
+
 def render(out_dir: str, report_dir: str | None = None) -> str:
     """The HTML text of the report of `out_dir` (links relative to `report_dir`, default `out_dir`)."""
     report_dir = report_dir or out_dir
@@ -751,24 +786,14 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
     nav_at = len(parts) - 1   # the navigation line, once the sections present are known
 
     # the top-down view: the first anomaly, the non-finite values, the pooled findings, the modules
-    first = _d(summary.get("first_anomaly"))
-    if isinstance(first.get("earliest"), dict) or any(isinstance(v, dict) for v in _d(first.get("by_rank")).values()):
-        origin = f"from summary_{ts}.json"
-    else:   # no summary, an older one, or one whose rows had no Seq (an older agent): the CSV rows tell
-        first = _first_anomaly_from_csv(frames)
-        origin = ("computed from the CSV rows: per rank the failing row with the smallest Seq (execution order); "
-                  "across ranks the earliest step, then the earliest place in that step")
-    parts += _section_first_anomaly(first, origin, out_dir, report_dir, ts)
-    parts += _section_nonfinite(_d(summary.get("nonfinite")))
-    bias_csv = _api_bias_csv(out_dir, ts) if ts else ""
-    bias_link = (os.path.relpath(bias_csv, report_dir).replace(os.sep, "/")
-                 if bias_csv and os.path.isfile(bias_csv) else None)
-    parts += _section_api_bias(_d(summary.get("api_bias")), bias_link)
-    if isinstance(summary.get("modules"), list):
-        parts += _section_modules(summary["modules"], f"from summary_{ts}.json")
-    else:
-        parts += _section_modules(_modules_from_calls(calls) if len(calls) else [],
-                                  "computed from the CSV rows (a call's verdict is the worst of its statuses)")
+    try:
+        parts += _top_down(summary, frames, calls, out_dir, report_dir, ts)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as exc:
+        if not summary or isinstance(exc, FileRefused):
+            raise
+        raise FileRefused(names.summary_path(out_dir, ts or ""), f"holds values a server does not write "
+                          f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})" + _MOVE_SUMMARY) from None
+
 
     sections = [("first-anomaly", "first anomaly"), ("nonfinite", "non-finite"), ("api-bias", "pooled findings"),
                 ("modules", "modules"), ("failing", "failing calls"), ("verdicts", "verdicts"),

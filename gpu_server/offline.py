@@ -8,7 +8,15 @@
                                                           check the records in OUT's spool again, into a new folder
     gpu-server health --host H --port P [--tls-path DIR]  the gRPC health probe (gpu_server/health.py)
 
-Exit status: 0 done, 1 failures found where `--fail-on error` asks, 2 bad input (with a message saying what to do).
+Exit status: 0 done, 1 failures found where `--fail-on error` asks, 2 bad input: one line on stderr naming the file
+and saying what to do, never a traceback.
+
+Every file these tools read is opened as gpu_server/safe_open.py does: a regular file only (a FIFO, a socket, a
+device or a folder named like a report is refused at once, never waited on), never through a symbolic link found in
+a folder (a path named on the command line, `compare -npu FILE` or `recheck --config FILE`, may be a link: it is
+resolved once), its content checked (UTF-8, the CSV header and every row's length, a file cut short, valid JSON of
+the types a server writes). A report, summary JSON or spool segment that fails is refused with exit status 2; a
+spool segment that is a link or not a regular file is left out of a recheck (said on stderr).
 
 `recheck` checks the records the spool holds: those not yet completely reported (a crashed or killed server) and,
 for a server started with `--keep-records`, every reported one (moved into `spool/kept/` instead of deleted). Without
@@ -19,23 +27,58 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import io
 import json
 import logging
 import os
 import stat
 import sys
 import time
+from typing import TYPE_CHECKING, Any, Callable
+
+from gpu_server.safe_open import FileRefused, create_regular, csv_rows, open_regular, read_json
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpu_server.config import ServerConfig
+    from gpu_server.metrics import OutputMetrics
+    from gpu_server.summary import Summary
 
 log = logging.getLogger("gpu_server")
 
+_MAX_MESSAGE = 600      # characters of an error message printed (a path and a reason; the rest is noise)
+
+
+def _one_line(text: str) -> str:
+    """A multi-line message (a config's list of problems) as one line: its lines joined by '; '."""
+    line = ""
+    for part in (p.strip() for p in str(text).splitlines()):
+        if part:
+            line += (" " if line.endswith(":") else "; " if line else "") + part
+    return line if len(line) <= _MAX_MESSAGE else line[:_MAX_MESSAGE] + "..."
+
 
 def run_subcommand(name: str, argv: list[str]) -> int:
-    handlers = {"health": _health, "report": report_main, "summary": summary_main, "compare": compare_main,
-                "recheck": recheck_main}
+    """Run one sub-command; any failure is one line on stderr and exit status 2 (GPU_SERVER_TRACEBACK=1: the
+    traceback of an unexpected one, for a bug report)."""
+    handlers: dict[str, Callable[[list[str]], int]] = {
+        "health": _health, "report": report_main, "summary": summary_main, "compare": compare_main,
+        "recheck": recheck_main}
     try:
         return handlers[name](argv)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:
-        print(f"gpu-server {name}: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:      # FileRefused and the other refusals name the file and what to do
+        if isinstance(exc, OSError) and exc.filename is not None and exc.strerror:
+            text = f"{exc.filename}: {exc.strerror}"
+        else:
+            text = str(exc) or type(exc).__name__
+        print(f"gpu-server {name}: {_one_line(text)}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - a malformed input this code did not foresee: still one line
+        if os.environ.get("GPU_SERVER_TRACEBACK"):
+            raise
+        print(f"gpu-server {name}: cannot finish ({type(exc).__name__}: {_one_line(str(exc))[:300]}); an input "
+              "file is probably malformed (GPU_SERVER_TRACEBACK=1 shows where)", file=sys.stderr)
         return 2
 
 
@@ -63,60 +106,109 @@ def report_main(argv: list[str]) -> int:
     out = _out_dir(ns.out)
     if not glob.glob(os.path.join(glob.escape(out), "api_precision_compare_result_*_rank*.csv")):
         raise FileNotFoundError(f"{out}: no api_precision_compare_result_*_rank*.csv reports in it")
+    if ns.output is not None:
+        _check_output(ns.output)
     print(write_html(out, ns.output))
     return 0
 
 
+def _check_output(path: str) -> None:
+    """The HTML file is written whole (`path + ".tmp"`, then renamed over `path`): a link or a FIFO left at the
+    temporary name would be written through or waited on; refused instead."""
+    tmp = path + ".tmp"
+    try:
+        mode = os.lstat(tmp).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(mode):
+        raise FileRefused(tmp, "exists and is not a regular file (a link, a FIFO, ...): remove it, or choose "
+                               "another -o")
+
+
 # -- summary ---------------------------------------------------------------------------------------------------
-def summarize(out_dir: str):
+def summarize(out_dir: str) -> Summary:
     """A gpu_server.summary.Summary rebuilt from the CSV reports of every session in `out_dir`, with the end and
     transport counts of the sessions' summary_{ts}.json files where they exist."""
     from gpu_server.report_frame import report_files
-    from gpu_server.summary import SavedFindings, Summary
+    from gpu_server.summary import Summary
 
     summary = Summary()
     sessions = sorted({ts for _, ts, _ in report_files(out_dir, "result")})
     if not sessions:
         raise FileNotFoundError(f"{out_dir}: no accuracy_checking_result_*_rank*.csv reports in it")
     for ts in sessions:
-        summary.seed_from_reports(out_dir, ts)
-        try:
-            with open(os.path.join(out_dir, f"summary_{ts}.json"), encoding="utf-8") as fh:
-                saved = json.load(fh)
-        except (OSError, ValueError):
-            continue
-        for rank, n in saved.get("records_received", {}).items():
-            summary.received[int(rank)] += int(n)
-        for end in saved.get("ranks_ended", []):
-            counts = {k: v for k, v in end.items() if k not in ("run_id", "rank")}
-            summary.rank_ended(end.get("run_id", ""), int(end.get("rank", 0)), counts)
-        for key, n in saved.get("transport", {}).items():
-            summary.count(key, int(n))
-        if isinstance(saved.get("api_bias"), dict):   # the pooled test needs every element: kept from the run
-            summary.pooled = SavedFindings(saved["api_bias"])
-        _reload_nonfinite(summary, saved.get("nonfinite"))
+        summary.seed_from_reports(out_dir, ts, strict=True)
+        _reload_summary_json(summary, out_dir, ts)
     _find_evidence(summary, out_dir)
     summary.session = {"sessions": sessions}
     return summary
 
 
-def _find_evidence(summary, out_dir: str) -> None:
+_MOVE_SUMMARY = "; move it out of the folder to summarize from the CSV reports alone"
+
+
+def _reload_summary_json(summary: Summary, out_dir: str, ts: str) -> None:
+    """The end and transport counts, the pooled findings and the inf/NaN origins a session's summary_{ts}.json
+    saved (none: nothing to add). One that is not a regular file, not JSON, or holds values of types a server does
+    not write is refused (FileRefused): its values are first applied to a scratch summary, printed both ways."""
+    from gpu_server import report_files as names
+    from gpu_server.summary import Summary
+
+    path = names.summary_path(out_dir, ts)
+    try:
+        saved = read_json(path, "summary JSON")
+    except FileRefused as exc:
+        if exc.missing:
+            return
+        raise FileRefused(exc.path, exc.why + _MOVE_SUMMARY) from None
+    try:
+        if not isinstance(saved, dict):
+            raise TypeError(f"a JSON {type(saved).__name__}, not the object a server writes")
+        scratch = Summary()
+        _apply_saved(scratch, saved)
+        scratch.human()
+        scratch.failed_run()
+        json.dumps(scratch.as_dict())
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, OverflowError) as exc:
+        raise FileRefused(path, f"holds values a server does not write ({type(exc).__name__}: "
+                                f"{_one_line(str(exc))[:120]})" + _MOVE_SUMMARY) from None
+    _apply_saved(summary, saved)
+
+
+def _apply_saved(summary: Summary, saved: dict[str, Any]) -> None:
+    from gpu_server.summary import SavedFindings
+
+    for rank, n in saved.get("records_received", {}).items():
+        summary.received[int(rank)] += int(n)
+    for end in saved.get("ranks_ended", []):
+        counts = {k: v for k, v in end.items() if k not in ("run_id", "rank")}
+        summary.rank_ended(str(end.get("run_id", "")), int(end.get("rank", 0)), counts)
+    for key, n in saved.get("transport", {}).items():
+        summary.count(str(key), int(n))
+    if isinstance(saved.get("api_bias"), dict):   # the pooled test needs every element: kept from the run
+        summary.pooled = SavedFindings(saved["api_bias"])  # type: ignore[assignment]  # Summary.pooled: untyped
+    _reload_nonfinite(summary, saved.get("nonfinite"))
+
+
+def _find_evidence(summary: Summary, out_dir: str) -> None:
     """The error-data folder of each rank's first failing call, where the server saved it inside `out_dir` (a
     relative error_data_path, msprobe's default)."""
     for rank, e in list(summary.first_anomaly.items()):
         pattern = os.path.join(glob.escape(out_dir), "error_data", "*", "*", f"rank{int(rank)}",
                                glob.escape(f"{e['call']}.step{int(e['step'])}"))
-        found = sorted(p for p in glob.glob(pattern) if os.path.isdir(p))
+        found = sorted(p for p in glob.glob(pattern) if os.path.isdir(p) and not os.path.islink(p))
         if found:
             summary.evidence_saved(rank, e["call"], e["step"], found[-1])
 
 
-def _reload_nonfinite(summary, saved) -> None:
+def _reload_nonfinite(summary: Summary, saved: Any) -> None:
     """The origins of inf/NaN a session's summary JSON saved (they need the tensors: the CSVs do not have them)."""
     by_rank = saved.get("by_rank") if isinstance(saved, dict) else None
-    for rank, entries in (by_rank or {}).items():
+    for rank, entries in (by_rank if isinstance(by_rank, dict) else {}).items():
         for kind, inputs_finite in (("origin", True), ("first_input", False)):
-            e = (entries or {}).get(kind)
+            e = entries.get(kind) if isinstance(entries, dict) else None
+            if not isinstance(e, dict):    # absent, or not what a server wrote
+                continue
             try:
                 summary.nonfinite(int(rank), int(e["step"]), int(e["seq"]), str(e["call"]), str(e.get("direction", "")),
                                   str(e.get("module", "")), str(e.get("source", "")), inputs_finite,
@@ -149,19 +241,19 @@ _TOPK_NOTE = ("在npu上，topk的入参sorted=False时不生效，会返回有�
               "如果topk精度不达标，请检查是否是该原因导致的。")
 
 
-def _metrics(row: dict):
+def _metrics(row: dict[str, str]) -> OutputMetrics:
     """gpu_server.metrics.OutputMetrics from one accuracy_checking_details row (blank cells are None)."""
     from gpu_server.columns import METRIC_COLUMNS
     from gpu_server.metrics import OutputMetrics
 
-    values = {}
+    values: dict[str, Any] = {}
     for attr, title in METRIC_COLUMNS:
         cell = (row.get(title) or "").strip()
         values[attr] = float(cell) if cell else None
     return OutputMetrics(**values)
 
 
-def _dtype(text: str):
+def _dtype(text: str) -> torch.dtype | None:
     import torch
 
     name = text.strip()
@@ -169,21 +261,20 @@ def _dtype(text: str):
     return value if isinstance(value, torch.dtype) else None
 
 
-def _read_details(path: str) -> tuple[list[str], list[dict]]:
+def _read_details(path: str) -> tuple[list[str], list[dict[str, str]]]:
+    """A details file named on the command line (a link is resolved once; gpu_server/safe_open.py), checked."""
     from gpu_server.columns import DETAILS_HEADER
 
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file (give an accuracy_checking_details CSV)")
-    with open(path, encoding="utf-8-sig", newline="") as fh:
-        reader = csv.DictReader(fh)
-        header = reader.fieldnames or []
-        missing = [c for c in DETAILS_HEADER if c not in header and c != "Message"]
-        if missing:
-            raise ValueError(f"{path}: not an accuracy_checking_details file; missing columns {missing[:4]}")
-        return header, list(reader)
+    try:
+        return csv_rows(path, "accuracy_checking_details file", [c for c in DETAILS_HEADER if c != "Message"],
+                        hint="give an accuracy_checking_details CSV a server wrote", named=True)
+    except FileRefused as exc:
+        if exc.missing:
+            raise FileRefused(path, "no such file (give an accuracy_checking_details CSV)", missing=True) from None
+        raise
 
 
-def judge_pair(npu: dict, gpu: dict) -> tuple[str, dict, str, str]:
+def judge_pair(npu: dict[str, str], gpu: dict[str, str]) -> tuple[str, dict[str, Any], str, str]:
     """One output row: (status, cells, algorithm, message) from the NPU row (the device) and the GPU row (the
     reference machine), msprobe's api_precision_compare rule (docs/standards.md)."""
     from gpu_server.standards import STANDARD_REGISTRY, select_standard
@@ -228,7 +319,7 @@ def compare(npu_path: str, gpu_path: str, out_dir: str) -> tuple[str, str]:
     gpu_header, gpu_rows = _read_details(gpu_path)
     with_step = "Step" in npu_header and "Step" in gpu_header
     key = (lambda r: (r["API Name"], r["Step"])) if with_step else (lambda r: (r["API Name"],))
-    gpu_by: dict[tuple, dict] = {}
+    gpu_by: dict[tuple[str, ...], dict[str, str]] = {}
     for row in gpu_rows:
         k = key(row)
         if k in gpu_by:
@@ -240,10 +331,10 @@ def compare(npu_path: str, gpu_path: str, out_dir: str) -> tuple[str, str]:
     result_path = os.path.join(out_dir, f"api_precision_compare_result_{ts}.csv")
     details_path = os.path.join(out_dir, f"api_precision_compare_details_{ts}.csv")
     extra = ["Step"] if with_step else []
-    calls: dict[tuple, dict] = {}      # (full API, step) -> {"forward": [...], "backward": [...], "skip": msg}
+    # (full API, step) -> {"forward": [...], "backward": [...], "skip": msg, "unsupported": bool}
+    calls: dict[tuple[str, str], dict[str, Any]] = {}
     missing = 0
-    with open(details_path, "w", encoding="utf-8-sig", newline="") as dfh, \
-            open(result_path, "w", encoding="utf-8-sig", newline="") as rfh:
+    with _create_text(details_path) as dfh, _create_text(result_path) as rfh:
         details, results = csv.writer(dfh), csv.writer(rfh)
         details.writerow(PRECISION_DETAILS_HEADER + extra)
         results.writerow(PRECISION_RESULT_HEADER + extra)
@@ -272,8 +363,8 @@ def compare(npu_path: str, gpu_path: str, out_dir: str) -> tuple[str, str]:
             entry[parts[-3]].append(status)
             if status == "SKIP" and parts[-3] == "forward":
                 entry["skip"] = message
-        for (api, step), entry in calls.items():
-            tail = [step] if with_step else []
+        for (api, api_step), entry in calls.items():
+            tail = [api_step] if with_step else []
             fwd, bwd = _api_status(entry["forward"]), _api_status(entry["backward"])
             if entry["unsupported"] and not entry["forward"] and not entry["backward"]:
                 results.writerow([api, "SKIP", "SKIP", "This data type does not support benchmark compare."] + tail)
@@ -288,6 +379,11 @@ def compare(npu_path: str, gpu_path: str, out_dir: str) -> tuple[str, str]:
         print(f"gpu-server compare: {missing} rows of {npu_path} have no row of the same name in {gpu_path}; "
               "they are left out", file=sys.stderr)
     return result_path, details_path
+
+
+def _create_text(path: str) -> io.TextIOWrapper:
+    """An output CSV (UTF-8 with a BOM, like msprobe's), never written through a link or into a FIFO."""
+    return io.TextIOWrapper(create_regular(path), encoding="utf-8-sig", newline="")
 
 
 def compare_main(argv: list[str]) -> int:
@@ -316,12 +412,10 @@ def _link_or_copy(src: str, dst: str) -> bool:
     except OSError:
         pass
     try:
-        fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
+        fh = open_regular(src, what="spool segment")       # never a link, never waits on a FIFO
+    except FileRefused:
         return False
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-            return False
+    with fh:
         with open(dst, "xb") as out:
             while chunk := fh.read(1 << 20):
                 out.write(chunk)
@@ -344,6 +438,7 @@ def copy_spooled_records(out_dir: str, new_dir: str) -> int:
     if os.path.lexists(kept) and not is_real_dir(kept):
         log.warning("recheck: %s is not a folder (a link?); it is left out", kept)
     found = sorted(segment_files(kept) + segment_files(src))     # kept ones are older: first
+    _say_left_out([kept, src], {path for _, path in found})
     dst = os.path.join(new_dir, "spool")
     os.makedirs(dst, exist_ok=True)
     n = 0
@@ -355,8 +450,21 @@ def copy_spooled_records(out_dir: str, new_dir: str) -> int:
     return n
 
 
-def recheck(out_dir: str, config=None, device: str | None = None, workers: int | None = None,
-            new_dir: str | None = None) -> tuple[str, list[str], object]:
+def _say_left_out(folders: list[str], taken: set[str]) -> None:
+    """One warning line per file named like a segment that is not taken: a link, a FIFO, a device, a folder."""
+    from gpu_server.spool_segments import SEGMENT_FILE, is_real_dir
+
+    for folder in folders:
+        if not is_real_dir(folder):
+            continue
+        for name in sorted(os.listdir(folder)):
+            path = os.path.join(folder, name)
+            if SEGMENT_FILE.match(name) and path not in taken:
+                log.warning("recheck: %s is not a regular file (a link, a FIFO, ...); it is left out", path)
+
+
+def recheck(out_dir: str, config: ServerConfig | None = None, device: str | None = None, workers: int | None = None,
+            new_dir: str | None = None) -> tuple[str, list[str], Summary]:
     """Check the records held in `out_dir`'s spool again with this code's standards and thresholds on `device`,
     writing a new set of reports into `new_dir` (default `OUT/recheck_{ts}/`). Returns (new_dir, paths, summary)."""
     new_dir = new_dir or os.path.join(out_dir, "recheck_" + time.strftime("%Y%m%d%H%M%S"))
@@ -382,6 +490,11 @@ def recheck(out_dir: str, config=None, device: str | None = None, workers: int |
     for run_id, rank, _seq in {(k[0], k[1], 0) for k in app.spool.seen()}:
         app.pool.end_rank(run_id, rank, "recheck: no more records")
     paths = app.finish()
+    damage = app.recovery.damage
+    if not app.replayed and not app.quarantined and damage:
+        raise ValueError(f"{out_dir}/spool: its {segments} segment files hold no readable record ({len(damage)} "
+                         f"damaged regions, {sum(d.skipped for d in damage)} bytes; copies in "
+                         f"{os.path.join(new_dir, 'spool', 'damaged')}): nothing was checked again")
     try:
         from gpu_server.html_report import write_html
 
@@ -403,13 +516,14 @@ def recheck_main(argv: list[str]) -> int:
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[gpu-server] %(levelname)s %(message)s", stream=sys.stderr)
     config = None
-    if ns.config:
-        from gpu_server.config import ServerConfigError, load_server_config
+    if ns.config:   # read here as every file of these tools is (gpu_server/safe_open.py), then checked
+        from gpu_server.config import ServerConfigError, parse_server_config
 
+        raw = read_json(ns.config, "server config JSON", max_bytes=16 << 20, named=True)
         try:
-            config = load_server_config(ns.config)
+            config = parse_server_config(raw)
         except ServerConfigError as exc:
-            raise ValueError(str(exc)) from None
+            raise ValueError(f"--config {ns.config}: {_one_line(str(exc))}") from None
     new_dir, paths, summary = recheck(_out_dir(ns.out), config, ns.device, ns.workers, ns.output)
     print(summary.human())
     print(f"reports of the recheck in {new_dir}:")

@@ -33,6 +33,7 @@ from gpu_server.columns import (
     PRECISION_RESULT_HEADER,
     RESULT_HEADER,
 )
+from gpu_server.safe_open import FileRefused, check_csv, open_regular
 
 KINDS = {
     "result": "accuracy_checking_result",
@@ -122,14 +123,24 @@ def read_csv(path: str, kind: str) -> pd.DataFrame:
 
 
 def _read_text(path: str, kind: str) -> pd.DataFrame:
-    """One report file as text columns, its first column checked."""
-    try:
-        frame = pd.read_csv(path, encoding="utf-8-sig", dtype=str, keep_default_na=False)
-    except (OSError, UnicodeDecodeError, pd.errors.ParserError) as exc:
-        raise ValueError(f"{path}: not a readable CSV report ({exc})") from None
-    missing = [c for c in HEADERS[kind][:1] if c not in frame.columns]
-    if missing:
-        raise ValueError(f"{path}: no {missing[0]!r} column; is it an {KINDS[kind]} file?")
+    """One report file as text columns, checked first (gpu_server/safe_open.py): a regular file (never a link, a
+    FIFO or a device), UTF-8, msprobe's header (its Message column and our Step, Seq, Module and Source may be
+    absent: they are then blank), every row as long as the header, not cut short. Anything else is a FileRefused (a
+    ValueError) naming the file."""
+    required = [c for c in HEADERS[kind] if c != "Message"]
+    hint = "restore it from the server's output, or move it out of the folder"
+    with open_regular(path, what=f"{KINDS[kind]} report") as fh:
+        header = check_csv(fh, path, f"{KINDS[kind]} report", required, hint)
+        try:
+            frame = pd.read_csv(fh, encoding="utf-8-sig", dtype=str, keep_default_na=False)
+        except (UnicodeDecodeError, pd.errors.ParserError, pd.errors.EmptyDataError) as exc:
+            raise FileRefused(path, f"not a readable CSV report ({' '.join(str(exc).split())[:200]}); "
+                                    f"{hint}") from None
+    if len(frame.columns) != len(header):    # the two parsers disagree: never seen with a file that passed
+        raise FileRefused(path, f"read as {len(frame.columns)} columns, its header has {len(header)}; {hint}")
+    for column in ["Message", *EXTRA_COLUMNS]:
+        if column not in frame.columns:
+            frame[column] = ""
     return frame
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import collections
-import csv
 import json
 import logging
 import os
@@ -13,6 +12,7 @@ from typing import Callable
 from gpu_server import report_files
 from gpu_server.atomic_file import write_atomic
 from gpu_server.drain_rate import DrainRate
+from gpu_server.safe_open import FileRefused, csv_rows
 from gpu_server.standards import standard_labels
 from gpu_server.standards.registry import ERROR, SKIP, STATUSES, WARNING
 
@@ -205,21 +205,27 @@ class Summary:
         with self._lock:
             self.memory = {"payload_budget_bytes": budget, "payload_peak_bytes": peak}
 
-    def seed_from_reports(self, out_dir: str, ts: str) -> None:
+    def seed_from_reports(self, out_dir: str, ts: str, strict: bool = False) -> None:
         """A resumed session, or `gpu-server summary`: count the rows the earlier server processes wrote (after the
-        cut-back), and find the first failing row and the modules from their Seq, Module and Source columns."""
+        cut-back), and find the first failing row and the modules from their Seq, Module and Source columns.
+        Each file is opened as gpu_server/safe_open.py does (a regular file, never a link, never blocking): one that
+        cannot be read is left out, or with `strict` (`gpu-server summary`) refused (FileRefused, a ValueError,
+        naming it and what is wrong)."""
+        def read(path: str) -> list[dict[str, str]] | None:
+            return _read_rows(path, strict)
+
         for name, (kind, rank) in sorted(report_files.session_reports(out_dir, ts).items()):
             if kind != report_files.RESULT:
                 continue
-            rows = _read_rows(os.path.join(out_dir, name))
+            rows = read(os.path.join(out_dir, name))
             if rows is None:
                 continue
             precision = {(r.get("API Name"), r.get("Step")): r
-                         for r in _read_rows(report_files.path(out_dir, report_files.PRECISION_RESULT, ts, rank)) or ()}
-            for row in _read_rows(report_files.path(out_dir, report_files.PRECISION_DETAILS, ts, rank)) or ():
+                         for r in read(report_files.path(out_dir, report_files.PRECISION_RESULT, ts, rank)) or ()}
+            for row in read(report_files.path(out_dir, report_files.PRECISION_DETAILS, ts, rank)) or ():
                 self.standard_row(row.get("比对算法") or " ", row.get("比对结果") or SKIP)
                 self._seed_row(rank, row, row.get("比对结果") or SKIP, "api_precision_compare")
-            for row in _read_rows(report_files.path(out_dir, report_files.DETAILS, ts, rank)) or ():
+            for row in read(report_files.path(out_dir, report_files.DETAILS, ts, rank)) or ():
                 self._seed_row(rank, row, row.get("Status") or SKIP, "accuracy_checking")
             for r in rows:
                 api = r.get("API name")
@@ -390,14 +396,25 @@ class SavedFindings:
         return self.saved
 
 
-def _read_rows(path: str) -> list[dict] | None:
-    """A report CSV's rows as dicts by column title (None when it cannot be read)."""
-    if not os.path.exists(path):
-        return None
+def _read_rows(path: str, strict: bool = False) -> list[dict[str, str]] | None:
+    """A report CSV's rows as dicts by column title; None when there is no such file. One that is not a regular
+    file, is a link, or is malformed (gpu_server/safe_open.py) is None too, or with `strict` a FileRefused."""
+    from gpu_server.columns import DETAILS_HEADER, PRECISION_DETAILS_HEADER, PRECISION_RESULT_HEADER, RESULT_HEADER
+
+    parsed = report_files.parse(os.path.basename(path))
+    kind = parsed[0] if parsed else ""
+    header = {report_files.RESULT: RESULT_HEADER, report_files.DETAILS: DETAILS_HEADER,
+              report_files.PRECISION_RESULT: PRECISION_RESULT_HEADER,
+              report_files.PRECISION_DETAILS: PRECISION_DETAILS_HEADER}.get(kind, [])
     try:
-        with open(path, encoding="utf-8-sig", newline="") as fh:
-            return list(csv.DictReader(fh))
-    except (OSError, csv.Error, UnicodeDecodeError):
+        return csv_rows(path, f"{kind or 'CSV'} report", [c for c in header if c != "Message"],
+                        hint="restore it from the server's output, or move it out of the folder")[1]
+    except FileRefused as exc:
+        if exc.missing:
+            return None
+        if strict:
+            raise
+        log.warning("summary: %s; its rows are not counted", exc)
         return None
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gpu_server.checker import Checker
-from gpu_server.error_data import load
+from gpu_server.error_data import Evidence, load
 from gpu_server.summary import Summary
 from tests.support import ROOT, capture, read_csv, to_job
 
@@ -60,3 +60,79 @@ def test_evicted_forward_inputs_give_a_backward_skip_naming_the_limit(tmp_path):
     skipped = [r for r in results.values() if r["Backward Test Success"] == "SKIP"]
     assert skipped and all("--backward-memory-mb" in r["Message"] for r in skipped)
     assert all(r["Forward Test Success"] == "pass" for r in results.values())
+
+
+def _failing_gelus(n: int, size: int) -> list:
+    """n captured gelu calls on (size, size) float32 tensors, each output 5 % too large (a faulty device)."""
+    xs = [torch.randn(size, size) for _ in range(n)]
+    with capture(backward=False) as (mode, sink):
+        with mode:
+            for x in xs:
+                F.gelu(x)
+    for i in range(n):
+        bad = sink.forward(f"Functional.gelu.{i}")
+        bad.output.tree = bad.output.tree * 1.05
+    return list(sink)
+
+
+def _check_all(out, records, evidence) -> dict:
+    checker = Checker(str(out), "20260101000000", torch.device("cpu"), Summary(), 1 << 30, evidence=evidence)
+    for rec in records:
+        checker.check(to_job(rec))
+    checker.close()
+    return {r["API name"]: r for r in read_csv(str(out), "accuracy_checking_result")}
+
+
+def _du(path) -> int:
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def test_default_cap_is_a_gib_or_a_quarter_of_the_free_space(tmp_path, monkeypatch):
+    from gpu_server import error_data
+
+    st = os.statvfs(tmp_path)
+    assert error_data.default_max_bytes(str(tmp_path)) == min(1 << 30, st.f_bavail * st.f_frsize // 4)
+    assert error_data.default_max_bytes(str(tmp_path / "not" / "made" / "yet")) == min(
+        1 << 30, st.f_bavail * st.f_frsize // 4)          # measured on the nearest folder that exists
+    monkeypatch.setattr(error_data, "_free_bytes", lambda path: 100 << 30)
+    assert Evidence(str(tmp_path), "ts").max_bytes == 1 << 30          # a large disk: 1 GiB
+    monkeypatch.setattr(error_data, "_free_bytes", lambda path: 8 << 20)
+    assert Evidence(str(tmp_path), "ts").max_bytes == 2 << 20          # 8 MiB free: a quarter
+    monkeypatch.setattr(error_data, "_free_bytes", lambda path: None)
+    assert Evidence(str(tmp_path), "ts").max_bytes == 1 << 30          # not measurable: 1 GiB
+    assert Evidence(str(tmp_path), "ts", 5 << 20).max_bytes == 5 << 20  # an explicit --error-data-max-mb wins
+
+
+def test_past_the_default_cap_failing_calls_are_reported_without_their_tensors(tmp_path, monkeypatch, caplog):
+    """No --error-data-max-mb and little free space (4 MiB, mocked): the cap is 1 MiB. Each failing gelu call
+    needs 512 KiB of tensors (input and output, 256x256 float32): the first is saved, the next ones would pass the
+    cap and are not, yet every call is reported as failing; the folder stays under the cap."""
+    from gpu_server import error_data
+
+    monkeypatch.setattr(error_data, "_free_bytes", lambda path: 4 << 20)
+    out = tmp_path / "out"
+    out.mkdir()
+    evidence = Evidence(str(out), "20260101000000")
+    assert evidence.max_bytes == 1 << 20
+    with caplog.at_level("WARNING", logger="gpu_server"):
+        results = _check_all(out, _failing_gelus(3, 256), evidence)
+    assert [results[f"Functional.gelu.{i}"]["Forward Test Success"] for i in range(3)] == ["error"] * 3
+    rank = out / "error_data" / "20260101000000" / "test" / "rank0"
+    assert sorted(os.listdir(rank)) == ["Functional.gelu.0.step0"]
+    assert (evidence.saved, evidence.skipped) == (1, 2)
+    assert _du(out / "error_data") <= evidence.max_bytes
+    said = [r.getMessage() for r in caplog.records if "not saved" in r.getMessage()]
+    assert len(said) == 1 and "default cap" in said[0] and "--error-data-max-mb" in said[0], said
+
+
+def test_a_call_larger_than_the_cap_is_never_saved_and_zero_saves_none(tmp_path):
+    """The cap holds before anything is written: one call whose tensors alone pass it is not saved, even first;
+    --error-data-max-mb 0 saves nothing. The calls are still reported."""
+    for cap, name in ((256 << 10, "small"), (0, "zero")):
+        out = tmp_path / name
+        out.mkdir()
+        evidence = Evidence(str(out), "20260101000000", cap)
+        results = _check_all(out, _failing_gelus(1, 256), evidence)
+        assert results["Functional.gelu.0"]["Forward Test Success"] == "error"
+        assert (evidence.saved, evidence.skipped) == (0, 1)
+        assert not (out / "error_data").exists() or _du(out / "error_data") == 0
