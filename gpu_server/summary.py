@@ -313,8 +313,11 @@ class Summary:
         if d["session"].get("resumed"):
             lines.append(f"  resumed session (server start {d['session']['server_starts']}): "
                          f"{d['session']['records_reported_before']} records reported by earlier starts")
+        if d["transport"].get("replay_workers_replaced"):
+            lines.append(f"  replay worker processes replaced (a replay crashed, ran out of --replay-memory-mb or "
+                         f"past --replay-timeout-s): {d['transport']['replay_workers_replaced']}")
         if d["quarantined_records"]:
-            lines.append(f"  quarantined spool records (SKIP rows): {len(d['quarantined_records'])}, e.g. "
+            lines.append(f"  quarantined records (SKIP rows): {len(d['quarantined_records'])}, e.g. "
                          f"{d['quarantined_records'][0]['call']}: {d['quarantined_records'][0]['why'][:160]}")
         for key, value in d["durability"].items():
             if value:
