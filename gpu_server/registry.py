@@ -4,7 +4,8 @@ A record's API name is looked up in the allowlist of its category first; only a 
 a fixed attribute lookup in its own namespace (torch.nn.functional, torch and its linalg/fft/special submodules,
 torch.Tensor, torch.ops.aten) or in the fused-operator references. No eval, no import, no attribute lookup of an
 unlisted string. `replayable()` is what intake calls: the name and every argument are checked before a record is
-acknowledged, and a call that fails gets a SKIP row "not replayable: <why>".
+acknowledged (their kinds in protos/apis.py, the values of index arguments against what they index in
+gpu_server/native_bounds.py), and a call that fails gets a SKIP row "not replayable: <why>".
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from gpu_server.native_bounds import index_problem
 from protos import apis
 from protos.torch_compat import dispatcher_op_names
 
@@ -23,17 +25,19 @@ class UnknownApi(LookupError):
     pass
 
 
-def _torch_fn(api: str) -> Callable | None:
+def _torch_fn(api: str) -> Callable[..., Any] | None:
     for prefix, module in _SUBMODULES:
         if api.startswith(prefix) and hasattr(module, api[len(prefix):]):
-            return getattr(module, api[len(prefix):])
-    return getattr(torch, api, None)
+            fn: Callable[..., Any] = getattr(module, api[len(prefix):])
+            return fn
+    found: Callable[..., Any] | None = getattr(torch, api, None)
+    return found
 
 
 _ATEN_NAMES: frozenset[str] | None = None
 
 
-def _aten_fn(api: str) -> Callable | None:
+def _aten_fn(api: str) -> Callable[..., Any] | None:
     """`torch.ops.aten.<api>` when the operator is registered on this host (looked up once, by set membership)."""
     global _ATEN_NAMES
     if _ATEN_NAMES is None:
@@ -42,7 +46,7 @@ def _aten_fn(api: str) -> Callable | None:
     return getattr(torch.ops.aten, api) if api in _ATEN_NAMES else None
 
 
-def resolve(category: str, api: str) -> Callable:
+def resolve(category: str, api: str) -> Callable[..., Any]:
     """The callable for `Category.api` of the allowlist, or UnknownApi with the reason."""
     why = apis.replayable(category, api)
     if why is not None:
@@ -67,12 +71,18 @@ def resolve(category: str, api: str) -> Callable:
     return fn
 
 
-def replayable(category: str, api: str, args: tuple = (), kwargs: dict | None = None) -> str | None:
-    """None if `Category.api(*args, **kwargs)` may be replayed here, else the reason for its SKIP row."""
+def replayable(category: str, api: str, args: tuple[Any, ...] = (),
+               kwargs: dict[str, Any] | None = None) -> str | None:
+    """None if `Category.api(*args, **kwargs)` may be replayed here, else the reason for its SKIP row: a name on
+    the allowlist that resolves on this host, arguments of allowed kinds, and index arguments within what they index
+    (a native kernel dereferences them without a bound)."""
     why = apis.replayable(category, api, args, kwargs)
     if why is not None:
         return why
-    return known(category, api)
+    why = known(category, api)
+    if why is not None:
+        return why
+    return index_problem(category, api, args, kwargs)
 
 
 def known(category: str, api: str) -> str | None:

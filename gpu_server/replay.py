@@ -13,7 +13,10 @@
 - uninitialised outputs (`empty`, `empty_like`, ...) are never compared: SKIP;
 - in-place APIs act on private copies (every replay gets its own copies);
 - every replay runs inside `global_state_guard`: a call that changed torch's global state (default dtype or device,
-  grad mode, threads, deterministic flags, the default generator, ...) is SKIP and the state is put back.
+  grad mode, threads, deterministic flags, the default generator, ...) is SKIP and the state is put back;
+- before any kernel runs: index arguments are checked against what they index (`gpu_server.native_bounds`), and the
+  bench run's memory is bounded by a meta-device dry run plus the estimates of `gpu_server.memory_bounds`
+  (`allocation_check`).
 
 `ReplayError` carries the reason a call cannot be replayed; it becomes a SKIP row.
 """
@@ -23,12 +26,15 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
+from gpu_server import memory_bounds
 from gpu_server.intake import Job
+from gpu_server.native_bounds import index_problem
 from gpu_server.registry import UnknownApi, is_device_string, resolve
 from protos import apis
 from protos.codec import Opaque, dtype_from_name
@@ -221,11 +227,21 @@ def call_api(job: Job, args: tuple, kwargs: dict, device: torch.device, plan: st
     return out
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, which a container or taskset narrows)."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except (AttributeError, OSError):   # no affinity API on this platform
+        return max(os.cpu_count() or 1, 1)
+
+
 @contextlib.contextmanager
-def _threads(job: Job, device: torch.device, bench: bool, match: bool = True):
+def _threads(job: Job, device: torch.device, bench: bool, match: bool = True) -> Iterator[None]:
     """A CPU same-dtype run uses the training's intra-op thread count: low-precision CPU kernels reduce in
-    thread-sized blocks, and the noise floor should be what the same configuration computes."""
-    n = job.intra_op_threads
+    thread-sized blocks, and the noise floor should be what the same configuration computes. The count comes off the
+    wire: it is capped at the cores this host lets the server use (a record asking for 1,024 threads would otherwise
+    start them, and OpenMP keeps its threads)."""
+    n = min(job.intra_op_threads, usable_cores())
     if bench or not match or device.type != "cpu" or n <= 0 or n == torch.get_num_threads():
         yield
         return
@@ -242,6 +258,8 @@ def run_forward(job: Job, device: torch.device, bench: bool, match_threads: bool
     `match_threads=False`: never change torch's thread count (several CPU workers share it)."""
     with global_state_guard(device, f"{job.category}.{job.api}"):
         _uninitialised_check(job)
+        _opaque_check(job)
+        bounds_check(job)
         plan = random_plan(job, device)
         if bench:
             allocation_check(job)
@@ -259,35 +277,80 @@ def run_forward(job: Job, device: torch.device, bench: bool, match_threads: bool
             raise ReplayError(f"replay failed with {type(exc).__name__}: {str(exc)[:300]}") from None
 
 
-def allocation_check(job: Job, slack: int = 1 << 16) -> None:
-    """Refuse a call whose outputs would be far larger than what the device produced (`zeros(1 << 40)`, a huge
-    `repeat` or `scale_factor`): the call is first run on the meta device, which computes shapes and allocates
-    nothing. Calls without a meta kernel (data-dependent shapes) are left to the real replay.
+def bounds_check(job: Job) -> None:
+    """Refuse a call whose index arguments lie outside what they index (gpu_server/native_bounds.py): the intake
+    refused such a record already; this is the same check where the replay runs (a worker process, a restart)."""
+    why = index_problem(job.category, job.api, job.args, job.kwargs)
+    if why is not None:
+        raise ReplayError(why)
 
-    A meta run sees no values, only shapes, dtypes and the other arguments, so its result is a function of those:
-    it is remembered per call signature (`_META_SIZES`), and a call site met again (every step of a training)
-    costs a lookup."""
+
+def allocation_check(job: Job, slack: int = 1 << 16) -> None:
+    """Refuse a call whose bench run would need far more memory than the record accounts for, before it runs.
+
+    - Outputs: the call is first run on the meta device, which computes shapes and allocates nothing; a call whose
+      outputs would hold more than twice the elements the device produced (plus `slack`) is refused (`zeros(1 <<
+      40)`, a huge `repeat` or `scale_factor`). Sizes given as one-element tensors (`zeros(tensor(N))`) are read as
+      numbers for a second dry run, boolean index masks as the positions they select (gpu_server/memory_bounds.py).
+    - A dry run that fails makes the call not replayable, except for the APIs whose output size depends on values
+      (`memory_bounds.OUTPUT_ESTIMATES`: bincount, one_hot, repeat_interleave, ...; the estimate takes the dry
+      run's place) and those whose memory is bounded by their inputs (`memory_bounds.BOUNDED_BY_INPUTS`).
+    - Intermediates far larger than the outputs (a float64 convolution's im2col buffer, mvlgamma's table, ctc_loss's
+      alpha table, combinations' masks, einsum's products, ...) are estimated and bounded by
+      `memory_bounds.intermediate_allowance` of the record's elements.
+
+    A meta run sees no values, only shapes, dtypes, the other arguments and the value of each one-element tensor,
+    so its result is a function of those: it is remembered per call signature (`_META_SIZES`), and a call site met
+    again (every step of a training) costs a lookup. The estimates read values and are computed every time."""
     if job.mask is not None:
         return
+    what = f"{job.category}.{job.api}"
     recorded = sum(t.numel() for t in iter_leaves(job.output) if isinstance(t, torch.Tensor))
     key = _signature(job)
-    produced = _META_SIZES.get(key, _UNKNOWN) if key is not None else _UNKNOWN
-    if produced is _UNKNOWN:
-        produced = _meta_elements(job)
+    dry = _META_SIZES.get(key, _UNKNOWN) if key is not None else _UNKNOWN
+    if dry is _UNKNOWN:
+        dry = _meta_elements(job)
         if key is not None:
             if len(_META_SIZES) >= _META_SIZES_LIMIT:
                 _META_SIZES.clear()
-            _META_SIZES[key] = produced
+            _META_SIZES[key] = dry
+    produced: int | None = dry if isinstance(dry, int) else None
+    try:
+        if produced is None:
+            produced = memory_bounds.output_elements(job.category, job.api, job.args, job.kwargs)
+        need = memory_bounds.intermediate_bytes(job.category, job.api, job.args, job.kwargs)
+    except Exception as exc:  # noqa: BLE001 - fail closed: a call whose memory cannot be estimated is not run
+        raise ReplayError(f"not replayable: the memory a replay of {what} needs could not be estimated "
+                          f"({type(exc).__name__}: {str(exc)[:200]})") from None
+    if produced is None and job.api not in memory_bounds.BOUNDED_BY_INPUTS:
+        raise ReplayError(f"not replayable: {what} failed its dry run on the meta device ({dry}), so the memory its "
+                          "replay would take is unknown; only APIs whose memory is bounded by their inputs are "
+                          "replayed without one (docs/security.md)")
     if produced is not None and produced > 2 * recorded + slack:
-        raise ReplayError(f"not replayable: replaying {job.category}.{job.api} would produce {produced} elements "
+        raise ReplayError(f"not replayable: replaying {what} would produce {produced} elements "
                           f"where the device produced {recorded}")
+    if need is not None:
+        nbytes, where = need
+        elements = sum(t.numel() for t in iter_leaves((job.args, job.kwargs, job.output))
+                       if isinstance(t, torch.Tensor))
+        allowed = memory_bounds.intermediate_allowance(elements)
+        if nbytes > allowed:
+            raise ReplayError(f"not replayable: replaying {what} would need about {_mib(nbytes)} for {where}, more "
+                              f"than the {_mib(allowed)} allowed for a record of {elements} tensor elements "
+                              "(docs/security.md)")
 
 
-def _meta_elements(job: Job) -> int | None:
-    """The elements of the call's outputs on the meta device; None without a meta kernel (or when it fails)."""
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):,.0f} MiB" if nbytes < 1 << 50 else f"{nbytes / (1 << 50):,.0f} PiB"
+
+
+def _meta_elements(job: Job) -> int | str:
+    """The elements of the call's outputs on the meta device, or why the dry run failed (no meta kernel, a
+    data-dependent shape, or a call that fails anyway). Tried as recorded, then with one-element tensors read as
+    numbers (sizes given as tensors) and boolean index masks as the positions they select."""
     meta = torch.device("meta")
 
-    def to_meta(leaf):
+    def to_meta(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
             return leaf.to(meta)
         if isinstance(leaf, torch.device) or (isinstance(leaf, Opaque) and leaf.type_name.startswith("device ")):
@@ -296,15 +359,29 @@ def _meta_elements(job: Job) -> int | None:
 
     try:
         fn = resolve(job.category, job.api)
-        with torch.no_grad(), meta:
-            out = fn(*map_leaves(job.args, to_meta), **map_leaves(job.kwargs, to_meta))
-    except Exception:  # noqa: BLE001 - no meta kernel, or the call fails anyway: the real replay reports it
-        return None
-    return sum(t.numel() for t in iter_leaves(out) if isinstance(t, torch.Tensor))
+    except UnknownApi as exc:
+        return str(exc)
+    args, kwargs = job.args, job.kwargs
+    failure = ""
+    for attempt in range(2):
+        if attempt and not any(isinstance(t, torch.Tensor) and t.numel() == 1 for t in iter_leaves((args, kwargs))):
+            break
+        try:
+            if attempt:
+                args, kwargs = memory_bounds.scalar_arguments(job.category, args, kwargs)
+            else:
+                args, kwargs = memory_bounds.mask_arguments(job.api, args, kwargs)
+            meta_args, meta_kwargs = map_leaves(args, to_meta), map_leaves(kwargs, to_meta)
+            with torch.no_grad(), meta:
+                out = fn(*meta_args, **meta_kwargs)
+            return sum(t.numel() for t in iter_leaves(out) if isinstance(t, torch.Tensor))
+        except Exception as exc:  # noqa: BLE001 - no meta kernel, a data-dependent shape, or a call that fails
+            failure = failure or f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    return failure
 
 
 _UNKNOWN: Any = object()
-_META_SIZES: dict[tuple, int | None] = {}   # call signature -> _meta_elements (dict operations are atomic)
+_META_SIZES: dict[tuple[Any, ...], int | str] = {}   # call signature -> _meta_elements (dict operations are atomic)
 _META_SIZES_LIMIT = 4096
 _SCALARS = (bool, int, float, complex, str, torch.dtype, torch.device, torch.memory_format, torch.layout)
 
@@ -313,11 +390,21 @@ class _NoSignature(Exception):
     pass
 
 
-def _signature(job: Job) -> tuple | None:
+def _signature(job: Job) -> tuple[Any, ...] | None:
     """What a meta run of the call depends on: the API, and its arguments with each tensor as its shape and
-    dtype, every other value with its type; None for a value that cannot be compared safely."""
+    dtype (a one-element tensor with its value too: it may be read as a size), every other value with its type;
+    None for a value that cannot be compared safely, and for indexing with boolean masks (the dry run depends on
+    how many positions they select)."""
+    if memory_bounds.has_masks(job.api, job.args, job.kwargs):
+        return None
+
     def sig(v: Any) -> Any:
         if isinstance(v, torch.Tensor):
+            if v.numel() == 1:
+                try:
+                    return ("scalar tensor", tuple(v.shape), v.dtype, v.reshape(()).item())
+                except (RuntimeError, TypeError):
+                    raise _NoSignature from None
             return ("tensor", tuple(v.shape), v.dtype)
         if isinstance(v, (tuple, list)):
             return (type(v).__name__, tuple(sig(x) for x in v))
@@ -383,6 +470,8 @@ def _grad_inputs(job: Job, device: torch.device, bench: bool) -> tuple[str | Non
     then the inputs with the training's leaves. Returns (plan, bench: the precision after the plan, args, kwargs,
     leaves)."""
     _uninitialised_check(job)
+    _opaque_check(job)
+    bounds_check(job)
     plan = random_plan(job, device)
     if bench:
         allocation_check(job)

@@ -66,9 +66,11 @@ class JournalState:
         done: dict[str, dict[str, list]] = {}
         for (run, rank), seqs in sorted(self.done.items()):
             done.setdefault(run, {})[str(rank)] = seqs.ranges()
-        return {"done": done, "half": sorted(list(k) for k in self.half), "files": dict(sorted(self.files.items())),
-                "ends": list(self.ends.values()),
-                "quarantined": sorted([*k, why] for k, why in self.quarantined.items())}
+        snap = {"done": done, "half": sorted(list(k) for k in self.half), "files": dict(sorted(self.files.items())),
+                "ends": list(self.ends.values())}
+        if self.quarantined:   # only while some quarantined record is not reported yet
+            snap["quarantined"] = sorted([*k, why] for k, why in self.quarantined.items())
+        return snap
 
 
 def _key(item) -> Key:

@@ -54,15 +54,6 @@ def bench_devices(spec: str | None, workers: int | None) -> list[torch.device]:
     return [dev] * max(1, workers or 1)
 
 
-def _usable_cores() -> int:
-    """The cores this process may run on (a server pinned with taskset or a cgroup cpuset gets fewer than the host
-    has: splitting the host's count would oversubscribe them)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 class WorkerPool:
     def __init__(self, devices: list[torch.device], out_dir: str, ts: str, summary: Summary,
                  pending: PendingCalls, queue_size: int = 65536,
@@ -81,7 +72,7 @@ class WorkerPool:
         if cpu_workers > 1:
             # torch's intra-op pool is shared by the process: split the cores instead of oversubscribing them, and
             # leave the thread count alone per call (see replay._threads).
-            torch.set_num_threads(max(1, _usable_cores() // cpu_workers))
+            torch.set_num_threads(max(1, replay.usable_cores() // cpu_workers))
             log.info("%d CPU workers, %d torch threads each; CPU same-dtype runs do not match the training's thread "
                      "count", cpu_workers, torch.get_num_threads())
         # each worker's replays run in its own capped worker process (gpu_server/sandbox.py): started now, ready

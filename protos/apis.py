@@ -5,10 +5,11 @@ the server (gpu_server/registry.py: what may be resolved and called; gpu_server/
 uninitialised outputs are replayed). How to add an API: docs/security.md, "What the server replays".
 
 A call is replayable when its name is in the allowlist of its category and every argument leaf is a tensor, a
-number, a bool, None, a dtype, a shape, a memory format, a layout, a slice, Ellipsis or a device (replaced by the
-bench device), nested in tuples, lists and mappings, and every string is one of the values the API documents for that
-parameter (`STRINGS`). Nothing that does I/O, starts processes, imports modules, changes global defaults or seeds a
-generator is in the allowlist; tests/test_allowlist.py enumerates the tables and checks that by name and by calling.
+number, a bool, None, a dtype, a shape, a memory format, the strided layout (sparse and other layouts build tensors
+whose index arrays kernels trust), a slice, Ellipsis or a device (replaced by the bench device), nested in tuples,
+lists and mappings, and every string is one of the values the API documents for that parameter (`STRINGS`). Nothing
+that does I/O, starts processes, imports modules, changes global defaults or seeds a generator is in the allowlist;
+tests/test_allowlist.py enumerates the tables and checks that by name and by calling.
 """
 from __future__ import annotations
 
@@ -361,6 +362,8 @@ def _leaf_ok(api: str, leaf: Any, param: str | None, position: int | None, top: 
         if not top:
             return f"a string inside a sequence or mapping argument of {api}"
         return _string_ok(api, leaf, param, position)
+    if isinstance(leaf, torch.layout) and leaf != torch.strided:
+        return f"layout {leaf} for {api}: only torch.strided tensors are replayed"
     if isinstance(leaf, _LEAVES) or isinstance(leaf, Opaque):  # Opaque: replay says which type could not travel
         return None
     return f"an argument of type {type(leaf).__name__} to {api}"

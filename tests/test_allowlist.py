@@ -232,6 +232,10 @@ def test_the_sandbox_sees_what_it_must_catch(tmp_path, monkeypatch):
     ("Tensor", "add", (torch.ones(2), {"a": "/etc/passwd"}), {}, False),
     ("Tensor", "__getitem__", (torch.ones(2, 3), (slice(0, 1), Ellipsis, None)), {}, True),
     ("Torch", "save", (torch.ones(2), "/tmp/x"), {}, False),
+    ("Torch", "zeros", ((2, 2),), {"layout": torch.strided}, True),
+    ("Torch", "zeros", ((2, 2),), {"layout": torch.sparse_coo}, False),   # index arrays kernels would trust
+    ("Torch", "gather", (torch.ones(2, 3), 1, torch.tensor([[0], [2]])), {}, True),
+    ("Torch", "gather", (torch.ones(2, 3), 1, torch.tensor([[0], [3]])), {}, False),   # tests/test_native_bounds.py
 ])
 def test_arguments_are_checked(category, api, args, kwargs, ok):
     why = registry.replayable(category, api, args, kwargs)

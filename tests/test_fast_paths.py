@@ -145,8 +145,8 @@ def _check_all(sink, graph_budget: int, tmp: str) -> tuple[dict[str, str], int]:
         replays.append(1)
         return original(*args, **kwargs)
 
-    import gpu_server.checker as checker_module
-    checker_module.run_backward = counting
+    import gpu_server.sandbox as sandbox_module   # the in-process replayer the Checker uses by default
+    sandbox_module.run_backward = counting
     try:
         torch.set_grad_enabled(False)   # as in the worker threads
         for seq, rec in enumerate(sink):
@@ -154,7 +154,7 @@ def _check_all(sink, graph_budget: int, tmp: str) -> tuple[dict[str, str], int]:
             checker.check(to_job(rec))
         checker.close()
     finally:
-        checker_module.run_backward = original
+        sandbox_module.run_backward = original
         torch.set_grad_enabled(True)
     files = {}
     for f in sorted(os.listdir(tmp)):

@@ -74,6 +74,20 @@ def test_journal_snapshot_line_is_pinned_and_damage_is_detected(tmp_path):
     assert read_journal(str(path)).damaged
 
 
+def test_a_quarantine_line_is_pinned_kept_in_the_snapshot_until_done(tmp_path):
+    """`q`: a record whose replay killed its worker process (gpu_server/sandbox.py) is never replayed at restart."""
+    path = tmp_path / "journal.log"
+    state = JournalState()
+    path.write_text(json.dumps({"snapshot": state.snapshot()}) + "\n"
+                    + '{"q":[["run1",0,7,"signal SIGSEGV"]]}\n')
+    back = read_journal(str(path))
+    assert back.quarantined == {("run1", 0, 7): "signal SIGSEGV"}
+    assert json.dumps(back.snapshot()["quarantined"]) == '[["run1", 0, 7, "signal SIGSEGV"]]'
+    path.write_text(json.dumps({"snapshot": back.snapshot()}) + "\n" + '{"d":[["run1",0,7]],"h":[],"f":{}}\n')
+    done = read_journal(str(path))
+    assert not done.quarantined and "quarantined" not in done.snapshot() and done.is_done(("run1", 0, 7))
+
+
 def test_seqset_stays_small_for_ordered_streams():
     s = SeqSet()
     for i in range(100_000):
