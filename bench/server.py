@@ -15,8 +15,9 @@
 
 `--keep DIR` keeps the recorded folder (and the training's step time) in DIR; `--records DIR` reuses such a folder
 instead of training again. `--replay-in both` (the default) times each worker count with replays in worker
-processes (the server's default) and in the server's own threads, side by side. `--baseline SRC` also times the server code of another source tree (e.g. a `git archive`
-of main) on the same records, in the same run, so that before and after are printed side by side.
+processes (the server's default) and in the server's own threads, side by side. `--baseline SRC` also times the
+server code of another source tree (e.g. a `git archive` of main) on the same records, in the same run, so that
+before and after are printed side by side.
 
 Prints records/s, the server's seconds per training step for each worker count, and the ratio to the training's
 step time last. `--device cuda` runs the server on the GPU (bench/gpu_check.sh).

@@ -1,9 +1,11 @@
 """Level-L1 capture: a TorchFunctionMode that names each API call and snapshots it (docs/design.md §4).
 
 Snapshots hold references (npu_agent.snapshot): a call that writes its arguments (in place by name or keyword, or
-known to: batch_norm's running statistics) first has every record still holding them copy them, and its own
-inputs are copied before it runs. A call found to have written its inputs anyway is learned: its record goes out
-skipped and its later calls copy. The sampling policies (npu_agent.sampling) decide which calls are recorded.
+known to: batch_norm's running statistics, an operator's `Tensor(a!)` arguments, a torch.distributed collective's
+or receive's buffers; `written_tensors`) first has every record still holding them copy them, and its own
+inputs are copied before it runs. Calls that are not APIs get the same copy before they write (`protect_unseen`).
+A call found to have written its inputs anyway is learned: its record goes out skipped and its later calls copy.
+The sampling policies (npu_agent.sampling) decide which calls are recorded.
 A call the server's allowlist (protos/apis.py) refuses by name is recorded without tensors, skipped with the
 reason: the report lists it as SKIP, and neither side spends time or memory on it.
 
@@ -13,6 +15,7 @@ failure of ours is counted and logged once, and the call itself always runs exac
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -29,7 +32,7 @@ from npu_agent.snapshot import install as snapshot_install
 from protos import apis
 from protos.codec import dtype_name
 from protos.rng import generator_state, set_generator_state
-from protos.torch_compat import in_backward_pass, tensor_version
+from protos.torch_compat import find_operator, in_backward_pass, op_overload_name, tensor_version, written_arguments
 
 if TYPE_CHECKING:
     from npu_agent.backward import BackwardTaps
@@ -52,6 +55,113 @@ class CallContext:
     copied: bool = False     # the inputs were copied before the call (it writes them)
 
 
+# -- what a call writes that is not in place by name (issue 22) ------------------------------------------------------
+# A spec: (positions, keyword names) of the written arguments; _ALL: every tensor argument; _P2P: the receives of a
+# batch_isend_irecv list; None: nothing. Cached per function object (the mode sees the same objects again).
+_Spec = tuple[tuple[int, ...], tuple[str, ...]] | str | None
+_ALL, _P2P = "all", "p2p"
+_FIRST = {"tensor": ((0,), ("tensor",)), "output": ((0,), ("output",)), "output_tensor": ((0,), ("output_tensor",))}
+# torch.distributed reaches the mode through __torch_function__ (torch>=2.13, has_torch_function in
+# distributed_c10d). Its writes bump no `_version`, so only a copy before the call keeps a held tensor's value.
+_DIST_WRITES: dict[str, _Spec] = {
+    "broadcast": _FIRST["tensor"], "all_reduce": _FIRST["tensor"], "reduce": _FIRST["tensor"],
+    "scatter": _FIRST["tensor"], "recv": _FIRST["tensor"], "irecv": _FIRST["tensor"],
+    "all_reduce_coalesced": ((0,), ("tensors",)), "all_gather": ((0,), ("tensor_list",)),
+    "all_gather_single": _FIRST["output_tensor"], "all_gather_into_tensor": _FIRST["output_tensor"],
+    "_all_gather_base": _FIRST["output_tensor"], "all_gather_coalesced": ((0,), ("output_tensor_lists",)),
+    "gather": ((1,), ("gather_list",)), "reduce_scatter": _FIRST["output"], "reduce_scatter_single": _FIRST["output"],
+    "reduce_scatter_tensor": _FIRST["output"], "_reduce_scatter_base": _FIRST["output"],
+    "all_to_all_single": _FIRST["output"], "all_to_all": ((0,), ("output_tensor_list",)),
+    "batch_isend_irecv": _P2P,
+    # read only (objects are pickled, never written into a tensor in place)
+    "send": None, "isend": None, "barrier": None, "monitored_barrier": None, "all_gather_object": None,
+    "gather_object": None, "broadcast_object_list": None, "scatter_object_list": None, "send_object_list": None,
+    "recv_object_list": None,
+}   # any other function of torch.distributed.distributed_c10d: _ALL
+_NOT_DATA_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "retain_grad"})
+_SPECS: dict[Any, _Spec] = {}
+_MAX_CACHED = 8192
+_WRITES_NOTHING: set[Any] = set()   # calls that are not APIs and write none of their arguments
+
+
+def _spec(func: Any, category: str, api: str) -> _Spec:
+    if category == "Distributed":
+        module = getattr(func, "__module__", "") or ""
+        if module == "torch.distributed.distributed_c10d":
+            return _DIST_WRITES.get(api, _ALL)
+        if module.endswith("_functional_collectives") and "inplace" not in api and not api.endswith("_"):
+            return None   # out of place: returns new tensors
+        return _ALL       # unknown: every tensor it is given may be written
+    op = func
+    if category == "NPU" and op_overload_name(func) is None:   # torch_npu.npu_x: the operator torch.ops.npu.x
+        op = find_operator("npu", api)
+    written = written_arguments(op)
+    if written is not None:
+        return written
+    if category == "" and naming.inplace_by_name(api) and api not in _NOT_DATA_WRITES:   # torch._amp_*_ and kin
+        return _ALL
+    return None
+
+
+def _picked(spec: _Spec, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    if spec == _ALL:
+        return list(iter_tensors((args, kwargs)))
+    if spec == _P2P:   # batch_isend_irecv(p2p_op_list): the tensors of the receives
+        ops = args[0] if args else kwargs.get("p2p_op_list", ())
+        return [op.tensor for op in ops if isinstance(getattr(op, "tensor", None), torch.Tensor)
+                and getattr(op.op, "__name__", "") not in ("send", "isend")]
+    assert not isinstance(spec, str) and spec is not None   # the remaining case: a (positions, names) pair
+    positions, names = spec
+    chosen = [args[i] for i in positions if i < len(args)]
+    if kwargs:
+        chosen += [kwargs[n] for n in names if n in kwargs]
+    return list(iter_tensors(chosen))
+
+
+def written_tensors(func: Any, category: str, api: str, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors a call writes that neither its name nor `out=` nor `inplace=True` tells: `Tensor(a!)` arguments
+    of a `torch.ops` operator (aten, torch_npu, custom), a torch.distributed collective's or receive's buffers.
+    category "" is a call that is not an API."""
+    spec = _cached_spec(func, category, api)
+    return _picked(spec, args, kwargs) if spec is not None else []
+
+
+def _cached_spec(func: Any, category: str, api: str) -> _Spec:
+    try:
+        return _SPECS[func]
+    except KeyError:
+        if len(_SPECS) > _MAX_CACHED:
+            _SPECS.clear()
+        spec = _SPECS[func] = _spec(func, category, api)
+        return spec
+    except TypeError:   # unhashable callable
+        return _spec(func, category, api)
+
+
+def protect_unseen(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """A call that is not an API (a custom op, torch's private in-place functions, an op namespace the agent skips):
+    before it writes a tensor a pending record holds, that record gets its copy."""
+    name = getattr(func, "__name__", None)
+    if not isinstance(name, str) or name in ("__get__", "__set__", "__delete__"):   # property accessors
+        spec: _Spec = None
+    else:
+        spec = _cached_spec(func, "", name)
+    if spec is None:
+        if len(_WRITES_NOTHING) > _MAX_CACHED:   # functions made at run time: keep the set bounded
+            _WRITES_NOTHING.clear()
+        with contextlib.suppress(TypeError):    # unhashable: looked up again next time
+            _WRITES_NOTHING.add(func)           # the mode's next call of it costs one set lookup
+    written = _picked(spec, args, kwargs) if spec is not None else []
+    if kwargs and kwargs.get("out") is not None:
+        written += iter_tensors(kwargs["out"])
+    if written:
+        HELD.protect(written)
+
+
+_BY_TABLE = frozenset({"Aten", "NPU", "Distributed"})   # categories whose writes are looked up (written_tensors)
+
+
 class CaptureMode(TorchFunctionMode):
     def __init__(self, capturer: "Capturer"):
         super().__init__()
@@ -69,6 +179,12 @@ class CaptureMode(TorchFunctionMode):
             cap.internal_error(f"naming {getattr(func, '__name__', type(func).__name__)}", exc)
             info = None
         if info is None:
+            if HELD.pending:   # not an API, yet it may write a tensor a record holds (a custom op, `out=`)
+                try:
+                    if kwargs or func not in _WRITES_NOTHING:   # metadata calls: one set lookup
+                        protect_unseen(func, args, kwargs)
+                except Exception as exc:  # noqa: BLE001
+                    cap.internal_error(f"protecting the arguments of {getattr(func, '__name__', '?')}", exc)
             return func(*args, **kwargs)
         try:
             ctx = cap.before_call(func, info, args, kwargs)
@@ -178,9 +294,16 @@ class Capturer:
         category, api = info
         inplace = naming.is_inplace(api, kwargs) if kwargs else naming.inplace_by_name(api)
         writes = inplace or info in self._writes_inputs
-        if writes and HELD.pending:
-            # This call writes (some of) its tensor arguments: records still holding them get their copy first.
-            HELD.protect_tree((args, kwargs))
+        if writes:
+            if HELD.pending:
+                # This call writes (some of) its tensor arguments: records still holding them get their copy first.
+                HELD.protect_tree((args, kwargs))
+        elif category in _BY_TABLE:
+            written = written_tensors(func, category, api, args, kwargs)
+            if written:   # an operator's `Tensor(a!)` arguments, a collective's buffers
+                writes = True
+                if HELD.pending:
+                    HELD.protect(written)
         if in_backward_pass():
             # Inside a backward pass: a checkpoint recompute or a custom backward. Its forward was recorded already.
             return self._recompute_call(info, args, kwargs)

@@ -15,6 +15,8 @@ torch version. Call sites use these functions, never the private names themselve
 | `dispatcher_op_names` | `torch._C._dispatch_get_all_op_names` | the aten operators this torch registers |
 | `reentrant_checkpoint_function` | `torch.utils.checkpoint.CheckpointFunction` | wrap reentrant checkpointing |
 | `tensor_version` | `Tensor._version` | did a held tensor change in place since capture? |
+| `written_arguments` | `OpOverload._schema`, `.arguments`, `Argument.alias_info.is_write` | `Tensor(a!)` arguments |
+| `find_operator` | `torch.ops.<namespace>.<name>` looked up by name | the operator of a `torch_npu.npu_*` function |
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ import torch.utils.checkpoint
 
 __all__ = ["function_mode_stack", "in_backward_pass", "disable_torch_function", "queue_backward_callback",
            "op_overload_name", "tensor_base_class", "dispatcher_op_names", "reentrant_checkpoint_function",
-           "tensor_version"]
+           "tensor_version", "written_arguments", "find_operator"]
 
 
 def function_mode_stack() -> list[Any]:
@@ -88,3 +90,36 @@ def reentrant_checkpoint_function() -> Any:
 # base's counter).
 # An attrgetter, not a def: it runs for every tensor the agent holds, and a C-level getter costs no Python frame.
 tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
+
+
+def written_arguments(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+    """(positions, names) of the arguments a `torch.ops` operator's schema marks as written (``Tensor(a!) x``,
+    ``Tensor(a!)[] xs``, ``*, Tensor(a!) out``); for a packet, the union over its overloads. A keyword-only argument
+    has a name and no position. None when `func` is not an operator or writes none of its arguments."""
+    if isinstance(func, torch._ops.OpOverload):
+        schemas = [func._schema]
+    elif isinstance(func, torch._ops.OpOverloadPacket):
+        schemas = [getattr(func, name)._schema for name in func.overloads()]
+    else:
+        return None
+    positions: set[int] = set()
+    names: set[str] = set()
+    for schema in schemas:
+        for i, arg in enumerate(schema.arguments):
+            alias = arg.alias_info
+            if alias is not None and alias.is_write:
+                names.add(arg.name)
+                if not arg.kwarg_only:
+                    positions.add(i)
+    if not names:
+        return None
+    return tuple(sorted(positions)), tuple(sorted(names))
+
+
+def find_operator(namespace: str, name: str) -> Any:
+    """The packet ``torch.ops.<namespace>.<name>``, or None where no such operator is registered (torch_npu's
+    Python functions are bound to the ``npu`` operators of the same name)."""
+    try:
+        return getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return None

@@ -145,7 +145,7 @@ def _check_all(sink, graph_budget: int, tmp: str) -> tuple[dict[str, str], int]:
         replays.append(1)
         return original(*args, **kwargs)
 
-    import gpu_server.sandbox as sandbox_module   # the in-process replayer the Checker uses by default
+    import gpu_server.sandbox as sandbox_module  # the in-process replayer the Checker uses by default
     sandbox_module.run_backward = counting
     try:
         torch.set_grad_enabled(False)   # as in the worker threads

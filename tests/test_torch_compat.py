@@ -215,3 +215,29 @@ def test_generator_state_round_trip_is_shared_by_both_sides():
     set_generator_state(torch.device("cpu"), torch.frombuffer(bytearray(state.numpy().tobytes()), dtype=torch.uint8))
     assert torch.equal(torch.rand(5), first)
     assert generator_state("meta") is None   # a device type without a generator API
+
+
+def test_written_arguments():
+    """The agent relies on: the positions and names of the `Tensor(a!)` arguments of an overload and, as a union, of
+    a packet; None for an operator that writes nothing and for anything that is not an operator."""
+    try:
+        assert torch_compat.written_arguments(torch.ops.aten.add_.Tensor) == ((0,), ("self",)), \
+            changed("the schema of aten::add_.Tensor (written arguments)")
+        assert torch_compat.written_arguments(torch.ops.aten.max.dim_max) == ((), ("max", "max_values")), \
+            changed("the schema of aten::max.dim_max (keyword-only written arguments)")
+        assert torch_compat.written_arguments(torch.ops.aten.add.out) == ((), ("out",)), \
+            changed("the schema of aten::add.out")
+        assert torch_compat.written_arguments(torch.ops.aten.add) == ((), ("out",)), \
+            changed("the overloads of the packet aten::add")
+        assert torch_compat.written_arguments(torch.ops.aten._foreach_add_.List) == ((0,), ("self",)), \
+            changed("the schema of aten::_foreach_add_.List (a written list)")
+        assert torch_compat.written_arguments(torch.ops.aten.mul.Tensor) is None, changed("aten::mul.Tensor")
+        assert torch_compat.written_arguments(torch.add) is None
+    except AttributeError as exc:
+        pytest.fail(changed(f"OpOverload._schema / FunctionSchema.arguments / alias_info.is_write ({exc})"))
+
+
+def test_find_operator():
+    assert torch_compat.find_operator("aten", "add") is torch.ops.aten.add, changed("torch.ops.aten.add by name")
+    assert torch_compat.find_operator("aten", "no_such_operator_here") is None
+    assert torch_compat.find_operator("no_such_namespace_here", "add") is None
