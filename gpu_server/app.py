@@ -17,7 +17,7 @@ import time
 from gpu_server import disk
 from gpu_server.config import ServerConfig
 from gpu_server.error_data import Evidence
-from gpu_server.intake import ByteBudget, Intake, Job
+from gpu_server.intake import ByteBudget, Intake, Job, check_peak
 from gpu_server.pending import PendingCalls
 from gpu_server.pooled import DEFAULT_FAIL_ABOVE_ULP, PooledErrors
 from gpu_server.registry import known
@@ -27,7 +27,7 @@ from gpu_server.spool import Entry, Spool
 from gpu_server.summary import Summary
 from gpu_server.workers import WorkerPool, bench_devices
 from protos import online_check_pb2 as pb
-from protos.limits import DEFAULT_LIMITS, Limits
+from protos.limits import DEFAULT_LIMITS, Limits, log_text
 
 log = logging.getLogger("gpu_server")
 
@@ -47,7 +47,7 @@ class ServerApp:
                  memory_budget: int | None = None, fsync: bool = True, error_data_max_bytes: int | None = None,
                  keep_records: bool = False, graph_budget: int = 2 << 30,
                  bias_fail_ulp: float = DEFAULT_FAIL_ABOVE_ULP, replay_in: str = "process",
-                 replay_timeout_s: float = 120.0, replay_memory: int | None = None):
+                 replay_timeout_s: float = 120.0, replay_memory: int | None = None, world_size: int | None = None):
         self.config = config
         self.out_dir = out_dir
         self.limits = limits
@@ -59,7 +59,11 @@ class ServerApp:
         self.expected_ranks = expected_ranks
         self.done = threading.Event()
         disk.stopping.clear()
-        self._ended: set[int] = set()
+        # ends that counted, by (run, rank); --exit-when-done needs expected_ranks of them and no other rank that
+        # sent records still connected (ServerApp._check_done)
+        self._ended: set[tuple[str, int]] = set()
+        self._waiting_logged: frozenset[tuple[str, int]] = frozenset()
+        self.world_size = world_size
         self.budget = ByteBudget(memory_budget or default_memory_budget())
         self.spool = Spool(out_dir, limits, fsync=fsync, keep=keep_records)   # keep: for `gpu-server recheck`
         self.recovery = self.spool.open(time.strftime("%Y%m%d%H%M%S"))
@@ -75,7 +79,9 @@ class ServerApp:
                                graph_budget=graph_budget, pooled=self.pooled,
                                sandbox=SandboxLimits(replay_in, replay_timeout_s, replay_memory),
                                on_quarantine=self.spool.quarantine, max_record_bytes=limits.max_record_bytes)
-        self.intake = Intake(config, self.pool.submit, limits, spool=self.spool, budget=self.budget)
+        self.intake = Intake(config, self.pool.submit, limits, spool=self.spool, budget=self.budget,
+                             world_size=world_size)
+        self.intake.on_closed = self._check_done
         for run_id, rank, seq in self.spool.seen():
             self.intake.mark_seen(run_id, rank, seq)
         self.server = None
@@ -112,8 +118,11 @@ class ServerApp:
                 self.budget.release(entry.payload_len)
                 self._quarantine(entry, f"the spooled record cannot be read back ({exc})")
                 continue
+            # held until it is checked: its estimated peak, as for a record off the wire (gpu_server/intake.py)
+            peak = max(entry.payload_len, check_peak(record, entry.payload_len))
+            self.budget.acquire(peak - entry.payload_len, own=entry.payload_len)
             try:
-                self.intake.process(record, payload, entry.payload_len)
+                self.intake.process(record, payload, peak)
             except Exception as exc:  # noqa: BLE001 - one spooled record never stops a restart
                 self._quarantine(entry, f"the spooled record fails to load ({type(exc).__name__}: {exc})")
                 continue
@@ -171,9 +180,33 @@ class ServerApp:
         if persist:
             log.info("rank %d (run %s) ended: captured %d, sent %d, dropped %d", rank, run_id,
                      end.get("captured", 0), end.get("sent", 0), end.get("dropped", 0))
-        self._ended.add(rank)
-        if self.expected_ranks and len(self._ended) >= self.expected_ranks:
-            self.done.set()
+        if self._counts(rank):
+            self._ended.add((run_id, rank))
+        self._check_done()
+
+    def _counts(self, rank: int) -> bool:
+        """Whether a rank counts toward --exit-when-done: one this server reports, below --world-size."""
+        return self.config.wants_rank(rank) and (self.world_size is None or rank < self.world_size)
+
+    def _check_done(self) -> None:
+        """--exit-when-done: done once `expected_ranks` distinct ranks have ended (each end counted only from the
+        connection or certificate that sent its records, Intake.end_backed) and no other (run, rank) that sent
+        records is still connected: a client ending its own ranks cannot stop the server while a training runs."""
+        if not self.expected_ranks or self.done.is_set():
+            return
+        if len({rank for _, rank in self._ended}) < self.expected_ranks:
+            return
+        running = frozenset(key for key in self.intake.connected_keys()
+                            if key not in self._ended and self._counts(key[1]))
+        if running:
+            if running != self._waiting_logged:
+                self._waiting_logged = running
+                shown = ", ".join(f"run {log_text(r, 64)} rank {k}" for r, k in sorted(running)[:5])
+                log.info("%d ranks have ended; still waiting for %d connected rank(s) that sent records (%s%s)",
+                         len({rank for _, rank in self._ended}), len(running), shown,
+                         ", ..." if len(running) > 5 else "")
+            return
+        self.done.set()
 
     def shutdown(self) -> None:
         """Stop accepting: no new streams or records; what was acknowledged is still checked."""
@@ -183,8 +216,10 @@ class ServerApp:
             self.folder.stop()
 
     def finish(self) -> list[str]:
-        for name in ("duplicates", "rejected", "filtered"):
+        for name in ("duplicates", "rejected", "filtered", "refused_ranks"):
             self.summary.count(name, getattr(self.intake, name))
+        if self.budget.overdrawn:   # half-received records alone filled the budget: the oldest went on beyond it
+            self.summary.count("memory_budget_overdrawn", self.budget.overdrawn)
         self.summary.count("spool_replayed", self.replayed)
         self.summary.count("spool_quarantined", self.quarantined)
         disk.stopping.set()

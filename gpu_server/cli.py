@@ -33,7 +33,9 @@ def _args(argv):
     p.add_argument("--out", "-o", "--out_path", default="./", help="folder for the reports (created if missing)")
     p.add_argument("--device", "-d", default=None, help="cpu, cuda or cuda:N (default: every GPU, else CPU)")
     p.add_argument("--workers", type=int, default=None, help="CPU worker threads (default 1; GPUs: one each)")
-    p.add_argument("--world-size", type=int, default=None, help="ranks expected (with --exit-when-done)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks of the training: records and ends of a rank at or above it are refused; with "
+                        "--exit-when-done, the ranks to wait for")
     p.add_argument("--exit-when-done", action="store_true",
                    help="exit once every expected rank has sent its end message (needs --world-size or rank_list)")
     p.add_argument("--fail-on", choices=("never", "error"), default="never",
@@ -56,9 +58,25 @@ def _args(argv):
     p.add_argument("--max-streams", type=int, default=DEFAULT_LIMITS.max_streams,
                    help=f"agent streams served at once (default {DEFAULT_LIMITS.max_streams}); one more is refused "
                         "with a message the agent logs")
+    # what a client may hold, and for how long (docs/security.md, "Who can reach the port or the folder")
     p.add_argument("--record-timeout-s", type=float, default=DEFAULT_LIMITS.record_timeout_s,
-                   help="a record half received is cut (its memory released) when its next frame takes longer "
-                        f"(default {DEFAULT_LIMITS.record_timeout_s:g}; plus 1 s per MiB for the whole record)")
+                   help="a record half received is cut (its stream closed, its memory released) when its next frame "
+                        f"takes longer (default {DEFAULT_LIMITS.record_timeout_s:g})")
+    p.add_argument("--min-record-rate-mb", type=float, default=DEFAULT_LIMITS.min_record_rate / MiB, metavar="MB_S",
+                   help="... or when, after --record-timeout-s, it arrives slower than this many MiB/s on average "
+                        f"(default {DEFAULT_LIMITS.min_record_rate / MiB:g}; time spent waiting for the server's "
+                        "memory is not counted; 0: no minimum)")
+    p.add_argument("--record-max-s", type=float, default=DEFAULT_LIMITS.record_max_s,
+                   help="... or when it has been half received this long, whatever its size (default "
+                        f"{DEFAULT_LIMITS.record_max_s:g})")
+    p.add_argument("--connection-memory-mb", type=float, default=None,
+                   help="what the streams of one connection may hold before the workers take it (messages, records "
+                        "half received); at the limit they read nothing more (default: --max-record-mb, at least "
+                        "that, at most --memory-mb)")
+    p.add_argument("--max-run-ranks", type=int, default=DEFAULT_LIMITS.max_run_ranks,
+                   help="distinct (run id, rank) pairs this server accepts records of; the records of one more are "
+                        f"refused with the reason (default {DEFAULT_LIMITS.max_run_ranks}). With --world-size, ranks "
+                        "at or above it are refused too")
     p.add_argument("--keep-records", action="store_true",
                    help="keep every record after it is reported (in OUT/spool/kept/, for `gpu-server recheck`) "
                         "instead of deleting it; costs as much disk as the training sends (off by default)")
@@ -121,11 +139,22 @@ def main(argv=None) -> int:
     if ns.replay_timeout_s <= 0 or (ns.replay_memory_mb is not None and ns.replay_memory_mb <= 0):
         print("gpu-server: --replay-timeout-s and --replay-memory-mb must be positive", file=sys.stderr)
         return 2
-    if ns.max_streams < 1 or ns.record_timeout_s <= 0:
-        print("gpu-server: --max-streams must be at least 1 and --record-timeout-s positive", file=sys.stderr)
+    if ns.max_streams < 1 or ns.record_timeout_s <= 0 or ns.record_max_s <= 0 or ns.min_record_rate_mb < 0:
+        print("gpu-server: --max-streams must be at least 1, --record-timeout-s and --record-max-s positive, "
+              "--min-record-rate-mb 0 or more", file=sys.stderr)
+        return 2
+    if ns.max_run_ranks < 1 or (ns.world_size is not None and ns.world_size < 1):
+        print("gpu-server: --max-run-ranks and --world-size must be positive", file=sys.stderr)
+        return 2
+    if ns.connection_memory_mb is not None and not max_record <= ns.connection_memory_mb * MiB <= memory:
+        print(f"gpu-server: --connection-memory-mb must lie between the largest record ({max_record / MiB:g} MiB, "
+              f"--max-record-mb) and the memory budget ({memory / MiB:g} MiB, --memory-mb): a record larger than it "
+              "could never be received", file=sys.stderr)
         return 2
     limits = DEFAULT_LIMITS.replace(max_record_bytes=max_record, max_streams=ns.max_streams,
-                                    record_timeout_s=ns.record_timeout_s)
+                                    record_timeout_s=ns.record_timeout_s, record_max_s=ns.record_max_s,
+                                    min_record_rate=ns.min_record_rate_mb * MiB, max_run_ranks=ns.max_run_ranks,
+                                    max_connection_bytes=int((ns.connection_memory_mb or 0) * MiB))
     expected = ns.world_size or (len(config.rank_list) if config.rank_list else None)
     if ns.exit_when_done and not expected:
         print("gpu-server: --exit-when-done needs --world-size N (or a non-empty rank_list)", file=sys.stderr)
@@ -149,6 +178,7 @@ def main(argv=None) -> int:
                         keep_records=ns.keep_records, graph_budget=int(max(0.0, ns.graph_memory_mb) * MiB),
                         replay_in=ns.replay_in, replay_timeout_s=ns.replay_timeout_s,
                         replay_memory=None if ns.replay_memory_mb is None else int(ns.replay_memory_mb * MiB),
+                        world_size=ns.world_size,
                         **({} if ns.bias_fail_ulp is None else {"bias_fail_ulp": ns.bias_fail_ulp}))
         app.start()
     except (ValueError, OSError, SpoolError) as exc:

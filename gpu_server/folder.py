@@ -17,13 +17,17 @@ Rules:
   the folder is read again (the intake drops duplicates within a run).
 * Sizes are checked against the limits before anything is allocated: a frame is at most `max_frame_bytes`, a
   record's payload at most `max_record_bytes` and never more than the file holds.
+* Every byte is reserved in the server's memory budget (`--memory-mb`) before it is read, by the same
+  `FrameAssembler` as the gRPC transport: each frame's bytes, then each complete record's estimated peak (held until
+  the workers checked it). A record whose check would need more than the whole budget is moved aside.
 * Symbolic links are never followed, anywhere below `nfs_path` (docs/security.md): each `rank{r}/` is opened once
   per pass with O_NOFOLLOW | O_DIRECTORY and every later open, unlink and rename is relative to that descriptor, so
   a folder swapped for a link meanwhile is not entered; record files are opened with O_NOFOLLOW | O_NONBLOCK and
   must be regular files; files are moved aside only into a `rejected/` that is a real directory owned by the
   server's user (created by it), opened the same way. A link planted anywhere is moved aside itself (rename never
   follows it) or left alone.
-* An end marker counts only for a run and rank whose records reached the server (`Intake.end_backed`).
+* An end marker counts only for a run and rank whose records reached the server through the folder
+  (`Intake.end_backed`), and below `--world-size` when it is given.
 * Every file name that reaches the log is escaped (`protos.limits.log_text`).
 """
 from __future__ import annotations
@@ -40,11 +44,11 @@ from typing import Callable
 
 from google.protobuf.message import DecodeError
 
-from gpu_server.intake import FrameAssembler, Intake
+from gpu_server.intake import ByteBudget, FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.folder_format import END_FILE, FOLDER_MAGIC, FRAME_LENGTH, RANK_DIR, RECORD_FILE
-from protos.framing import parse_frame, split_batch
+from protos.framing import parse_frame
 from protos.limits import DEFAULT_LIMITS, Limits, log_text
 
 log = logging.getLogger("gpu_server")
@@ -54,6 +58,7 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]", re.ASCII)
 REJECTED_DIR = "rejected"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+ORIGIN = "folder"   # who sent the folder's records, for Intake.end_backed
 
 
 class _Dir:
@@ -72,6 +77,10 @@ class BadFile(Exception):
     """A file that is not what its name promises; the message says why."""
 
 
+class _Stopped(Exception):
+    """The server stops while a file waits for memory: it is read again at the next start."""
+
+
 @dataclasses.dataclass
 class _Stream:
     """Progress of one run and rank in this process."""
@@ -86,10 +95,11 @@ class _Stream:
 class FolderReader:
     def __init__(self, nfs_path: str, intake: Intake, limits: Limits = DEFAULT_LIMITS,
                  on_end: Callable[[pb.End], None] | None = None, min_poll_s: float = 0.02, max_poll_s: float = 1.0,
-                 gap_grace_s: float = 3.0):
+                 gap_grace_s: float = 3.0, budget: ByteBudget | None = None):
         self.nfs_path = nfs_path
         self.intake = intake
         self.limits = limits
+        self.budget = budget if budget is not None else intake.budget
         self.on_end = on_end or (lambda end: None)
         self.min_poll_s = min_poll_s
         self.max_poll_s = max_poll_s
@@ -244,9 +254,10 @@ class FolderReader:
         return busy
 
     # -- files ---------------------------------------------------------------------------------------------
-    def _read_frames(self, folder: _Dir, name: str):
+    def _read_frames(self, folder: _Dir, name: str, asm: FrameAssembler | None = None):
         """Yield (frame, its data, bytes left in the file) of a published file, checking every size before reading
-        it (the data: a view into the frame's bytes where it could be parsed apart, protos.framing.parse_frame)."""
+        it (the data: a view into the frame's bytes where it could be parsed apart, protos.framing.parse_frame).
+        With `asm`, each frame's bytes are reserved in the memory budget before they are read."""
         # O_NOFOLLOW | O_NONBLOCK, relative to the folder opened without following links: a symlink or a FIFO
         # planted under a record's name is refused, never followed or waited on.
         fd = os.open(name, _FILE_FLAGS, dir_fd=folder.fd)
@@ -269,6 +280,8 @@ class FolderReader:
                     raise BadFile(f"a {n}-byte frame at byte {pos} exceeds the limit of {self.limits.max_frame_bytes}")
                 if pos + n > size:
                     raise BadFile(f"a {n}-byte frame at byte {pos} runs past the end of the {size}-byte file")
+                if asm is not None and not asm.reserve(n):
+                    raise _Stopped()
                 raw = fh.read(n)
                 if len(raw) != n:
                     raise BadFile(f"truncated frame at byte {pos}")
@@ -280,20 +293,21 @@ class FolderReader:
                 del raw
                 yield frame, data, size - pos
 
-    def _load_records(self, folder: _Dir, name: str, run_id: str, rank: int,
-                      seq: int) -> list[tuple[pb.Record, bytes | memoryview]]:
-        """The records of one file: one record (its frames), or a batch of consecutive records starting at the
-        name's sequence number (one Batch frame). Raises BadFile when the content is not what the name says."""
-        asm = FrameAssembler(self.limits)
+    def _load_records(self, folder: _Dir, name: str, run_id: str, rank: int, seq: int,
+                      asm: FrameAssembler) -> list[tuple[pb.Record, bytes | memoryview, int, str]]:
+        """The records of one file, each with the budget bytes it holds (its estimated peak) and '', or with why it
+        is refused: one record (its frames), or a batch of consecutive records starting at the name's sequence
+        number (one Batch frame). Raises BadFile when the content is not what the name says; what was reserved is
+        then still in `asm` (the caller closes it)."""
         done = None
-        for frame, data, remaining in self._read_frames(folder, name):
+        for frame, data, remaining in self._read_frames(folder, name, asm):
             if done is not None:
                 raise BadFile("more frames follow the complete record")
             body = frame.WhichOneof("body")
             if body == "batch":
                 if remaining:
                     raise BadFile("more frames follow the batch")
-                return self._batch_records(frame, data, run_id, rank, seq)
+                return self._batch_records(frame, data, run_id, rank, seq, asm)
             if body == "record":
                 h = frame.record.header
                 if (h.run_id, h.rank, h.seq) != (run_id, rank, seq):
@@ -307,34 +321,50 @@ class FolderReader:
                     raise BadFile(f"it announces {announced} payload bytes but the file holds at most "
                                   f"{len(data) + remaining}")
             try:
+                self._acquire(asm, asm.before(frame, data))
                 done = asm.feed(frame, data=data)
             except WireError as exc:
                 raise BadFile(str(exc)) from None
+            finally:
+                asm.drop_loose()
         if done is None:
             raise BadFile("the file ends before the record is complete")
-        return [done]
+        return [(done[0], done[1], asm.take_reserved(), "")]
 
-    def _batch_records(self, frame: pb.Frame, data: bytes | memoryview, run_id: str, rank: int,
-                       seq: int) -> list[tuple[pb.Record, bytes | memoryview]]:
+    def _acquire(self, asm: FrameAssembler, n: int) -> None:
+        """Reserve the rest of a record's peak in the budget (waits for the workers to free it)."""
+        if n and self.budget is not None:
+            if not self.budget.acquire(n, self._stop.is_set, own=asm.holding):
+                raise _Stopped()
+            asm.granted(n)
+
+    def _batch_records(self, frame: pb.Frame, data: bytes | memoryview, run_id: str, rank: int, seq: int,
+                       asm: FrameAssembler) -> list[tuple[pb.Record, bytes | memoryview, int, str]]:
         try:
-            parts = split_batch(frame, self.limits, data)
+            parts = asm.batch(frame, data)
         except WireError as exc:
             raise BadFile(str(exc)) from None
-        for i, (rec, _) in enumerate(parts):
+        for i, (rec, _, _, _) in enumerate(parts):
             h = rec.header
             if (h.run_id, h.rank, h.seq) != (run_id, rank, seq + i):
                 raise BadFile(f"its record {i} is run {h.run_id[:64]!r} rank {h.rank} seq {h.seq}, not record "
                               f"{seq + i} of the run and rank its name says")
-        return parts
+        del frame, data
+        self._acquire(asm, sum(need for _, _, need, _ in parts))
+        out: list[tuple[pb.Record, bytes | memoryview, int, str]] = list(asm.unbatch(parts))
+        return out
 
     def _process_record(self, folder: _Dir, name: str, run_id: str, rank: int, seq: int) -> int:
         """Handle one record file: the number of sequence numbers it covered (a batch file covers several), or 0
         when it could not be read now (retry later, keep the order)."""
         path = folder.join(name)
+        asm = FrameAssembler(self.limits, self.budget, cancelled=self._stop.is_set)
         try:
-            records = self._load_records(folder, name, run_id, rank, seq)
+            records = self._load_records(folder, name, run_id, rank, seq, asm)
         except FileNotFoundError:
             return 1  # removed meanwhile (another reader of the same folder); nothing to do
+        except _Stopped:
+            return 0
         except OSError as exc:
             if exc.errno != errno.ELOOP:  # a read error (NFS hiccup, permissions): try again on a later poll
                 self._report_once(path, "shared folder: cannot read %s (%s); retrying", path, exc)
@@ -347,13 +377,25 @@ class FolderReader:
             self.intake.rejected += 1
             self._move_aside(folder, name, str(exc))
             return 1
+        finally:
+            asm.close()   # what no record took (a file refused half-way)
         n = len(records)
-        while records:
-            record, payload = records.pop(0)
-            status, reason = self.intake.accept(record, payload)
-            del payload
-            if status == pb.Ack.REJECTED:
-                log.warning("shared folder: %s (record %d) rejected: %s", name, record.header.seq, reason)
+        records.reverse()
+        try:
+            while records:
+                record, payload, reserved, why = records.pop()
+                status: int
+                if why:
+                    self.intake.rejected += 1
+                    status, reason = int(pb.Ack.REJECTED), why
+                else:
+                    status, reason = self.intake.accept(record, payload, reserved, ORIGIN)
+                del payload
+                if status == pb.Ack.REJECTED:
+                    log.warning("shared folder: %s (record %d) rejected: %s", name, record.header.seq, reason)
+        finally:
+            if self.budget is not None:   # records not handed to the intake (an error above): their bytes go back
+                self.budget.release(sum(r[2] for r in records))
         self._remove(folder, name)
         return n
 
@@ -379,7 +421,7 @@ class FolderReader:
             return
         if not st.ended:
             st.ended = True
-            why = self.intake.end_backed(end)
+            why = self.intake.end_backed(end, ORIGIN)
             if why:
                 log.warning("shared folder: %s: %s", log_text(path, 300), why)
             else:

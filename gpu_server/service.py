@@ -6,21 +6,27 @@ a few kilobytes, not a thread, and thousands of agents share one server. At most
 (`--max-streams`) streams are served at once; one more is refused with RESOURCE_EXHAUSTED and a message naming the
 limit and the fix (the agent logs it), and the server logs the refusal.
 
-Frames come in as raw bytes and are parsed here (never unpickled); records are assembled, reserved against the
-memory budget (a record announcing more than `--max-record-mb` is refused at its header, before anything is held),
-validated completely and handed to the intake off the event loop; every record gets an acknowledgement, bad ones a
-REJECTED with the reason, and the stream goes on. A record half received must get its next frame within
-`--record-timeout-s` (and be complete within that plus 1 s per MiB): a stalled or half-open stream is cut, its
-reservation released, so it never holds the budget for the others. End messages count only for a (run, rank) that
-sent records. Every wire string that reaches the log is escaped (`protos.limits.log_text`).
+Every byte is counted in the memory budget (`--memory-mb`, gpu_server/intake.py `ByteBudget`): a message the moment
+gRPC hands it over, before anything waits; a record's bytes as they arrive (never what its header announces), and a
+complete record at its estimated peak until it is checked. A stream reads its next message only while the budget
+is below its limit and its connection holds less than `--connection-memory-mb`; meanwhile gRPC buffers at most its
+flow-control window (64 KiB: the window is not grown by bandwidth probing) for it. A record half received is cut
+(its stream closed, its bytes released, the reason logged and sent) when nothing arrives for `--record-timeout-s`,
+when after that long it arrives slower than `--min-record-rate-mb` (time spent waiting for the budget does not
+count), or when it has been half received for `--record-max-s`, whatever its size. Frames come in as raw bytes and
+are parsed here (never unpickled); records are validated completely and handed to the intake off the event loop;
+every record gets an acknowledgement, bad ones a REJECTED with the reason, and the stream goes on.
 
-With mutual TLS, a client whose certificate is in the server's `crl.pem` (re-read when it changes) is refused with
+End messages count only for a (run, rank) whose records came over the same connection (under mutual TLS: with the
+same client certificate). Every wire string that reaches the log is escaped (`protos.limits.log_text`). With mutual
+TLS, a client whose certificate is in the server's `crl.pem` (re-read when it changes) is refused with
 UNAUTHENTICATED on every RPC before any handler runs, as `protos.tls.RevocationInterceptor` does for a synchronous
 server.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import resource
 import threading
@@ -32,12 +38,12 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from gpu_server.intake import ByteBudget, FrameAssembler, Intake
+from gpu_server.intake import HEADER_FACTOR, ByteBudget, ConnectionShare, FrameAssembler, Intake
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.contract import SERVICE_NAME
-from protos.framing import parse_frame, split_batch
-from protos.limits import RUN_ID, Limits, log_text
+from protos.framing import parse_frame
+from protos.limits import CHUNK_BYTES, RUN_ID, Limits, MiB, log_text
 
 log = logging.getLogger("gpu_server")
 SERVICE = SERVICE_NAME
@@ -52,6 +58,29 @@ class _Cut:
 
     def __init__(self, code: grpc.StatusCode, reason: str):
         self.code, self.reason = code, reason
+
+
+class _Connection:
+    """The streams of one client connection: what they hold together (`share`), and who they are (`origin`: the
+    connection, or the client certificate under mutual TLS)."""
+
+    __slots__ = ("share", "origin", "streams")
+
+    def __init__(self, share: ConnectionShare, origin: str):
+        self.share, self.origin, self.streams = share, origin, 0
+
+
+def origin_of(context, peer: str) -> str:
+    """Who a stream's records come from, for `Intake.end_backed`: the client certificate under mutual TLS (a
+    reconnecting agent keeps it), else the connection."""
+    try:
+        pem = (context.auth_context() or {}).get("x509_pem_cert")
+    except Exception:  # noqa: BLE001 - no auth context: plaintext
+        pem = None
+    if pem:
+        value = pem[0] if isinstance(pem[0], bytes) else str(pem[0]).encode()
+        return "cert:" + hashlib.sha256(value).hexdigest()[:32]
+    return "conn:" + peer
 
 
 class StreamHandler:
@@ -69,6 +98,7 @@ class StreamHandler:
         self.peak = 0
         self.refused = 0
         self.cut = 0
+        self._connections: dict[str, _Connection] = {}
         self._refusal_logged = 0.0
         self._refusals_unlogged = 0
         self._work = futures.ThreadPoolExecutor(intake_threads, thread_name_prefix="gpu-server-intake")
@@ -90,8 +120,14 @@ class StreamHandler:
                                 "list of host:port). The agent retries.")
         self.active += 1
         self.peak = max(self.peak, self.active)
+        conn = self._connections.get(peer)
+        if conn is None:
+            conn = self._connections[peer] = _Connection(ConnectionShare(self.limits.connection_bytes),
+                                                         origin_of(context, peer))
+        conn.streams += 1
+        self.intake.origin_opened(conn.origin)
         acks: asyncio.Queue = asyncio.Queue(maxsize=_ACK_QUEUE)
-        reader = asyncio.get_running_loop().create_task(self._read(request_iterator, acks, peer))
+        reader = asyncio.get_running_loop().create_task(self._read(request_iterator, acks, peer, conn))
         try:
             while True:
                 item = await acks.get()
@@ -111,6 +147,10 @@ class StreamHandler:
         finally:
             self.active -= 1
             reader.cancel()
+            conn.streams -= 1
+            if not conn.streams:
+                self._connections.pop(peer, None)
+            self.intake.origin_closed(conn.origin)
 
     def _refuse(self, peer: str) -> None:
         self.refused += 1
@@ -147,12 +187,17 @@ class StreamHandler:
                 out.append(pb.Ack(seq=seq, status=status, reason=reason))
         return out
 
-    async def _read(self, request_iterator, acks: asyncio.Queue, peer: str) -> None:
-        asm = FrameAssembler(self.limits, self.budget)
+    async def _read(self, request_iterator, acks: asyncio.Queue, peer: str, conn: _Connection) -> None:
+        asm = FrameAssembler(self.limits, self.budget, share=conn.share)
         messages = request_iterator.__aiter__()
         cut = False
         try:
             while True:
+                why = await self._room(asm, conn.share)
+                if why:
+                    cut = True
+                    self._cut(asm, acks, peer, why)
+                    return
                 deadline = asm.deadline()
                 try:
                     if deadline is None:
@@ -163,9 +208,10 @@ class StreamHandler:
                     break
                 except asyncio.TimeoutError:
                     cut = True
-                    self._cut(asm, acks, peer, "then nothing")
+                    self._cut(asm, acks, peer, asm.late())
                     return
-                for ack in await self._frame(raw, asm, peer):
+                asm.arrived(len(raw))   # counted before anything waits
+                for ack in await self._frame(raw, asm, peer, conn.origin):
                     deadline = asm.deadline()
                     if deadline is None:
                         await acks.put(ack)
@@ -174,7 +220,7 @@ class StreamHandler:
                         await asyncio.wait_for(acks.put(ack), max(0.0, deadline - time.monotonic()))
                     except asyncio.TimeoutError:
                         cut = True
-                        self._cut(asm, acks, peer, "then the client read no answers")
+                        self._cut(asm, acks, peer, f"{asm.late()}, while the client read no answers")
                         return
         except asyncio.CancelledError:
             raise
@@ -183,23 +229,64 @@ class StreamHandler:
         except Exception:  # noqa: BLE001
             log.exception("stream from %s: internal error", peer)
         finally:
-            asm.reset()
+            asm.close()
             if not cut:
                 _put_last(acks, None)
 
-    def _cut(self, asm: FrameAssembler, acks: asyncio.Queue, peer: str, what: str) -> None:
+    async def _room(self, asm: FrameAssembler, share: ConnectionShare) -> str:
+        """Wait, reading nothing, until this stream may read its next message: its connection holds less than its
+        share and the budget is below its limit. '' then; else why the record it is receiving is cut meanwhile."""
+        token = id(asm)
+        if not share.may_read(token):
+            deadline = asm.deadline()   # the connection's own records fill its share: its time runs
+            since = time.monotonic()
+            stuck = asm.holding
+            if self.budget is not None:
+                self.budget.stuck(stuck)   # for the budget's deadlock rule: these bytes wait too
+            try:
+                await asyncio.wait_for(share.wait_room(token), None if deadline is None
+                                       else max(0.0, deadline - time.monotonic()))
+                timed_out = False
+            except asyncio.TimeoutError:
+                timed_out = True
+            finally:
+                if self.budget is not None:
+                    self.budget.unstuck(stuck)
+            if asm.record is not None:
+                asm.share_waited += time.monotonic() - since
+            if timed_out:
+                return asm.late()
+        budget = self.budget
+        if budget is None or budget.has_room(asm.holding):
+            return ""
+        cap = asm.cap_deadline()   # waiting for the budget is not the stream's fault: only the cap runs
+        asm.pause()
+        try:
+            await asyncio.wait_for(budget.acquire_async(0, own=asm.holding, order=asm.started or None),
+                                   None if cap is None else max(0.0, cap - time.monotonic()))
+        except asyncio.TimeoutError:
+            return asm.late()
+        finally:
+            asm.resume()
+        return ""
+
+    def _cut(self, asm: FrameAssembler, acks: asyncio.Queue, peer: str, why: str) -> None:
         """Close a stream whose half-received record ran past its deadline, releasing the record's memory now."""
         self.cut += 1
-        rec = asm.record
-        reason = (f"record {rec.header.seq}: {asm.filled} of {rec.payload_bytes} payload bytes arrived, {what} "
-                  f"for {self.limits.record_timeout_s:g} s (gpu-server --record-timeout-s): the stream is closed and "
-                  "the record's memory released; the agent re-sends it")
+        reason = f"{why}: the stream is closed and the record's memory released; the agent re-sends it"
         log.warning("stream from %s: %s", peer, reason)
-        asm.reset()
+        asm.close()
         _put_last(acks, _Cut(grpc.StatusCode.DEADLINE_EXCEEDED, reason))
 
-    async def _frame(self, raw: bytes, asm: FrameAssembler, peer: str) -> list:
-        """The answers to one message: acknowledgements and tickets, in order (usually one or none)."""
+    async def _frame(self, raw: bytes, asm: FrameAssembler, peer: str, origin: str) -> list:
+        """The answers to one message: acknowledgements and tickets, in order (usually one or none). The message's
+        bytes are counted (`asm.arrived`); what no record keeps is given back here."""
+        try:
+            return await self._handle(raw, asm, peer, origin)
+        finally:
+            asm.drop_loose()
+
+    async def _handle(self, raw: bytes, asm: FrameAssembler, peer: str, origin: str) -> list:
         loop = asyncio.get_running_loop()
         try:
             frame, data = parse_frame(raw)   # data: a view into raw
@@ -215,15 +302,16 @@ class StreamHandler:
             h = frame.hello
             log.info("agent connected from %s: run %s rank %d of %d (agent %s)", peer, log_text(h.run_id, 64), h.rank,
                      h.world_size, log_text(h.agent_version, 32))
+            self.intake.adopt(h.run_id, h.rank, origin)
             return []
         if body == "end":
             end = frame.end
             if not RUN_ID.match(end.run_id):
                 return [pb.Ack(status=pb.Ack.REJECTED, reason="end message with an invalid run id")]
-            why = self.intake.end_backed(end)
+            why = self.intake.end_backed(end, origin)
             if why:
-                log.warning("stream from %s: end message of run %s rank %d not counted: no record of it reached "
-                            "this server", peer, log_text(end.run_id, 64), end.rank)
+                log.warning("stream from %s: end message of run %s rank %d not counted: %s", peer,
+                            log_text(end.run_id, 64), end.rank, why)
                 return [pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED, reason=why)]
             await loop.run_in_executor(self._work, self.on_end, end)   # durable before END_ACCEPTED
             return [pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED)]
@@ -235,17 +323,15 @@ class StreamHandler:
             out.append(pb.Ack(seq=cut, status=pb.Ack.REJECTED,
                               reason=f"record {cut} was cut off by the next record after {filled} bytes"))
         if body == "batch":
-            return out + [await self._batch(frame, data, size)]
+            return out + [await self._batch(frame, data, size, asm, origin)]
         seq = frame.record.header.seq if body == "record" else frame.chunk.seq if body == "chunk" else 0
         try:
-            if body == "record":
-                n = asm.admit(frame)
-                if self.budget is not None:
-                    await self.budget.acquire_async(n)   # a stream waiting here reads nothing: back-pressure
-                else:
-                    n = 0
-                done = asm.feed(frame, reserved=n, data=data)
-            elif asm.completes(frame, data):
+            extra = asm.before(frame, data)
+            if extra and self.budget is not None:
+                # the rest of the record's peak: a stream waiting here reads nothing (back-pressure)
+                await self.budget.acquire_async(extra, own=asm.holding, order=asm.started or None)
+                asm.granted(extra)
+            if asm.completes(frame, data):
                 done = await loop.run_in_executor(self._work, asm.feed, frame, None, data)   # the join copies
             else:
                 done = asm.feed(frame, data=data)
@@ -256,29 +342,39 @@ class StreamHandler:
         if done is None:
             return out
         record, payload = done
+        reserved = asm.take_reserved()
         if size <= _INLINE_BYTES:   # a small record: validating it costs less than a thread hop
-            return out + [self.intake.submit(record, payload, asm.take_reserved())]
-        return out + [await loop.run_in_executor(self._work, self.intake.submit, record, payload,
-                                                 asm.take_reserved())]
+            return out + [self.intake.submit(record, payload, reserved, origin)]
+        return out + [await loop.run_in_executor(self._work, self.intake.submit, record, payload, reserved, origin)]
 
-    async def _batch(self, frame: pb.Frame, data: bytes | memoryview, size: int) -> "_Batch":
-        """Several complete records in one message: reserved together, then validated and stored one by one,
-        each answered as if it had come alone."""
+    async def _batch(self, frame: pb.Frame, data: bytes | memoryview, size: int, asm: FrameAssembler,
+                     origin: str) -> "_Batch":
+        """Several complete records in one message: their peaks reserved together, then each validated and stored
+        with its own copy of its payload, answered as if it had come alone."""
         try:
-            parts = split_batch(frame, self.limits, data)
+            parts = asm.batch(frame, data)
         except WireError as exc:
             seqs = [r.header.seq for r in frame.batch.records[:self.limits.max_batch_records]]
             self.intake.rejected += max(1, len(seqs))
             return _Batch([pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc)) for seq in seqs] or
                           [pb.Ack(status=pb.Ack.REJECTED, reason=str(exc))])
         del frame, data
-        total = sum(len(payload) for _, payload in parts)
-        if self.budget is not None:
-            await self.budget.acquire_async(total)   # a stream waiting here reads nothing: back-pressure
+        total = sum(need for _, _, need, _ in parts)
+        if self.budget is not None and total:
+            await self.budget.acquire_async(total, own=asm.holding)   # a stream waiting here reads nothing
+            asm.granted(total)
+        records = asm.unbatch(parts)
+        del parts
 
         def submit_all() -> list:
-            return [self.intake.submit(record, payload, len(payload) if self.budget is not None else 0)
-                    for record, payload in parts]
+            out: list = []
+            for record, payload, need, why in records:
+                if why:
+                    self.intake.rejected += 1
+                    out.append(pb.Ack(seq=record.header.seq, status=pb.Ack.REJECTED, reason=why))
+                else:
+                    out.append(self.intake.submit(record, payload, need if self.budget is not None else 0, origin))
+            return out
 
         if size <= _INLINE_BYTES:
             return _Batch(submit_all())
@@ -369,10 +465,13 @@ class GrpcServer:
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
     async def _build(self, bind: str, limits: Limits, tls_path: str) -> int:
-        options = [("grpc.max_receive_message_length", limits.max_frame_bytes),
+        options = [("grpc.max_receive_message_length", largest_message(limits, self.handler.budget)),
                    ("grpc.max_send_message_length", 16 << 20),
                    ("grpc.so_reuseport", 0),
                    ("grpc.keepalive_permit_without_calls", 1),
+                   # a stream not reading (its budget or its connection's share is full) gets no more than the
+                   # initial flow-control window buffered: bandwidth probing would grow it to megabytes per stream
+                   ("grpc.http2.bdp_probe", 0),
                    # ping idle agents: a connection gone half-open frees its stream slot within ~80 s
                    ("grpc.keepalive_time_ms", 60_000),
                    ("grpc.keepalive_timeout_ms", 20_000),
@@ -412,7 +511,7 @@ class GrpcServer:
                 self._close_loop()
             h = self.handler
             log.info("agent streams: at most %d at once (--max-streams %d), %d refused above the limit, %d cut for a "
-                     "stalled record", h.peak, h.limits.max_streams, h.refused, h.cut)
+                     "stalled or slow record", h.peak, h.limits.max_streams, h.refused, h.cut)
         return self._stopped
 
     def _close_loop(self) -> None:
@@ -440,8 +539,24 @@ def raise_open_file_limit(streams: int) -> None:
                     "(ulimit -n) or lower --max-streams", soft, streams)
 
 
+def largest_message(limits: Limits, budget: ByteBudget | None) -> int:
+    """The largest gRPC message this server reads: one chunk of payload plus the largest record header it could
+    accept (a header costs `HEADER_FACTOR` times its size to check, so one above 1/HEADER_FACTOR of the budget is
+    refused anyway), at most `Limits.max_frame_bytes`. gRPC refuses a larger message from its length prefix, before
+    buffering any of it (the stream ends with RESOURCE_EXHAUSTED): every stream reading costs at most this much
+    outside the budget."""
+    if budget is None:
+        return limits.max_frame_bytes
+    return min(limits.max_frame_bytes, CHUNK_BYTES + max(1 << 20, budget.limit // HEADER_FACTOR))
+
+
 def make_server(handler: StreamHandler, bind: str, limits: Limits, tls_path: str = "") -> tuple[GrpcServer, int]:
     """A gRPC server bound to `bind` only, with the health service. Returns (server, port); `server.start()`."""
     raise_open_file_limit(limits.max_streams)
     server = GrpcServer(handler, bind, limits, tls_path)
+    if handler.budget is not None:
+        largest = largest_message(limits, handler.budget)
+        log.info("memory: a budget of %.0f MiB (--memory-mb) for everything received; each stream reading may "
+                 "also have one message of at most %.1f MiB in gRPC's hands (%d streams at most, --max-streams)",
+                 handler.budget.limit / MiB, largest / MiB, limits.max_streams)
     return server, server.port

@@ -38,9 +38,20 @@ class Limits:
     max_batch_records: int = 4096                  # records in one Batch frame (protos/framing.py)
     # the gRPC transport (gpu_server/service.py)
     max_streams: int = 1024                        # agent streams served at once; more are refused with a reason
-    record_timeout_s: float = 60.0                 # a record half received waits at most this long for its next
-    #                                                frame (and, in all, this plus 1 s per MiB) before its stream
-    #                                                is cut and its memory released
+    # A record half received (gpu_server/intake.py FrameAssembler) is cut, its stream closed and its bytes released,
+    # when its next frame takes longer than record_timeout_s, when after that long it arrives slower than
+    # min_record_rate on average (time its stream waited for the server's memory budget is not counted), or when it
+    # has been half received for record_max_s, whatever its size.
+    record_timeout_s: float = 60.0
+    min_record_rate: float = 1.0 * MiB             # bytes per second
+    record_max_s: float = 600.0
+    max_connection_bytes: int = 0                  # what one connection's streams may hold before the workers take
+    #                                                it (frames, half-received records); 0: max_record_bytes
+    max_run_ranks: int = 4096                      # distinct (run id, rank) pairs one server accepts records of
+
+    @property
+    def connection_bytes(self) -> int:
+        return self.max_connection_bytes or self.max_record_bytes
 
     def replace(self, **changes: Any) -> "Limits":
         return dataclasses.replace(self, **changes)

@@ -114,8 +114,9 @@ def peak_rss(pid: int) -> int:
 
 
 def test_a_stalled_stream_beside_a_healthy_training(tmp_path):
-    """One stream holds the largest record it may (half the budget) and stalls; another announces 60 GiB. A real
-    training beside them gets every record acknowledged and reported, without waiting for the stalled one."""
+    """One stream announces the largest record it may (half the budget) and stalls; another announces 60 GiB. A real
+    training beside them gets every record acknowledged and reported, without waiting for the stalled one (which
+    holds the bytes it sent, not what it announced: tests/test_byte_budget.py)."""
     work = str(tmp_path)
     with support.Server(work, args=("--memory-mb", "64")) as srv:
         stalled = RawStream(srv.port).send(hello(), header(0, 32 * MiB, b"x" * 10))
@@ -140,8 +141,9 @@ def test_a_stalled_stream_beside_a_healthy_training(tmp_path):
 
 
 def test_a_half_open_record_is_cut_after_the_deadline_and_its_memory_released(tmp_path):
-    """Two streams stall mid-record and hold the whole budget: after --record-timeout-s each is cut with a reason,
-    its reservation is released, and a record waiting behind them is accepted."""
+    """Two streams stall mid-record, each announcing half the budget: after --record-timeout-s each is cut with the
+    reason (nothing arrived for that long) and what it held is released; a record beside them is accepted meanwhile
+    (they hold the bytes they sent, not what they announced)."""
     work = str(tmp_path)
     with support.Server(work, args=("--memory-mb", "64", "--record-timeout-s", "2")) as srv:
         first = RawStream(srv.port).send(hello("stall1"), header(0, 32 * MiB, b"x" * 10, run_id="stall1"))
