@@ -49,8 +49,10 @@ def _args(argv):
                    help="largest record accepted (default: half of --memory-mb; at most --memory-mb): a larger one "
                         "is refused at its header with a message naming these options")
     p.add_argument("--memory-mb", type=float, default=None,
-                   help="payload bytes held at once: being received, spooled, waiting for a worker (default: a "
-                        "quarter of the host's memory, at least 1024); a full budget slows the agents down")
+                   help="memory for what the server holds at once: messages and records as they arrive, each "
+                        "complete record at its estimated check peak until it is checked (docs/security.md, "
+                        "'Memory'; default: a quarter of the host's memory, at least 1024); a full budget slows the "
+                        "agents down")
     p.add_argument("--error-data-max-mb", type=float, default=None,
                    help="cap on the evidence saved under error_data_path per session (default: 1024, or a quarter of "
                         "the disk space free at the start when that is less); past it, failing calls are still "
@@ -71,8 +73,8 @@ def _args(argv):
                         f"{DEFAULT_LIMITS.record_max_s:g})")
     p.add_argument("--connection-memory-mb", type=float, default=None,
                    help="what the streams of one connection may hold before the workers take it (messages, records "
-                        "half received); at the limit they read nothing more (default: --max-record-mb, at least "
-                        "that, at most --memory-mb)")
+                        "half received); at the limit only its oldest half-received record is read on (default: "
+                        "--max-record-mb, at least that, at most --memory-mb)")
     p.add_argument("--max-run-ranks", type=int, default=DEFAULT_LIMITS.max_run_ranks,
                    help="distinct (run id, rank) pairs this server accepts records of; the records of one more are "
                         f"refused with the reason (default {DEFAULT_LIMITS.max_run_ranks}). With --world-size, ranks "

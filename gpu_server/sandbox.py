@@ -196,9 +196,9 @@ class ProcessReplayer:
         try:
             hello = receive(self._r, START_TIMEOUT_S)
         except (ChannelClosed, ChannelTimeout) as exc:
-            self._kill()
-            raise RuntimeError(f"the replay worker process did not start ({type(exc).__name__}: {exc}); see the "
-                               "lines above") from None
+            how = self._kill()
+            raise RuntimeError(f"the replay worker process did not start ({how}; {type(exc).__name__}: {exc}); see "
+                               "the lines above") from None
         log.info("%s worker process %s started (pid %s, device %s, memory cap %d MiB, time limit %g s)", self.name,
                  self.generation, hello.get("ready"), self.device, self.limits.memory_bytes >> 20,
                  self.limits.timeout_s)
@@ -239,13 +239,17 @@ class ProcessReplayer:
         with self._lock:
             if self._closed:
                 raise WorkerLost("the server is stopping")
-            if self._proc is None:
-                self.replaced += 1
-                self._spawn()
-            try:
-                self.ready()
-            except RuntimeError as exc:   # the next request tries a new one
-                raise WorkerLost(f"not replayed: {exc}") from None
+            for attempt in (1, 2):   # a start that fails is tried once more, then this request is lost
+                if self._proc is None:
+                    self.replaced += 1
+                    self._spawn()
+                try:
+                    self.ready()
+                    break
+                except RuntimeError as exc:   # the next request tries a new one
+                    if attempt == 2:
+                        raise WorkerLost(f"not replayed: {exc}") from None
+                    log.warning("%s: %s; starting another", self.name, exc)
             parts: list[bytes | memoryview] = []
             refs = {k: (self._ref(j, parts) if j is not None else None) for k, j in jobs.items()}
             view = self.inbox.reserve(sum(len(p) for p in parts))

@@ -76,6 +76,14 @@ def wait_for(cond, timeout: float = 120, what: str = ""):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def replaying(server: support.Server, worker: int) -> None:
+    """Wait until `worker` has started (the server logs it once the worker is ready: its start-up imports torch,
+    which costs CPU too) and has then spent a second of CPU replaying."""
+    wait_for(lambda: "worker process 1 started" in server.log(), 180, "the replay worker to be ready")
+    base = cpu_seconds(worker)
+    wait_for(lambda: cpu_seconds(worker) > base + 1.0, 120, "the replay to run")
+
+
 def rows_named(out: str, prefix: str) -> dict[str, dict]:
     return {r["API Name"]: r for r in support.read_csv(out, "accuracy_checking_details")
             if r["API Name"].startswith(prefix)}
@@ -98,7 +106,7 @@ def test_a_crashing_replay_costs_one_skip_row_while_a_training_is_checked_and_a_
         stream = RawStream(server.port).send(hello(), *slow_svd(0))
         assert [a.status for a in stream.wait(1)] == [pb.Ack.ACCEPTED]
         # the svd's replay is running in the worker process: crash it there, as a bad native kernel would
-        wait_for(lambda: cpu_seconds(worker) > 1.0, 120, "the replay to run")
+        replaying(server, worker)
         training = support.Training(support.SMALL_TRAIN, support.agent_config(str(tmp_path / "agent.json"),
                                                                                server.port))
         os.kill(worker, signal.SIGSEGV)
@@ -131,7 +139,7 @@ def test_a_record_quarantined_before_the_server_died_is_reported_skip_at_restart
     stream = RawStream(server.port).send(hello(), *slow_svd(0))
     assert [a.status for a in stream.wait(1)] == [pb.Ack.ACCEPTED]
     [worker] = replay_workers(server.proc.pid)
-    wait_for(lambda: cpu_seconds(worker) > 0.5, 120, "the replay to run")
+    replaying(server, worker)
     # the server dies while the worker replays; its journal had quarantined the record (as it does when a replay
     # kills its worker, before the SKIP row is written)
     server.kill()
