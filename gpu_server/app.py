@@ -22,7 +22,7 @@ from gpu_server.pending import PendingCalls
 from gpu_server.pooled import DEFAULT_FAIL_ABOVE_ULP, PooledErrors
 from gpu_server.registry import known
 from gpu_server.reports import OPEN_FILES
-from gpu_server.sandbox import SandboxLimits
+from gpu_server.sandbox import SandboxLimits, host_memory
 from gpu_server.spool import Entry, Spool
 from gpu_server.summary import Summary
 from gpu_server.workers import WorkerPool, bench_devices
@@ -34,11 +34,7 @@ log = logging.getLogger("gpu_server")
 
 def default_memory_budget() -> int:
     """A quarter of the host's memory, at least 1 GiB: payloads held at once (assembling, spooled, queued)."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        total = 8 << 30
-    return max(1 << 30, total // 4)
+    return max(1 << 30, host_memory(8 << 30) // 4)
 
 
 class ServerApp:

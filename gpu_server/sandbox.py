@@ -50,13 +50,18 @@ log = logging.getLogger("gpu_server")
 START_TIMEOUT_S = 180.0    # a new worker imports torch: slow on a loaded host, never a reason to give up early
 
 
+def host_memory(unknown: int) -> int:
+    """The host's physical memory in bytes (`unknown` where the platform does not say); the server's memory
+    defaults are fractions of it."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError):
+        return unknown
+
+
 def default_replay_memory() -> int:
     """An eighth of the host's memory, at least 2 GiB: what one replay may use beyond its worker's start-up size."""
-    try:
-        total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        total = 16 << 30
-    return max(2 << 30, total // 8)
+    return max(2 << 30, host_memory(16 << 30) // 8)
 
 
 @dataclasses.dataclass(frozen=True)
