@@ -39,6 +39,15 @@ print("TRAINING DONE", float(loss))
 '''
 
 
+def memory_of(pid: int, field: str = "VmHWM") -> int:
+    """A process's memory in bytes from /proc/PID/status: VmHWM (its peak RSS, the default) or VmRSS (now)."""
+    with open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,11 +25,7 @@ from tests.test_hostile import header, hello, peak_rss, relu_frames
 
 
 def rss_now(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return support.memory_of(pid, "VmRSS")
 
 
 def sum_record(run_id: str, seq: int, numel: int, chunk: int = 4 * MiB, rank: int = 0) -> tuple[pb.Record, list[bytes]]:

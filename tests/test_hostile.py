@@ -106,11 +106,7 @@ def end(run_id: str, rank: int, last_seq: int = 0) -> bytes:
 
 
 def peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return support.memory_of(pid, "VmHWM")
 
 
 def test_a_stalled_stream_beside_a_healthy_training(tmp_path):

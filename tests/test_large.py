@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from tests.support import Server, agent_config, read_csv, run_training
+from tests.support import Server, agent_config, memory_of, read_csv, run_training
 
 MiB = 1 << 20
 ELEMENTS = 64 * MiB        # float32: 256 MiB
@@ -28,11 +28,7 @@ print("COUNTS " + json.dumps(dict(counts, maxrss_kb=resource.getrusage(resource.
 
 
 def _peak_rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return memory_of(pid, "VmHWM")
 
 
 def test_a_256_mib_record_round_trips_and_is_checked(tmp_path):
