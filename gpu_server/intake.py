@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
+from gpu_server.collective_info import CollectiveInfo
 from gpu_server.config import ServerConfig
 from gpu_server.registry import replayable
 from gpu_server.seqset import SeqSet
@@ -69,6 +70,7 @@ class Job:
     reserved: int = 0          # bytes of the server's memory budget this job holds until it is checked
     module: str = ""           # where the call was made (the header's, through wire_text): "TinyLM.blocks.0.attn"
     source: str = ""           # "train.py:42 (forward)"
+    collective: CollectiveInfo | None = None   # a torch.distributed call: matched across ranks, never replayed
     wire: tuple[Any, Any] | None = None   # (pb.Record, payload) it was decoded from: a replay worker process decodes
                                           # the same bytes again (gpu_server/sandbox.py)
 

@@ -32,6 +32,21 @@ CHANGED_REASON = ("a captured tensor was changed in place by code the capture mo
 
 
 @dataclasses.dataclass(slots=True)
+class CollectiveCall:
+    """Where a torch.distributed call sits among the ranks (wire: pb.Collective; npu_agent/collectives.py fills it)."""
+
+    job: str                      # the training, the same on every rank
+    group: str                    # the process group's name; "p2p" for send/recv
+    ranks: tuple[int, ...]        # members as global ranks in group-rank order; p2p: (source, destination)
+    seq: int                      # this group's collectives on this rank, from 0; p2p: messages source -> destination
+    op: str = ""                  # reduce op ("sum", "avg", ...), "" when none
+    root: int = -1                # src/dst/peer as a global rank, -1 when none
+    async_op: bool = False
+    error: str = ""               # the call raised: its message
+    unfinished: bool = False      # its output was never taken
+
+
+@dataclasses.dataclass(slots=True)
 class PendingRecord:
     name: str                         # "Functional.linear.0"
     step: int
@@ -51,6 +66,7 @@ class PendingRecord:
     skip_reason: str = ""
     module: str = ""                  # the module path it ran in ("TinyLM.blocks.0.attn"; npu_agent.location)
     source: str = ""                  # the user's line that made the call ("train.py:42 (forward)")
+    collective: CollectiveCall | None = None   # a torch.distributed call: its group and place in it
     seq: int = -1                     # assigned when the sender accepts it
     held_bytes: int = 0               # what it counts against the sender's budget (`nbytes` when accepted)
     encoded: Encoded | None = None    # once encoded (then the snapshots are let go)
@@ -228,6 +244,11 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int,
     out.autocast.SetInParent()
     out.autocast.enabled, out.autocast.dtype, out.autocast.device_type = rec.autocast
     out.intra_op_threads = torch.get_num_threads() if rec.autocast[2] in ("cpu", "") else 0
+    if rec.collective is not None:
+        c, w = rec.collective, out.collective
+        w.job, w.group, w.seq, w.op, w.root = c.job, c.group, c.seq, c.op, c.root
+        w.ranks.extend(c.ranks)
+        w.async_op, w.error, w.unfinished = c.async_op, c.error[:MAX_TEXT], c.unfinished
     enc = _PayloadEncoder(out.tensors)
     snaps: list[Snapshot] = []
 

@@ -219,6 +219,14 @@ npu_confusion_transpose npu_layer_norm_eval npu_apply_adam npu_apply_adam_w npu_
 npu_moe_gating_top_k_softmax npu_sort_v2
 """)
 
+# torch.distributed calls the server checks across ranks (never replays): the records of one collective from every
+# member rank are matched and judged against the reference computed from all their inputs (docs/collectives.md).
+# Any other Distributed call (barrier, scatter, gather, object collectives, batch_isend_irecv) is reported SKIP.
+COLLECTIVES = frozenset({"all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+                         "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single"})
+POINT_TO_POINT = frozenset({"send", "recv", "isend", "irecv"})
+REDUCE_OPS = frozenset({"sum", "avg", "product", "min", "max", "band", "bor", "bxor"})
+
 ALLOWLIST: dict[str, frozenset[str]] = {"Functional": FUNCTIONAL, "Torch": TORCH, "Tensor": TENSOR, "Aten": ATEN,
                                         "NPU": NPU}
 

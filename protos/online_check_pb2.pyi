@@ -130,6 +130,28 @@ class Random(_message.Message):
     has_mask: bool
     def __init__(self, generator_state: _Optional[bytes] = ..., device_type: _Optional[str] = ..., mask: _Optional[int] = ..., has_mask: _Optional[bool] = ...) -> None: ...
 
+class Collective(_message.Message):
+    __slots__ = ("job", "group", "ranks", "seq", "op", "root", "async_op", "error", "unfinished")
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_OP_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    UNFINISHED_FIELD_NUMBER: _ClassVar[int]
+    job: str
+    group: str
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    seq: int
+    op: str
+    root: int
+    async_op: bool
+    error: str
+    unfinished: bool
+    def __init__(self, job: _Optional[str] = ..., group: _Optional[str] = ..., ranks: _Optional[_Iterable[int]] = ..., seq: _Optional[int] = ..., op: _Optional[str] = ..., root: _Optional[int] = ..., async_op: _Optional[bool] = ..., error: _Optional[str] = ..., unfinished: _Optional[bool] = ...) -> None: ...
+
 class RecordHeader(_message.Message):
     __slots__ = ("run_id", "rank", "step", "seq", "name", "direction", "module", "source")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -151,7 +173,7 @@ class RecordHeader(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., seq: _Optional[int] = ..., name: _Optional[str] = ..., direction: _Optional[_Union[Direction, str]] = ..., module: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
 
 class Record(_message.Message):
-    __slots__ = ("header", "tensors", "payload_bytes", "args", "kwargs", "output", "grad_enabled", "autocast", "inplace", "random", "grad_output", "grad_input", "backward_expected", "skip_reason", "grad_input_positions", "intra_op_threads")
+    __slots__ = ("header", "tensors", "payload_bytes", "args", "kwargs", "output", "grad_enabled", "autocast", "inplace", "random", "grad_output", "grad_input", "backward_expected", "skip_reason", "grad_input_positions", "intra_op_threads", "collective")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +190,7 @@ class Record(_message.Message):
     SKIP_REASON_FIELD_NUMBER: _ClassVar[int]
     GRAD_INPUT_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     INTRA_OP_THREADS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     header: RecordHeader
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     payload_bytes: int
@@ -184,7 +207,8 @@ class Record(_message.Message):
     skip_reason: str
     grad_input_positions: _containers.RepeatedScalarFieldContainer[int]
     intra_op_threads: int
-    def __init__(self, header: _Optional[_Union[RecordHeader, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., args: _Optional[_Union[Sequence, _Mapping]] = ..., kwargs: _Optional[_Union[Mapping, _Mapping]] = ..., output: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., autocast: _Optional[_Union[Autocast, _Mapping]] = ..., inplace: _Optional[bool] = ..., random: _Optional[_Union[Random, _Mapping]] = ..., grad_output: _Optional[_Union[Value, _Mapping]] = ..., grad_input: _Optional[_Union[Value, _Mapping]] = ..., backward_expected: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., grad_input_positions: _Optional[_Iterable[int]] = ..., intra_op_threads: _Optional[int] = ...) -> None: ...
+    collective: Collective
+    def __init__(self, header: _Optional[_Union[RecordHeader, _Mapping]] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., payload_bytes: _Optional[int] = ..., args: _Optional[_Union[Sequence, _Mapping]] = ..., kwargs: _Optional[_Union[Mapping, _Mapping]] = ..., output: _Optional[_Union[Value, _Mapping]] = ..., grad_enabled: _Optional[bool] = ..., autocast: _Optional[_Union[Autocast, _Mapping]] = ..., inplace: _Optional[bool] = ..., random: _Optional[_Union[Random, _Mapping]] = ..., grad_output: _Optional[_Union[Value, _Mapping]] = ..., grad_input: _Optional[_Union[Value, _Mapping]] = ..., backward_expected: _Optional[bool] = ..., skip_reason: _Optional[str] = ..., grad_input_positions: _Optional[_Iterable[int]] = ..., intra_op_threads: _Optional[int] = ..., collective: _Optional[_Union[Collective, _Mapping]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("records",)
@@ -201,7 +225,7 @@ class Chunk(_message.Message):
     def __init__(self, seq: _Optional[int] = ..., offset: _Optional[int] = ...) -> None: ...
 
 class End(_message.Message):
-    __slots__ = ("run_id", "rank", "captured", "sent", "acknowledged", "dropped", "last_seq", "world_size", "sampling")
+    __slots__ = ("run_id", "rank", "captured", "sent", "acknowledged", "dropped", "last_seq", "world_size", "sampling", "job")
     class SamplingEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -218,6 +242,7 @@ class End(_message.Message):
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     captured: int
@@ -227,7 +252,8 @@ class End(_message.Message):
     last_seq: int
     world_size: int
     sampling: _containers.ScalarMap[str, int]
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., captured: _Optional[int] = ..., sent: _Optional[int] = ..., acknowledged: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seq: _Optional[int] = ..., world_size: _Optional[int] = ..., sampling: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    job: str
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., captured: _Optional[int] = ..., sent: _Optional[int] = ..., acknowledged: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seq: _Optional[int] = ..., world_size: _Optional[int] = ..., sampling: _Optional[_Mapping[str, int]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("run_id", "rank", "agent_version", "world_size")
