@@ -20,6 +20,11 @@ elapsed time. The variants run round-robin in one process so that they share the
 are totals over the rounds divided by the steps. Each variant's line also gives the CPU its garbage collections took
 (part of its CPU) and how many were full ones (docs/design.md §5: records in flight make them more frequent).
 Ratios are printed last.
+
+Collectives (`--collective-iters`, 0 to leave out): a 2-rank gloo loop (two spawned processes, one core each where
+the machine has them) of all_reduce and all_gather on mid-size float32 tensors (`--collective-numel` elements),
+timed per collective without the agent and under the capture mode (a sink that discards the records: the inputs'
+copy, the group lookup and seq count, the output reference), alternating in the same processes.
 """
 from __future__ import annotations
 
@@ -235,13 +240,71 @@ def bench_model(name: str, steps: int, rounds: int, agent_cfg: str) -> dict:
             "counts": counts}
 
 
+def _collective_rank(rank: int, init_file: str, iters: int, numel: int, out_dir: str) -> None:
+    """One gloo rank: time all_reduce / all_gather per call, plain and captured, in alternating blocks."""
+    import torch.distributed as dist
+
+    cores = sorted(os.sched_getaffinity(0) | set(range(os.cpu_count() or 1)))
+    with contextlib.suppress(OSError):
+        os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2)
+    seen = [0]
+    cap = Capturer(lambda rec: seen.__setitem__(0, seen[0] + 1), locate=False)
+    mode = CaptureMode(cap)
+    x = torch.randn(numel)
+    gathered = [torch.empty(numel) for _ in range(2)]
+    times = {("all_reduce", False): 0.0, ("all_reduce", True): 0.0, ("all_gather", False): 0.0,
+             ("all_gather", True): 0.0}
+
+    def block(captured: bool) -> None:
+        for api in ("all_reduce", "all_gather"):
+            dist.barrier()
+            t0 = time.perf_counter()
+            with mode if captured else contextlib.nullcontext():
+                for _ in range(iters):
+                    if api == "all_reduce":
+                        dist.all_reduce(x)
+                    else:
+                        dist.all_gather(gathered, x)
+            times[(api, captured)] += time.perf_counter() - t0
+            cap.next_step(cap.step + 1)
+
+    block(False)   # warm up both paths
+    block(True)
+    times = dict.fromkeys(times, 0.0)
+    for _ in range(3):
+        block(False)
+        block(True)
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(os.path.join(out_dir, "collectives.json"), "w") as fh:
+            json.dump({f"{k[0]} {'captured' if k[1] else 'plain'}": v / (3 * iters) for k, v in times.items()}
+                      | {"records": seen[0]}, fh)
+
+
+def collective_cost(iters: int, numel: int) -> dict[str, float]:
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_collective_rank, args=(os.path.join(tmp, "init"), iters, numel, tmp), nprocs=2,
+                           start_method="spawn")
+        with open(os.path.join(tmp, "collectives.json")) as fh:
+            result: dict[str, float] = json.load(fh)
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="tiny,mid")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tiny-steps", type=int, default=20)
     p.add_argument("--mid-steps", type=int, default=3)
+    p.add_argument("--collective-iters", type=int, default=50)
+    p.add_argument("--collective-numel", type=int, default=1 << 18)
     ns = p.parse_args()
+    coll = collective_cost(ns.collective_iters, ns.collective_numel) if ns.collective_iters > 0 else None
     work = tempfile.mkdtemp(prefix="bench-overhead-")
     port = _free_port()
     server_cfg, agent_cfg = os.path.join(work, "server.json"), os.path.join(work, "agent.json")
@@ -280,6 +343,13 @@ def main() -> None:
         print(f"  {r['model']:5s} location.current() {r['location_us']:6.2f} us per captured call "
               f"({r['location_calls']} calls timed); capture only - no location: {hooks:6.1f} us/record "
               "(the module hooks included; noisy)")
+    if coll is not None:
+        print(f"\ncollectives (2 gloo ranks, float32 x {ns.collective_numel}, {ns.collective_iters} calls x 3 blocks "
+              f"each; {int(coll['records'])} records captured on rank 0)")
+        for api in ("all_reduce", "all_gather"):
+            plain, captured = coll[f"{api} plain"], coll[f"{api} captured"]
+            print(f"  {api:11s} plain {plain * 1e6:9.1f} us/call   captured {captured * 1e6:9.1f} us/call   "
+                  f"x{captured / plain:5.2f}")
 
 
 if __name__ == "__main__":

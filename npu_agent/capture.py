@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 from torch.overrides import TorchFunctionMode
 
-from npu_agent import location, naming
+from npu_agent import collectives, location, naming
 from npu_agent.records import PendingRecord
 from npu_agent.sampling import call_site
 from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
@@ -32,7 +32,14 @@ from npu_agent.snapshot import install as snapshot_install
 from protos import apis
 from protos.codec import dtype_name
 from protos.rng import generator_state, set_generator_state
-from protos.torch_compat import find_operator, in_backward_pass, op_overload_name, tensor_version, written_arguments
+from protos.torch_compat import (
+    find_operator,
+    function_mode_stack,
+    in_backward_pass,
+    op_overload_name,
+    tensor_version,
+    written_arguments,
+)
 
 if TYPE_CHECKING:
     from npu_agent.backward import BackwardTaps
@@ -53,6 +60,7 @@ class CallContext:
     recompute: bool = False  # a checkpoint recompute of a call recorded in the first pass: taps only
     dropout: Any = None      # dropout family: (generator state before the call, p), to rebuild the keep-mask
     copied: bool = False     # the inputs were copied before the call (it writes them)
+    plan: Any = None         # a collective: what it is recorded as (npu_agent.collectives.Plan)
 
 
 # -- what a call writes that is not in place by name (issue 22) ------------------------------------------------------
@@ -89,6 +97,8 @@ def _spec(func: Any, category: str, api: str) -> _Spec:
         module = getattr(func, "__module__", "") or ""
         if module == "torch.distributed.distributed_c10d":
             return _DIST_WRITES.get(api, _ALL)
+        if op_overload_name(func) is not None:   # torch.ops._c10d_functional.*: the schema tells
+            return written_arguments(func)
         if module.endswith("_functional_collectives") and "inplace" not in api and not api.endswith("_"):
             return None   # out of place: returns new tensors
         return _ALL       # unknown: every tensor it is given may be written
@@ -162,10 +172,56 @@ def protect_unseen(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 _BY_TABLE = frozenset({"Aten", "NPU", "Distributed"})   # categories whose writes are looked up (written_tensors)
 
 
+_ON: list["CaptureMode"] = []   # capture modes pushed now, on any thread (for the custom backwards below)
+_backward_installed = False
+
+
+def _install_backward_mode() -> None:
+    """The autograd engine runs a custom Function's backward without the torch function modes of the thread that
+    called backward(): a collective there (tensor-parallel layers all-reduce their gradients) would not be seen.
+    While a capture mode is on, the mode is pushed again around each custom backward; what it sees there is a
+    backward-pass call (a collective is recorded; other calls only protect what records hold)."""
+    global _backward_installed
+    if _backward_installed:
+        return
+    _backward_installed = True
+    try:
+        from torch.autograd.function import BackwardCFunction
+
+        from protos.torch_compat import reentrant_checkpoint_function
+
+        original: Callable[..., Any] = BackwardCFunction.apply
+        checkpoint_fn = reentrant_checkpoint_function()   # its recompute pushes the mode itself (npu_agent.checkpoint)
+
+        def apply(self: Any, *args: Any) -> Any:
+            if not _ON or getattr(self, "_forward_cls", None) is checkpoint_fn:
+                return original(self, *args)
+            mode = _ON[-1]
+            if mode in function_mode_stack():
+                return original(self, *args)
+            with mode:
+                return original(self, *args)
+
+        setattr(BackwardCFunction, "apply", apply)   # noqa: B010 - once, on the class the engine calls
+    except Exception:  # noqa: BLE001 - collectives in custom backwards are then not seen
+        log.debug("online check: custom backwards could not be wrapped", exc_info=True)
+
+
 class CaptureMode(TorchFunctionMode):
     def __init__(self, capturer: "Capturer"):
         super().__init__()
         self.capturer = capturer
+        _install_backward_mode()
+
+    def __enter__(self) -> "CaptureMode":
+        super().__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        _ON.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with contextlib.suppress(ValueError):
+            _ON.remove(self)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
@@ -193,7 +249,12 @@ class CaptureMode(TorchFunctionMode):
             ctx = None
         if ctx is None:
             return func(*args, **kwargs)
-        out = func(*ctx.args, **ctx.kwargs)
+        try:
+            out = func(*ctx.args, **ctx.kwargs)
+        except BaseException as exc:
+            if ctx.plan is not None:   # a collective raised (a backend timeout): its record says so
+                cap.collective_failed(ctx, exc)
+            raise
         try:
             return cap.after_call(ctx, out)
         except Exception as exc:  # noqa: BLE001
@@ -240,7 +301,7 @@ class Capturer:
 
     def __init__(self, sink: Callable[[PendingRecord], object], api_list: tuple[str, ...] = (),
                  scope: tuple[str, ...] = (), backward: BackwardTaps | None = None, sampler: Sampler | None = None,
-                 locate: bool = True):
+                 locate: bool = True, ranks: frozenset[int] = frozenset()):
         # sink: the sender's submit; its result (False: dropped) is ignored here, the sender counts its drops
         self.sink = sink
         self.api_list = api_list
@@ -260,15 +321,27 @@ class Capturer:
         self._lock = threading.Lock()
         self._writes_inputs: set[tuple[str, str]] = set(naming.WRITES_INPUTS)  # not in-place by name, yet write
         self._by_name: dict[tuple[str, str], str | None] = {}   # (category, api) -> why not replayable, or None
+        # torch.distributed collectives (npu_agent.collectives); `ranks`: the config's ranks that capture (empty: all)
+        self.collectives = collectives.Collectives(self._submit_direct, ranks)
+        collectives.install()
 
     # -- step boundary -------------------------------------------------------------------------------------
     def next_step(self, step: int) -> None:
         self.release_regions()
+        self.flush_collectives()
         self.counters.reset()
         self.step = step
         self._scope_state = 0
         if self.sampler is not None:
             self.sampler.take_step(step)
+
+    def flush_collectives(self) -> None:
+        """Async collectives never waited on: their records go out unfinished (step boundary, capture stop)."""
+        try:
+            if collectives.PENDING:
+                collectives.PENDING.flush(self.collectives)
+        except Exception as exc:  # noqa: BLE001
+            self.internal_error("sending unfinished collectives", exc)
 
     def release_regions(self) -> None:
         """Regions never recomputed (no backward ran): their held forward records go out as they are."""
@@ -304,6 +377,9 @@ class Capturer:
                 writes = True
                 if HELD.pending:
                     HELD.protect(written)
+        if category == "Distributed" and (api in collectives.CAPTURED or api == collectives.WAIT):
+            # every collective, in forward, in a custom backward or a checkpoint recompute: checked across ranks
+            return self._collective_call(func, api, args, kwargs)
         if in_backward_pass():
             # Inside a backward pass: a checkpoint recompute or a custom backward. Its forward was recorded already.
             return self._recompute_call(info, args, kwargs)
@@ -318,7 +394,7 @@ class Capturer:
         if self.locate:   # from the frame below CaptureMode.__torch_function__ (ours: this one, then that one)
             rec.module, rec.source = location.current(3)
         if category == "Distributed":
-            rec.skip_reason = "collective communication is not replayed on the benchmark host"
+            rec.skip_reason = collectives.not_checked_reason(api)
             return CallContext(rec, category, api, args, kwargs)
         why = self._not_replayable(info)
         if why is not None:
@@ -333,6 +409,79 @@ class Capturer:
         if grad_enabled and self.backward is not None:
             self.backward.tap_inputs(ctx)
         return ctx
+
+    def _collective_call(self, func: Any, api: str, args: tuple[Any, ...],
+                         kwargs: dict[str, Any]) -> CallContext | None:
+        """A collective (npu_agent.collectives): its seq is counted before any selection, so that every rank of
+        the group gives the same collective the same seq; the sampling decision depends only on (step, api, group,
+        op), equal on every rank of the group."""
+        coll = self.collectives
+        if api == collectives.WAIT:   # torch.ops._c10d_functional.wait_tensor(t): t's record takes its output
+            if collectives.PENDING and args:
+                return CallContext(PendingRecord(name="", step=self.step), "Distributed", api, args, kwargs,
+                                   plan=args[0])
+            return None
+        plan = coll.plan(func, api, args, kwargs)
+        if plan is None:   # this rank is not in the group: the call does nothing
+            return None
+        name = self.counters.next_name("Distributed", api)
+        if not self._selected(name):
+            return None
+        if self.sampler is not None and plan.peer_known and not self.sampler.take_collective(plan.site):
+            return None
+        rec = PendingRecord(name=name, step=self.step, grad_enabled=torch.is_grad_enabled(),
+                            autocast=autocast_state(args, kwargs))
+        if self.locate:
+            rec.module, rec.source = location.current(4)
+        rec.collective = plan.call
+        if plan.skip:   # sent without tensors, reported SKIP with the reason
+            rec.skip_reason = plan.skip
+            rec.collective = None
+            return CallContext(rec, "Distributed", api, args, kwargs, plan=plan)
+        rec.inputs = snapshot(plan.inputs, copy=True)   # the call writes its buffers: their value before it
+        ctx = CallContext(rec, "Distributed", api, args, kwargs, plan=plan)
+        ctx.copied = True
+        return ctx
+
+    def _collective_done(self, ctx: CallContext, out: Any) -> Any:
+        rec, plan, coll = ctx.record, ctx.plan, self.collectives
+        if ctx.api == collectives.WAIT:
+            collectives.waited(plan, out)   # plan: the functional collective's result tensor
+            return out
+        if rec.skip_reason:
+            self._submit_direct(rec)
+            return out
+        if not plan.peer_known:   # recv(src=None): the call returned the source
+            coll.received_from(plan, out)
+            if not plan.skip and self.sampler is not None and not self.sampler.take_collective(plan.site):
+                HELD.pending.pop(id(rec.inputs), None)
+                return out
+            rec.collective = plan.call
+            if plan.skip:
+                rec.skip_reason, rec.collective, rec.inputs = plan.skip, None, None
+                self._submit(rec)
+                return out
+        if plan.functional:   # out of place: the result is written until it is waited on
+            collectives.PENDING.park(out, rec, plan, coll)
+        elif rec.collective is not None and rec.collective.async_op and out is not None and plan.has_output:
+            collectives.PENDING.park(out, rec, plan, coll)   # the Work: the output at work.wait()
+        else:
+            collectives.finish(rec, plan, coll)
+        return out
+
+    def collective_failed(self, ctx: CallContext, exc: BaseException) -> None:
+        try:
+            if ctx.api == collectives.WAIT:
+                collectives.waited(ctx.plan, exc=exc)
+            elif ctx.record.collective is not None:
+                collectives.failed(ctx.record, self.collectives, exc)
+            else:   # a SKIP record, or a receive from any source that never returned one
+                ctx.record.inputs = None
+                if not ctx.record.skip_reason:
+                    ctx.record.skip_reason = f"torch.distributed.{ctx.api} raised: {exc}"
+                self._submit_direct(ctx.record)
+        except Exception as err:  # noqa: BLE001
+            self.internal_error("recording the failure of " + ctx.record.name, err)
 
     def _not_replayable(self, info: tuple[str, str]) -> str | None:
         """Why the server's allowlist refuses `Category.api` by name (its arguments are the server's to check), or
@@ -359,6 +508,8 @@ class Capturer:
 
     def after_call(self, ctx: CallContext, out: Any) -> Any:
         rec = ctx.record
+        if ctx.plan is not None:
+            return self._collective_done(ctx, out)
         if ctx.recompute:
             if ctx.taps is not None and self.backward is not None:   # recompute calls exist only with backward
                 return self.backward.tap_outputs(ctx, out)
@@ -402,6 +553,12 @@ class Capturer:
                            "copies of their inputs")
         self._submit(rec)
         return True
+
+    def _submit_direct(self, rec: PendingRecord) -> None:
+        """A collective's record: straight to the sink, never held by a checkpoint region (its recompute calls the
+        collective again, a call of its own)."""
+        self.captured += 1
+        self.sink(rec)
 
     def _submit(self, rec: PendingRecord) -> None:
         self.captured += 1

@@ -73,6 +73,13 @@ class AgentConfig:
         """Each rank always talks to the same server: ranks are spread over the endpoints round-robin."""
         return self.endpoints[rank % len(self.endpoints)]
 
+    def server_index_for_collective(self, ranks: tuple[int, ...]) -> int | None:
+        """A collective's records must all reach one server: the one of its lowest member rank (p2p: of the lower of
+        source and destination). None when there is nothing to route (the folder, or a single server)."""
+        if self.nfs_path or len(self.endpoints) < 2 or not ranks:
+            return None
+        return min(ranks) % len(self.endpoints)
+
 
 _RANGE = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 

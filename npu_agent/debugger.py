@@ -21,6 +21,7 @@ from typing import Any
 from npu_agent import location
 from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.config import AgentConfig, load_config
+from npu_agent.records import PendingRecord
 from npu_agent.sampling import Policy, Sampler
 from npu_agent.sender import Sender
 from npu_agent.snapshot import HELD
@@ -62,6 +63,11 @@ class PrecisionDebugger:
         self._closed = False
         self._lock = threading.Lock()
         self._npu_checked = False
+        self._routed: dict[int, Sender] = {}   # server index -> sender, for collectives of other ranks' servers
+        self._home = -1                         # this rank's own server index (-1: no routing)
+        self._home_sender: Sender | None = None   # this rank's own server's sender, until every sender is closed
+        self._routes_closed = False
+        self._route_lock = threading.Lock()
         if not self.config.online_run_ut:
             log.warning("online check: tensor.online_run_ut is false in the config; nothing will be captured")
         atexit.register(self.close)
@@ -78,7 +84,9 @@ class PrecisionDebugger:
             self._closed = True
             return False
         transport = self._make_transport(rank, world)
-        self._sender = Sender(transport, self.config.memory_bytes, self.config.policy)
+        self._sender = self._home_sender = Sender(transport, self.config.memory_bytes, self.config.policy)
+        if not self.config.nfs_path and len(self.config.endpoints) > 1:
+            self._home = rank % len(self.config.endpoints)
         backward = None
         if not self.config.recompute:
             from npu_agent import checkpoint
@@ -89,13 +97,56 @@ class PrecisionDebugger:
         cfg = self.config
         policy = Policy(cfg.sample_steps, cfg.sample_ranks, cfg.coverage_steps, cfg.overhead_budget)
         sampler = Sampler(policy, rank) if policy.active else None
-        self._capturer = Capturer(self._sender.submit, cfg.api_list, cfg.scope, backward, sampler)
+        self._capturer = Capturer(self._route, cfg.api_list, cfg.scope, backward, sampler, ranks=cfg.ranks)
+        self._sender.job = self._job()
         self._capturer.next_step(self.current_step)
         self._mode = CaptureMode(self._capturer)
         self._register_npu()
         log.info("online check: rank %d of %d capturing for run %s to %s", rank, world, self.run_id,
                  self.config.nfs_path or self.config.endpoint_for(rank).target)
         return True
+
+    def _job(self) -> str:
+        """The training's id shared by its ranks (npu_agent.collectives), "" before torch.distributed is set up."""
+        try:
+            import torch.distributed as dist
+
+            if self._capturer is not None and dist.is_available() and dist.is_initialized():
+                return self._capturer.collectives.job
+        except Exception:  # noqa: BLE001
+            log.debug("online check: no job id", exc_info=True)
+        return ""
+
+    def _route(self, rec: PendingRecord) -> bool:
+        """The capturer's sink. A collective's records go to the server of its lowest member rank, so that one
+        server has all of them; a second sender (same run and rank) to that server opens at its first record."""
+        home = self._home_sender
+        coll = rec.collective
+        if coll is not None and self._home >= 0:
+            index = self.config.server_index_for_collective(coll.ranks)
+            if index is not None and index != self._home:
+                routed = self._routed.get(index) or self._open_route(index)
+                if routed is not None:
+                    return routed.submit(rec)
+        return home.submit(rec) if home is not None else False
+
+    def _open_route(self, index: int) -> Sender | None:
+        with self._route_lock:
+            if index in self._routed:
+                return self._routed[index]
+            if self._routes_closed:
+                return None
+            from npu_agent.transport_grpc import GrpcTransport
+
+            cfg = self.config
+            transport = GrpcTransport(cfg.endpoints[index], cfg.tls_path, self.run_id, self.rank, self.world_size,
+                                      cfg.connect_timeout_s, cfg.max_retry_s)
+            sender = Sender(transport, cfg.memory_bytes, cfg.policy)
+            sender.job = self._job()
+            self._routed[index] = sender
+            log.info("online check: rank %d sends the collectives of groups led by other servers' ranks to %s",
+                     self.rank, cfg.endpoints[index].target)
+            return sender
 
     def _make_transport(self, rank: int, world: int) -> Transport:
         cfg = self.config
@@ -133,7 +184,7 @@ class PrecisionDebugger:
                 return
             if self._mode in function_mode_stack():
                 return
-            self._mode.__enter__()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+            self._mode.__enter__()
             try:   # the module stack, followed only while capture is on
                 location.install()
             except Exception:  # noqa: BLE001 - never raise into the training; records go out without a module
@@ -151,6 +202,8 @@ class PrecisionDebugger:
                 log.warning("online check: stop() called while another TorchFunctionMode is active above ours; "
                             "capture stops when that mode exits")
             location.uninstall()
+            if self._capturer is not None:   # async collectives never waited on go out unfinished
+                self._capturer.flush_collectives()
             try:   # what the training does next is not seen by the mode: unsent references get their copies
                 HELD.protect_all()
             except Exception:  # noqa: BLE001 - never raise into the training; such a record goes out SKIP
@@ -183,7 +236,18 @@ class PrecisionDebugger:
         sampler = self._capturer.sampler if self._capturer else None
         if sampler is not None:   # Counts' attributes are the counts the end-of-stream message carries
             sender.counts.sampling = sampler.report()
+        sender.job = self._job() or sender.job
         counts = sender.close(self.config.close_timeout_s)
+        with self._route_lock:
+            routed, self._routed, self._routes_closed = list(self._routed.values()), {}, True
+        self._home_sender = None
+        for extra in routed:   # the senders to other servers (collectives routed there): each sends its own End
+            extra.job = sender.job
+            more = extra.close(self.config.close_timeout_s)
+            for key in ("captured", "sent", "acknowledged", "rejected", "dropped", "duplicates", "unacknowledged"):
+                counts[key] += more[key]
+            counts["server_reached"] = counts["server_reached"] and more["server_reached"]
+        counts["servers"] = 1 + len(routed)
         counts["forward_calls"] = self._capturer.captured if self._capturer else 0
         counts["internal_errors"] = self._capturer.errors if self._capturer else 0
         if sampler is not None:

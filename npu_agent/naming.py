@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 import torch.nn.functional as F
 
+from npu_agent import collectives
 from protos import apis
 from protos.torch_compat import op_overload_name, tensor_base_class
 
@@ -76,6 +77,8 @@ def _classify_uncached(func: Any) -> tuple[str, str] | None:
     if op_name is not None:
         # `torch.ops.npu.op(...)` reaches the mode as the packet, `torch.ops.npu.op.default(...)` as the overload
         ns, op = op_name
+        if ns == "_c10d_functional" and (op in collectives.FUNCTIONAL or op == collectives.WAIT):
+            return ("Distributed", op)   # functional collectives, their output at wait_tensor (npu_agent.collectives)
         if ns in _SKIP_NAMESPACES:
             return None
         if ns == "aten":
@@ -91,7 +94,8 @@ def _classify_uncached(func: Any) -> tuple[str, str] | None:
         return hit
     module = getattr(func, "__module__", None) or ""
     if module.startswith("torch.distributed"):
-        return ("Distributed", name)
+        # all_gather_into_tensor reaches the mode as all_gather_single (and kin): named as the API the server knows
+        return ("Distributed", collectives.ALIASES.get(name, name))
     if module.startswith("torch_npu"):
         return ("NPU", name)
     owner = getattr(func, "__objclass__", None)

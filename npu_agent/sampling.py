@@ -15,6 +15,14 @@ Whatever the policies, a call site this rank has never captured is captured at i
 distinct call sites are checked at least once, then sampled. Every decision depends only on the step, the rank
 and the calls in order, except the budget's, which depends on the step times measured (the schedule it picks is a
 deterministic function of them). Counts of every decision are kept for the end-of-run report.
+
+torch.distributed collectives (npu_agent.collectives) are checked across the ranks of their group, so every rank
+of the group must take the same decision for the same collective: for them the decision depends only on the step
+and the call site (api, process group, reduce op; p2p: the source -> destination pair), never on shapes, the rank or
+time. The step policy (`online_sample_steps`) and coverage (`online_coverage_steps`) apply; the rank rotation
+(`online_sample_ranks`) and the time budget (`online_overhead_budget`) do not (they differ between ranks). A
+collective call site met for the first time is captured, as any other. They are counted with the other calls in
+`counts` (calls, captured, new_call_sites, skipped_steps, skipped_repeats; never skipped_ranks or skipped_budget).
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ log = logging.getLogger("npu_agent")
 
 # (category, api, ((shape, dtype) of each input tensor, ...), grad enabled): calls alike for coverage sampling
 CallSite = tuple[str, str, tuple[tuple[torch.Size, torch.dtype], ...], bool]
+# a collective's call site: (api, process group, reduce op); p2p: ("p2p", "source->destination", "")
+CollectiveSite = tuple[str, str, str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +66,7 @@ class Sampler:
         self.step_taken = True
         self.last: dict[CallSite, int] = {}          # call site -> last step it was captured
         self.seen: set[CallSite] = set()             # call sites met (captured or not)
+        self.collective_last: dict[CollectiveSite, int] = {}   # collective call site -> last step it was captured
         self.counts = {"calls": 0, "captured": 0, "new_call_sites": 0, "skipped_steps": 0, "skipped_ranks": 0,
                        "skipped_repeats": 0, "skipped_budget": 0, "steps_taken": 0, "steps_skipped_budget": 0}
         # the budget: step times (s) measured with capture and without, as moving averages
@@ -143,9 +154,30 @@ class Sampler:
         c["captured"] += 1
         return True
 
+    def take_collective(self, site: CollectiveSite) -> bool:
+        """A collective's decision: the same on every rank of its group (only the step and the call site count)."""
+        c = self.counts
+        c["calls"] += 1
+        last = self.collective_last.get(site)
+        if last is None:
+            self.collective_last[site] = self.step
+            c["new_call_sites"] += 1
+            c["captured"] += 1
+            return True
+        if self.step % self.policy.sample_steps != 0:
+            c["skipped_steps"] += 1
+            return False
+        k = self.policy.coverage_steps
+        if k and self.step - last < k:
+            c["skipped_repeats"] += 1
+            return False
+        self.collective_last[site] = self.step
+        c["captured"] += 1
+        return True
+
     def report(self) -> dict[str, int]:
         out = {k: v for k, v in self.counts.items()}
-        out["call_sites"] = len(self.seen)
+        out["call_sites"] = len(self.seen) + len(self.collective_last)
         if self._t_on is not None:
             out["step_us_captured"] = int(self._t_on * 1e6)
         if self._t_off is not None:

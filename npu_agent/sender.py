@@ -46,6 +46,7 @@ class Sender:
         self.budget = budget_bytes
         self.policy = policy
         self.counts = Counts()
+        self.job = ""                      # the training's id on the End message (npu_agent.collectives.job_id)
         # One lock, two conditions: the sender thread waits for `_work` (records, a re-send, the end), the training
         # (budget) and `close` (acknowledgements) wait for `_room`. Each side is woken only for what it waits for.
         self._lock = threading.Lock()
@@ -256,6 +257,7 @@ class Sender:
             self.transport.close()
         else:
             wait = max(1.0, deadline - time.monotonic()) if self.transport.reached else 1.0
-            self.transport.send_end(end_frame(self.transport.identity, self.counts, self._next_seq), wait)
+            self.transport.send_end(end_frame(self.transport.identity, self.counts, self._next_seq, self.job),
+                                     wait)
         FRAMES.clear()   # the frames kept for reuse are not kept past the checker's end
         return counts

@@ -102,9 +102,10 @@ class Transport(Protocol):
         """One sentence for log messages: where the records go and whether that works now."""
 
 
-def end_frame(identity: StreamIdentity, counts: Counts, last_seq: int) -> bytes:
-    """The serialized End frame: the one place it is built, for both transports."""
+def end_frame(identity: StreamIdentity, counts: Counts, last_seq: int, job: str = "") -> bytes:
+    """The serialized End frame: the one place it is built, for both transports. `job`: the training's id shared by
+    its ranks (npu_agent.collectives.job_id), "" before torch.distributed is initialised."""
     return pb.Frame(end=pb.End(run_id=identity.run_id, rank=identity.rank, captured=counts.captured,
                                sent=counts.sent, acknowledged=counts.acknowledged, dropped=counts.dropped,
                                last_seq=last_seq, world_size=identity.world_size,
-                               sampling=counts.sampling)).SerializeToString()
+                               sampling=counts.sampling, job=job)).SerializeToString()
