@@ -27,7 +27,7 @@ from gpu_server.spool import Entry, Spool
 from gpu_server.summary import Summary
 from gpu_server.workers import WorkerPool, bench_devices
 from protos import online_check_pb2 as pb
-from protos.limits import DEFAULT_LIMITS, Limits, log_text
+from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, log_text
 
 log = logging.getLogger("gpu_server")
 
@@ -43,7 +43,8 @@ class ServerApp:
                  memory_budget: int | None = None, fsync: bool = True, error_data_max_bytes: int | None = None,
                  keep_records: bool = False, graph_budget: int = 2 << 30,
                  bias_fail_ulp: float = DEFAULT_FAIL_ABOVE_ULP, replay_in: str = "process",
-                 replay_timeout_s: float = 120.0, replay_memory: int | None = None, world_size: int | None = None):
+                 replay_timeout_s: float = 120.0, replay_memory: int | None = None, world_size: int | None = None,
+                 collective_budget: int = 1 << 30):
         self.config = config
         self.out_dir = out_dir
         self.limits = limits
@@ -74,7 +75,8 @@ class ServerApp:
                                on_complete=self.spool.complete, release=self.budget.release, evidence=self.evidence,
                                graph_budget=graph_budget, pooled=self.pooled,
                                sandbox=SandboxLimits(replay_in, replay_timeout_s, replay_memory),
-                               on_quarantine=self.spool.quarantine, max_record_bytes=limits.max_record_bytes)
+                               on_quarantine=self.spool.quarantine, max_record_bytes=limits.max_record_bytes,
+                               collective_budget=collective_budget)
         self.intake = Intake(config, self.pool.submit, limits, spool=self.spool, budget=self.budget,
                              world_size=world_size)
         self.intake.on_closed = self._check_done
@@ -161,6 +163,8 @@ class ServerApp:
     def on_end(self, end: pb.End) -> None:
         counts = {"run_id": end.run_id, "rank": end.rank, "captured": end.captured, "sent": end.sent,
                   "acknowledged": end.acknowledged, "dropped": end.dropped, "records": end.last_seq}
+        if end.job and RUN_ID.match(end.job):   # the training it belongs to (Collective.job): its collectives
+            counts["job"] = end.job
         if end.sampling:
             counts["sampling"] = dict(sorted(end.sampling.items()))
         self._apply_end(counts, persist=True)
@@ -172,7 +176,7 @@ class ServerApp:
         counts = {k: v for k, v in end.items() if k not in ("run_id", "rank")}
         self.summary.rank_ended(run_id, rank, counts)
         if self.config.wants_rank(rank):
-            self.pool.end_rank(run_id, rank, "the rank ended")
+            self.pool.end_rank(run_id, rank, "the rank ended", job=str(end.get("job", "")))
         if persist:
             log.info("rank %d (run %s) ended: captured %d, sent %d, dropped %d", rank, run_id,
                      end.get("captured", 0), end.get("sent", 0), end.get("dropped", 0))
@@ -218,6 +222,10 @@ class ServerApp:
             self.summary.count("memory_budget_overdrawn", self.budget.overdrawn)
         self.summary.count("spool_replayed", self.replayed)
         self.summary.count("spool_quarantined", self.quarantined)
+        if self.done.is_set():
+            # every run ended (--exit-when-done): the collectives still incomplete are decided now, before the
+            # reports close (on a stop without every run ended they stay in the spool for a restart)
+            self.pool.finish_collectives()
         disk.stopping.set()
         self.spool.flush()
         self.pool.drain_and_stop()
@@ -229,6 +237,7 @@ class ServerApp:
             self.summary.set_durability(spool_kept_segments=segments, spool_kept_bytes=size)
         self.summary.set_durability(
             calls_waiting_for_backward_kept_in_spool=self.pending.waiting_count(),
+            collective_records_waiting_kept_in_spool=self.pool.matcher.pending(),
             forward_inputs_evicted=self.pending.evictions,
             error_data_saved=self.evidence.saved if self.evidence else 0,
             error_data_not_saved=self.evidence.skipped if self.evidence else 0,

@@ -306,13 +306,17 @@ class Checker:
                 log.exception("pooled statistics: %s.%s.output.%d could not be pooled (logged once)", job.name,
                               direction, index)
 
-    def _skip_rows(self, rep: RankReports, job: Job, direction: str, reason: str) -> Outcome:
+    def _skip_rows(self, rep: RankReports, job: Job, direction: str, reason: str, status: str = SKIP) -> Outcome:
+        """One detail row in each report with a fixed status (SKIP, or ERROR for a collective judged wrong without
+        a comparison) and its reason."""
         row = f"{job.name}.{direction}.output.0"
         where = Where(job.seq, job.module, job.source)
-        rep.write_detail(row, BLANK, BLANK, BLANK, None, SKIP, reason, job.step, where=where)
-        rep.write_precision_detail(row, {}, SKIP, BLANK, reason, job.step, where=where)
-        self._note_row(job, row, SKIP, "accuracy_checking", reason)
-        return Outcome([SKIP], [SKIP], reason, reason)
+        rep.write_detail(row, BLANK, BLANK, BLANK, None, status, reason, job.step, where=where)
+        rep.write_precision_detail(row, {}, status, BLANK, reason, job.step, where=where)
+        self._note_row(job, row, status, "accuracy_checking", reason)
+        if status != SKIP:
+            self._note_row(job, row, status, "api_precision_compare", reason)
+        return Outcome([status], [status], reason, reason)
 
     def _note_row(self, job: Job, row: str, status: str, report: str, message: str) -> None:
         """The summary's first anomaly in execution order (gpu_server/summary.py) sees every details row."""
@@ -331,6 +335,62 @@ class Checker:
         if fin.origin or not fin.inputs_finite:
             self.summary.nonfinite(job.rank, job.step, job.seq, job.name, direction, job.module, job.source,
                                    fin.inputs_finite, fin.device, fin.bench)
+
+    # -- collectives (gpu_server/collectives.py) ------------------------------------------------------------------
+    def check_collective(self, finding: Any, verdict: Any) -> Completion:
+        """Write one rank's rows of a collective the matcher has decided (`finding`, a collectives.Finding;
+        `verdict`, its collectives.RankVerdict for this rank): the detail rows (compared against the reference made
+        from every member's inputs, the members' orders of reduction as the spread; or the verdict's fixed status),
+        the result row, and the collective CSV's row. The record is then done. Raises ReportWriteError."""
+        job = verdict.job
+        self._write_rows = True
+        rep = self.reports(job.rank)
+        device = flatten_outputs(job.output) if job.output is not None else []
+        bench = list(verdict.bench) if verdict.bench else []
+        try:
+            if verdict.status is not None:
+                outcome = self._skip_rows(rep, job, "forward", verdict.message or finding.message or "collective "
+                                          f"{finding.kind}", status=verdict.status)
+            elif not bench:   # a send, reduce's non-root ranks: this rank's output is not what is judged
+                outcome = self._skip_rows(rep, job, "forward", verdict.message or finding.message or "nothing to "
+                                          "compare on this rank: the collective's result is judged on the ranks "
+                                          "that receive it")
+            else:
+                members = verdict.members
+                outcome = self._compare(rep, job, "forward", device, bench, verdict.same, "",
+                                        spread.LazyRuns(lambda: list(members or [])) if members else None)
+        except ReportWriteError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one bad collective must not stop the worker
+            log.exception("internal error while writing the collective %s", job.name)
+            why = f"internal error while checking: {type(exc).__name__}: {exc}"
+            outcome = self._skip_rows(rep, job, "forward", why)
+        self._finish(job, outcome, None, fwd_job=job)
+        status = aggregate(outcome.statuses + outcome.precision)   # the worse of the two reports' verdicts
+        self._collective_row(rep, job, finding, verdict, status, outcome)
+        return self.pending.forward_done(job)
+
+    def _collective_row(self, rep: RankReports, job: Job, finding: Any, verdict: Any, status: str,
+                        outcome: Outcome) -> None:
+        info = job.collective
+        message = finding.message or verdict.message
+        if finding.kind == "matched" and status == ERROR:
+            failed = f"rank {job.rank} failed: {outcome.message or outcome.precision_message}".strip()
+            message = f"{message}; {failed}" if message else failed   # the finding (the suspect rank) first
+        elif verdict.message and verdict.message not in message:
+            message = f"{message}; {verdict.message}" if message else verdict.message
+        device = flatten_outputs(job.output) if job.output is not None else []
+        tensors = [t for t in device if isinstance(t, torch.Tensor)]
+        dtype = ", ".join(sorted({str(t.dtype) for t in tensors}))
+        shape = _shape(tensors[0]) if len(tensors) == 1 else ", ".join(_shape(t) for t in tensors[:8])
+        group = info.group if info is not None else ""
+        ranks = " ".join(str(r) for r in info.ranks) if info is not None else ""
+        if rep.write_collective(job.name, group, ranks, info.seq if info is not None else BLANK,
+                                info.op if info is not None else "", dtype, shape, status, finding.kind, message,
+                                job.step, where=Where(job.seq, job.module, job.source)):
+            self.summary.add_files(job.rank, rep.paths)
+        self.summary.collective_row(job.rank, job.name, group, info.seq if info is not None else -1, status,
+                                    finding.kind, message, tuple(getattr(finding, "named", ()) or ()), members=ranks)
 
     # -- result rows -------------------------------------------------------------------------------------------
     def _finish(self, job: Job, forward: Outcome, backward: Outcome | None, fwd_job: Job | None = None,

@@ -79,6 +79,10 @@ def _args(argv):
                    help="distinct (run id, rank) pairs this server accepts records of; the records of one more are "
                         f"refused with the reason (default {DEFAULT_LIMITS.max_run_ranks}). With --world-size, ranks "
                         "at or above it are refused too")
+    p.add_argument("--collective-memory-mb", type=float, default=1024,
+                   help="what the collective records waiting for the records of their other ranks may hold (default "
+                        "1024); beyond it the oldest incomplete collective is decided at once (its records reported "
+                        "'evicted', naming this option)")
     p.add_argument("--keep-records", action="store_true",
                    help="keep every record after it is reported (in OUT/spool/kept/, for `gpu-server recheck`) "
                         "instead of deleting it; costs as much disk as the training sends (off by default)")
@@ -180,7 +184,7 @@ def main(argv=None) -> int:
                         keep_records=ns.keep_records, graph_budget=int(max(0.0, ns.graph_memory_mb) * MiB),
                         replay_in=ns.replay_in, replay_timeout_s=ns.replay_timeout_s,
                         replay_memory=None if ns.replay_memory_mb is None else int(ns.replay_memory_mb * MiB),
-                        world_size=ns.world_size,
+                        world_size=ns.world_size, collective_budget=int(max(0.0, ns.collective_memory_mb) * MiB),
                         **({} if ns.bias_fail_ulp is None else {"bias_fail_ulp": ns.bias_fail_ulp}))
         app.start()
     except (ValueError, OSError, SpoolError) as exc:

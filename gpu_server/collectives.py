@@ -737,6 +737,11 @@ def _suspect(info: CollectiveInfo, refs: dict[int, _Ref],
         j = info.ranks[best[2]]
         scale = "input" if info.op == "sum" else f"input / {n}"
         return (f"{lead} by ~{best[1]:.3g} × rank {j}'s {scale}: rank {j}'s contribution looks wrong", (j,))
+    tied = [info.ranks[f[2]] for f in fits if f[0] >= EXPLAINED and f[0] > best[0] - MARGIN]
+    if len(tied) > 1:   # e.g. gradients that an earlier all_reduce made equal on every rank
+        return (f"{lead} by ~{best[1]:.3g} × one input, but ranks {', '.join(map(str, sorted(tied)))} sent the same "
+                "input: which contribution is wrong cannot be told from this collective (see the collectives whose "
+                "inputs differ)", tuple(deviating))
     return (f"{lead} by more than any reduction order explains, and no single rank's input explains the difference",
             tuple(deviating))
 

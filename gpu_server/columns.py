@@ -40,6 +40,12 @@ PRECISION_DETAILS_HEADER = [
     "ULP误差判定结果", "双千指标", "双千指标判定结果", "比对结果", "比对算法", "Message",
 ]
 
+# collective_result_{ts}_rank{r}.csv (our own file): one row per collective record of the rank, matched across the
+# member ranks (gpu_server/collectives.py). Status: the record's result row's; Finding: matched, mismatch, missing,
+# unfinished or evicted; Message: the finding's message (for a matched collective with an error, which ranks failed).
+COLLECTIVE_HEADER = ["API Name", "Group", "Ranks", "Group Seq", "Reduce Op", "Dtype", "Shape", "Status", "Finding",
+                     "Message"]
+
 # Our own columns, always after msprobe's: the training step, the record's sequence number (per run and rank), the
 # module path the call ran in ("TinyLM.blocks.0.attn.proj") and the user's line that made it ("train.py:42 (forward)").
 EXTRA_COLUMNS = ["Step", "Seq", "Module", "Source"]

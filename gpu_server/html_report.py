@@ -759,6 +759,68 @@ def _top_down(summary: dict[str, Any], frames: dict[str, pd.DataFrame], calls: p
     return parts
 
 
+def _collectives(summary: dict[str, Any], out_dir: str, ts: str | None) -> dict:
+    """The collectives section: the summary JSON's, else counted from the session's collective CSVs."""
+    saved = summary.get("collectives")
+    if isinstance(saved, dict) and isinstance(saved.get("grid"), list):
+        return saved
+    if not ts:
+        return {}
+    from gpu_server.summary import CollectiveCounts, _read_rows
+    from gpu_server.summary import _int as int_cell
+
+    counts = CollectiveCounts()
+    for name, (kind, rank) in sorted(names.session_reports(out_dir, ts).items()):
+        if kind != names.COLLECTIVE:
+            continue
+        for row in _read_rows(os.path.join(out_dir, name)) or ():
+            counts.add(rank, _text(row.get("API Name")), _text(row.get("Group")), int_cell(row.get("Group Seq")) or 0,
+                       _text(row.get("Status")) or "SKIP", _text(row.get("Finding")), _text(row.get("Message")),
+                       members=_text(row.get("Ranks")))
+    return counts.as_dict() if counts.rows_by_finding else {}
+
+
+def _section_collectives(c: dict) -> list[str]:
+    """A ranks x collectives grid (rows: a collective API in one group; columns: ranks; each cell coloured by its
+    worst status, with the counts), and the findings that name ranks (mismatch, missing, ...)."""
+    grid = [g for g in c.get("grid") or [] if isinstance(g, dict)]
+    if not grid:
+        return []
+    ranks = sorted({int(r) for g in grid for r in _d(g.get("by_rank"))})
+    by_finding = _d(c.get("records_by_finding"))
+    parts = ["<h2 id='collectives'>Collectives across ranks</h2>",
+             "<div class='muted'>each collective record judged against the reference computed from every member "
+             "rank's inputs; records by finding: " + ", ".join(f"{_e(k)} {_e(v)}" for k, v in by_finding.items())
+             + "</div>",
+             "<div class='scroll'><table id='collective-grid'><thead><tr><th>collective</th><th>group</th>"
+             + "".join(f"<th>rank {r}</th>" for r in ranks) + "</tr></thead><tbody>"]
+    for g in grid[:MAX_TABLE_ROWS]:
+        by_rank = _d(g.get("by_rank"))
+        cells = []
+        for r in ranks:
+            counts = _d(by_rank.get(str(r)))
+            if not counts:
+                cells.append("<td class='muted'>-</td>")
+                continue
+            worst = _worst([s for s, n in counts.items() if _int(n)])
+            text = ", ".join(f"{_e(s)} {_e(n)}" for s, n in counts.items() if _int(n))
+            cells.append(f"<td class='s-{_e(worst)}' data-rank='{r}'>{text}</td>")
+        parts.append(f"<tr><td>{_e(g.get('api'))}</td><td>{_e(g.get('group'))}</td>" + "".join(cells) + "</tr>")
+    parts.append("</tbody></table></div>")
+    findings = [f for f in c.get("findings") or [] if isinstance(f, dict)]
+    if findings:
+        parts.append("<h3>Findings that name ranks</h3><table id='collective-findings'><thead><tr><th>finding</th>"
+                     "<th>call</th><th>group</th><th>group seq</th><th>ranks named</th><th>message</th></tr></thead>"
+                     "<tbody>")
+        for f in findings[:MAX_TABLE_ROWS]:
+            named = ", ".join(str(r) for r in f.get("named") or []) or "-"
+            parts.append(f"<tr><td>{_e(f.get('finding'))}</td><td>{_e(f.get('call'))}</td><td>{_e(f.get('group'))}"
+                         f"</td><td class='num'>{_e(f.get('group_seq'))}</td><td>{_e(named)}</td>"
+                         f"<td>{_e(f.get('message'))}</td></tr>")
+        parts.append("</tbody></table>")
+    return parts
+
+
 def render(out_dir: str, report_dir: str | None = None) -> str:
     """The HTML text of the report of `out_dir` (links relative to `report_dir`, default `out_dir`)."""
     report_dir = report_dir or out_dir
@@ -795,8 +857,17 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
                           f"({type(exc).__name__}: {' '.join(str(exc).split())[:120]})" + _MOVE_SUMMARY) from None
 
 
+    try:
+        parts += _section_collectives(_collectives(summary, out_dir, ts))
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        if isinstance(exc, FileRefused):
+            raise
+        raise FileRefused(names.summary_path(out_dir, ts or ""), "holds a collectives section a server does not "
+                          f"write ({type(exc).__name__})" + _MOVE_SUMMARY) from None
+
     sections = [("first-anomaly", "first anomaly"), ("nonfinite", "non-finite"), ("api-bias", "pooled findings"),
-                ("modules", "modules"), ("failing", "failing calls"), ("verdicts", "verdicts"),
+                ("modules", "modules"), ("collectives", "collectives"), ("failing", "failing calls"),
+                ("verdicts", "verdicts"),
                 ("distributions", "distributions"), ("trends", "trends"), ("ranks", "ranks")]
     present = "".join(parts)
     parts[nav_at] = "<nav>" + "".join(f"<a href='#{ident}'>{label}</a>" for ident, label in sections

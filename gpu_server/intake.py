@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from gpu_server.collective_info import CollectiveInfo
+from gpu_server.collective_info import CollectiveError, CollectiveInfo, from_wire
 from gpu_server.config import ServerConfig
 from gpu_server.registry import replayable
 from gpu_server.seqset import SeqSet
 from protos import online_check_pb2 as pb
+from protos.apis import COLLECTIVES, POINT_TO_POINT
 from protos.codec import RecordDecoder, WireError
 from protos.framing import split_batch
 from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, MiB, log_text, valid_call_name
@@ -863,7 +864,10 @@ class Intake:
             self.rejected += 1
             return None, f"{h.name}: direction {h.direction} is neither forward nor backward"
         try:
-            job = decode_job(record, payload, self.limits)
+            job = decode_job(record, payload, self.limits, self._max_ranks())
+        except CollectiveError as exc:
+            self.rejected += 1
+            return None, f"{h.name}: malformed collective: {exc}"
         except WireError as exc:
             self.rejected += 1
             return None, f"{h.name}: malformed record: {exc}"
@@ -872,6 +876,15 @@ class Intake:
             log.error("%s (run %s rank %d seq %d): the decoder failed (%s: %s); the record is rejected", h.name,
                       log_text(h.run_id), h.rank, h.seq, type(exc).__name__, log_text(str(exc), 200))
             return None, f"{h.name}: the record cannot be decoded ({type(exc).__name__})"
+        if job.collective is not None:
+            # checked across ranks, never replayed (gpu_server/collectives.py): every member must be a rank this
+            # server takes records of
+            outside = [r for r in job.collective.ranks if self.rank_refusal(r)]
+            if outside:
+                self.rejected += 1
+                return job, (f"{h.name}: malformed collective: member rank {outside[0]} is not below the world size "
+                             f"{self.world_size} this server was started with (gpu-server --world-size)")
+            return job, ""
         if not job.skip_reason:
             why = replayable(match.group(1), match.group(2), job.args, job.kwargs)
             if why is not None:
@@ -898,6 +911,10 @@ class Intake:
         job.reserved = reserved
         self.dispatch(job)
         return ACCEPTED, ""
+
+    def _max_ranks(self) -> int:
+        """The most member ranks a collective may name: --world-size when given, else --max-run-ranks."""
+        return min(self.world_size, self.limits.max_run_ranks) if self.world_size else self.limits.max_run_ranks
 
     def end_backed(self, end: pb.End, origin: str = "") -> str:
         """'' when this end message may count; else why not, in words.
@@ -959,11 +976,22 @@ class Intake:
                          module=wire_text(h.module), source=wire_text(h.source))
         job.skip_reason = reason
         job.backward_expected = False
+        job.collective = None   # a rejected collective is never matched: its SKIP row says why
         job.reserved = 0
         self.dispatch(job)
 
 
-def decode_job(record: pb.Record, payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS) -> Job:
+def is_collective(record: pb.Record, category: str, api: str) -> bool:
+    """A torch.distributed call the server checks across ranks: `Distributed.<api>` with api in COLLECTIVES or
+    POINT_TO_POINT and a Collective field. Any other Distributed record keeps its SKIP row."""
+    return (category == "Distributed" and (api in COLLECTIVES or api in POINT_TO_POINT)
+            and record.HasField("collective"))
+
+
+def decode_job(record: pb.Record, payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS,
+               max_ranks: int | None = None) -> Job:
+    """The record's Job; a collective's Collective field validated into `Job.collective` (raises CollectiveError,
+    member ranks at most `max_ranks`, default `limits.max_run_ranks`)."""
     h = record.header
     match = valid_call_name(h.name)
     dec = RecordDecoder(record, payload, limits)
@@ -998,4 +1026,7 @@ def decode_job(record: pb.Record, payload: bytes | bytearray | memoryview, limit
             if mask.dtype != torch.bool:
                 raise WireError(f"dropout mask has dtype {mask.dtype}, expected bool")
             job.mask = mask
+    if is_collective(record, job.category, job.api):
+        job.collective = from_wire(record.collective, job.api, int(h.rank),
+                                   limits.max_run_ranks if max_ranks is None else max_ranks)
     return job

@@ -1,7 +1,10 @@
-"""The one place that names the report files: msprobe's four CSV files per rank and the summary.
+"""The one place that names the report files: msprobe's four CSV files per rank, the collective CSV of the ranks
+that made collectives, and the summary.
 
     accuracy_checking_result_{ts}_rank{r}.csv      api_precision_compare_result_{ts}_rank{r}.csv
     accuracy_checking_details_{ts}_rank{r}.csv     api_precision_compare_details_{ts}_rank{r}.csv
+    collective_result_{ts}_rank{r}.csv             (one row per torch.distributed collective record of the rank;
+                                                   only for ranks that sent collectives)
     summary_{ts}.json                              api_bias_{ts}.csv (the pooled test across calls, all ranks)
 
 `{ts}` is the session's start time (`%Y%m%d%H%M%S`, kept across restarts with the same --out).
@@ -15,13 +18,15 @@ RESULT = "accuracy_checking_result"
 DETAILS = "accuracy_checking_details"
 PRECISION_RESULT = "api_precision_compare_result"
 PRECISION_DETAILS = "api_precision_compare_details"
-KINDS = (RESULT, DETAILS, PRECISION_RESULT, PRECISION_DETAILS)
+KINDS = (RESULT, DETAILS, PRECISION_RESULT, PRECISION_DETAILS)   # msprobe's four, written for every reported rank
+COLLECTIVE = "collective_result"   # our own: one rank's collectives checked across ranks (columns.COLLECTIVE_HEADER)
+RANK_KINDS = KINDS + (COLLECTIVE,)  # every per-rank report file: cut back, journaled and counted alike
 
-_NAME = re.compile(r"^(" + "|".join(KINDS) + r")_(\d{14})_rank(\d+)\.csv$")
+_NAME = re.compile(r"^(" + "|".join(RANK_KINDS) + r")_(\d{14})_rank(\d+)\.csv$")
 
 
 def name(kind: str, ts: str, rank: int) -> str:
-    if kind not in KINDS:
+    if kind not in RANK_KINDS:
         raise ValueError(f"unknown report kind {kind!r}")
     return f"{kind}_{ts}_rank{int(rank)}.csv"
 
@@ -31,7 +36,7 @@ def path(out_dir: str, kind: str, ts: str, rank: int) -> str:
 
 
 def rank_paths(out_dir: str, ts: str, rank: int) -> list[str]:
-    """The four report files of one rank, in KINDS order."""
+    """msprobe's four report files of one rank, in KINDS order (the collective CSV: `path(.., COLLECTIVE, ..)`)."""
     return [path(out_dir, kind, ts, rank) for kind in KINDS]
 
 

@@ -26,6 +26,7 @@ import time
 from gpu_server import disk, report_files
 from gpu_server.columns import (
     BLANK,
+    COLLECTIVE_HEADER,
     DETAILS_HEADER,
     EXTRA_COLUMNS,
     FLOAT_DECIMALS,
@@ -189,6 +190,12 @@ class RankReports:
         self.rank = rank
         self._lock = threading.Lock()
         extra = list(EXTRA_COLUMNS)
+        self._collective_path = report_files.path(out_dir, report_files.COLLECTIVE, ts, rank)
+        # the collective CSV exists only for ranks that sent collectives: opened with the first row (or at once
+        # when an earlier start of this session wrote it)
+        self.collective: _CsvFile | None = None
+        if os.path.exists(self._collective_path):
+            self.collective = _CsvFile(self._collective_path, COLLECTIVE_HEADER + extra)
 
         def csv_file(kind: str, header: list[str]) -> _CsvFile:
             return _CsvFile(report_files.path(out_dir, kind, ts, rank), header + extra)
@@ -200,7 +207,29 @@ class RankReports:
 
     @property
     def paths(self) -> list[str]:
-        return [f.path for f in (self.result, self.details, self.precision_result, self.precision_details)]
+        """The rank's report files: msprobe's four, then its collective CSV once it has one."""
+        return [f.path for f in self._files()]
+
+    @property
+    def collective_path(self) -> str:
+        """Where the rank's collective CSV is (or will be, with its first row)."""
+        return self._collective_path
+
+    def _files(self) -> list[_CsvFile]:
+        files = [self.result, self.details, self.precision_result, self.precision_details]
+        return files + [self.collective] if self.collective is not None else files
+
+    def write_collective(self, api: str, group: str, ranks: str, group_seq: int, op: str, dtype: str, shape: str,
+                         status: str, finding: str, message: str, step: int, where: Where = NOWHERE) -> bool:
+        """One row of the collective CSV; True when this row created the file."""
+        with self._lock:
+            created = self.collective is None
+            if self.collective is None:
+                self.collective = _CsvFile(self._collective_path, COLLECTIVE_HEADER + list(EXTRA_COLUMNS))
+            self.collective.write([api, group or BLANK, ranks or BLANK, group_seq, op or BLANK, dtype or BLANK,
+                                   shape or BLANK, status or BLANK, finding or BLANK, clean(message) or BLANK,
+                                   *_tail(step, where)])
+            return created
 
     def write_result(self, api: str, forward: str, backward: str, message: str, step: int,
                      where: Where = NOWHERE) -> None:
@@ -230,7 +259,7 @@ class RankReports:
             self.precision_details.write(row)
 
     def close(self) -> None:
-        for f in (self.result, self.details, self.precision_result, self.precision_details):
+        for f in self._files():
             f.close()
 
 
@@ -244,6 +273,17 @@ class _NullReports:
 
 
 NULL_REPORTS = _NullReports()
+
+
+def header_size(path: str) -> int:
+    """Bytes of a report file's header line (BOM included); 0 when it has none or cannot be read."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(64 << 10)
+    except OSError:
+        return 0
+    i = head.find(b"\n")
+    return i + 1 if i >= 0 else 0
 
 
 def load(out_dir: str, kind: str = "details"):

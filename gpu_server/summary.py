@@ -52,6 +52,7 @@ class Summary:
         self.modules: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
         self.pooled = None     # gpu_server.pooled.PooledErrors of the run (the app sets it): "api_bias"
         self.evidence: dict[tuple[int, str, int], str] = {}   # (rank, call, step) -> its error_data folder
+        self.collectives = CollectiveCounts()   # the collectives checked across ranks (collective CSV rows)
 
     def add_files(self, rank: int, paths: list[str]) -> None:
         with self._lock:
@@ -190,6 +191,13 @@ class Summary:
                 if len(self.failing_examples[api]) < 3:     # bounded, however many calls fail
                     self.failing_examples[api].append((rank, name, message))
 
+    def collective_row(self, rank: int, name: str, group: str, group_seq: int, status: str, finding: str,
+                       message: str, named: tuple[int, ...] = (), members: str = "") -> None:
+        """One row of a rank's collective CSV (gpu_server/checker.py writes it; `seed_from_reports` reads it).
+        `members`: the Ranks cell (the group's member ranks), which with the group and its seq names the collective."""
+        with self._lock:
+            self.collectives.add(rank, name, group, group_seq, status, finding, message, named, members)
+
     def standard_row(self, algorithm: str, status: str) -> None:
         """One api_precision_compare details row: counted per standard and status."""
         name = STANDARD_NAMES.get(algorithm.strip(), "none (SKIP or mismatch)")
@@ -236,8 +244,15 @@ class Summary:
                                p.get("Forward Test Success") or " ", p.get("Backward Test Success") or " ",
                                (p.get("Message") or "").strip() or r.get("Message") or "",
                                module=(r.get("Module") or "").strip())
+            collective = report_files.path(out_dir, report_files.COLLECTIVE, ts, rank)
+            for row in read(collective) or ():
+                self.collective_row(rank, (row.get("API Name") or "").strip(), (row.get("Group") or "").strip(),
+                                    _int(row.get("Group Seq")) or 0, (row.get("Status") or "").strip() or SKIP,
+                                    (row.get("Finding") or "").strip(), (row.get("Message") or "").strip(),
+                                    members=(row.get("Ranks") or "").strip())
             with self._lock:
-                self.files.setdefault(rank, report_files.rank_paths(out_dir, ts, rank))
+                paths = report_files.rank_paths(out_dir, ts, rank)
+                self.files.setdefault(rank, paths + [collective] if os.path.isfile(collective) else paths)
 
     def _seed_row(self, rank: int, row: dict, status: str, report: str) -> None:
         seq, step = _int(row.get("Seq")), _int(row.get("Step"))
@@ -289,6 +304,7 @@ class Summary:
                                           "examples": list(self.report_failure_examples)},
                 "quarantined_records": list(self.quarantined),
                 "durability": dict(self.durability),
+                "collectives": self.collectives.as_dict(),
             }
 
     def write_json(self, out_dir: str, ts: str) -> str:
@@ -333,6 +349,7 @@ class Summary:
                          f"{end.get('sent', 0)}, dropped {end.get('dropped', 0)} by the agent")
             if end.get("sampling"):
                 lines.append("    sampling: " + ", ".join(f"{k} {v}" for k, v in end["sampling"].items()))
+        lines += _collective_lines(d.get("collectives") or {})
         if d["failing_apis"]:
             lines.append("  failing APIs (worst first):")
             for api, info in list(d["failing_apis"].items())[:10]:
@@ -340,6 +357,87 @@ class Summary:
                 lines.append(f"    {api}: {info['calls']} calls, e.g. {ex['call']} (rank {ex['rank']}): "
                              f"{ex['message'][:160]}")
         return "\n".join(lines)
+
+
+FINDING_KINDS = ("matched", "mismatch", "missing", "unfinished", "evicted")   # gpu_server/collectives.py's
+MAX_COLLECTIVE_CELLS = 100_000   # (collective, group, rank) cells kept in the summary, however long the training
+MAX_COLLECTIVE_FINDINGS = 200    # findings that name ranks, kept in order of arrival
+
+
+class CollectiveCounts:
+    """The collectives checked across ranks, from the rows of the collective CSVs (the caller holds the lock):
+    rows by finding and status, collectives (group, member ranks, group seq) by finding, a ranks x collectives grid
+    (per bare API and group, per rank: rows by status), the first message of each kind that is not `matched` (and
+    the first error), and the findings that name ranks."""
+
+    def __init__(self) -> None:
+        self.rows_by_finding: collections.Counter = collections.Counter()
+        self.rows_by_status: collections.Counter = collections.Counter()
+        self._collectives: dict[str, set] = collections.defaultdict(set)   # finding -> {(api, group, group seq)}
+        self.grid: dict[tuple[str, str], dict[int, collections.Counter]] = {}
+        self.first: dict[str, dict] = {}
+        self.findings: list[dict] = []
+        self._finding_keys: set = set()
+
+    def add(self, rank: int, name: str, group: str, group_seq: int, status: str, finding: str, message: str,
+            named: tuple[int, ...] = (), members: str = "") -> None:
+        api = ".".join(name.split(".")[:2])
+        self.rows_by_finding[finding] += 1
+        self.rows_by_status[status] += 1
+        key = (group, members, group_seq)   # one collective, whichever API each rank called
+        if len(self._collectives[finding]) < MAX_COLLECTIVE_CELLS:
+            self._collectives[finding].add(key)
+        cells = self.grid.get((api, group))
+        if cells is None and len(self.grid) < MAX_COLLECTIVE_CELLS:
+            cells = self.grid[(api, group)] = {}
+        if cells is not None:
+            cells.setdefault(rank, collections.Counter())[status] += 1
+        entry = {"call": name, "group": group, "group_seq": group_seq, "rank": rank, "finding": finding,
+                 "status": status, "message": message[:500], "named": list(named)}
+        if finding != "matched" and finding not in self.first:
+            self.first[finding] = entry
+        if status == ERROR and "error" not in self.first:
+            self.first["error"] = entry
+        if (finding != "matched" or named) and key + (finding,) not in self._finding_keys \
+                and len(self.findings) < MAX_COLLECTIVE_FINDINGS:
+            self._finding_keys.add(key + (finding,))
+            self.findings.append({k: v for k, v in entry.items() if k not in ("rank", "status")})
+
+    def as_dict(self) -> dict:
+        ranks = sorted({r for cells in self.grid.values() for r in cells})
+        return {
+            "records": sum(self.rows_by_finding.values()),
+            "records_by_finding": {k: self.rows_by_finding.get(k, 0) for k in FINDING_KINDS},
+            "records_by_status": {s: self.rows_by_status.get(s, 0) for s in STATUSES},
+            "collectives_by_finding": {k: len(self._collectives.get(k, ())) for k in FINDING_KINDS},
+            "ranks": ranks,
+            "grid": [{"api": api, "group": group,
+                      "by_rank": {str(r): {s: c.get(s, 0) for s in STATUSES if c.get(s)}
+                                  for r, c in sorted(cells.items())}}
+                     for (api, group), cells in sorted(self.grid.items())],
+            "first": dict(self.first),
+            "findings": list(self.findings),
+        }
+
+
+def _collective_lines(c: dict) -> list[str]:
+    """summary.human(): one line per finding kind seen, and the first mismatch (or missing rank, or error)."""
+    if not c.get("records"):
+        return []
+    lines = [f"  collectives checked across ranks: {c['records']} records, "
+             + ", ".join(f"{s} {n}" for s, n in c.get("records_by_status", {}).items())]
+    for kind, n in c.get("records_by_finding", {}).items():
+        if n:
+            lines.append(f"    {kind:10s} {c.get('collectives_by_finding', {}).get(kind, 0)} collectives, {n} "
+                         "records")
+    first = c.get("first", {})
+    for kind in ("mismatch", "missing", "error"):
+        e = first.get(kind)
+        if e:
+            lines.append(f"    first {kind}: {e['call']} (group {e['group']}, seq {e['group_seq']}, rank "
+                         f"{e['rank']}): {e['message'][:200]}")
+            break
+    return lines
 
 
 def _where(e: dict) -> str:
@@ -402,13 +500,20 @@ class SavedFindings:
 def _read_rows(path: str, strict: bool = False) -> list[dict[str, str]] | None:
     """A report CSV's rows as dicts by column title; None when there is no such file. One that is not a regular
     file, is a link, or is malformed (gpu_server/safe_open.py) is None too, or with `strict` a FileRefused."""
-    from gpu_server.columns import DETAILS_HEADER, PRECISION_DETAILS_HEADER, PRECISION_RESULT_HEADER, RESULT_HEADER
+    from gpu_server.columns import (
+        COLLECTIVE_HEADER,
+        DETAILS_HEADER,
+        PRECISION_DETAILS_HEADER,
+        PRECISION_RESULT_HEADER,
+        RESULT_HEADER,
+    )
 
     parsed = report_files.parse(os.path.basename(path))
     kind = parsed[0] if parsed else ""
     header = {report_files.RESULT: RESULT_HEADER, report_files.DETAILS: DETAILS_HEADER,
               report_files.PRECISION_RESULT: PRECISION_RESULT_HEADER,
-              report_files.PRECISION_DETAILS: PRECISION_DETAILS_HEADER}.get(kind, [])
+              report_files.PRECISION_DETAILS: PRECISION_DETAILS_HEADER,
+              report_files.COLLECTIVE: COLLECTIVE_HEADER}.get(kind, [])
     try:
         return csv_rows(path, f"{kind or 'CSV'} report", [c for c in header if c != "Message"],
                         hint="restore it from the server's output, or move it out of the folder")[1]

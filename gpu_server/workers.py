@@ -9,6 +9,13 @@ After each job the worker tells `on_complete` which records are now completely r
 records have their detail rows written while their result row waits for the backward record (`half`), and the sizes
 of the rank's report files at that moment: the durable spool journals exactly that (gpu_server/spool.py). Which
 records those are is decided by gpu_server/pending.py, whose `PendingCalls` the workers share.
+
+Collectives (a job with `Job.collective`) are never replayed: the workers share one `collectives.Matcher`
+(`--collective-memory-mb`), which holds each record until the records of its collective from every member rank are
+in (or a member rank ended without it, or the server finishes with every run ended). Nothing is written or journaled
+when a collective record arrives: it stays in the spool, and a restart adds it to the matcher again. Each decided
+collective (`Finding`) is delivered rank by rank to the worker that writes that rank's rows, which writes them and
+journals the record done.
 """
 from __future__ import annotations
 
@@ -22,11 +29,12 @@ import torch
 
 from gpu_server import replay
 from gpu_server.checker import Checker
+from gpu_server.collectives import Matcher
 from gpu_server.error_data import Evidence
 from gpu_server.intake import Job
 from gpu_server.pending import Completion, PendingCalls
 from gpu_server.pooled import PooledErrors
-from gpu_server.reports import ReportWriteError
+from gpu_server.reports import ReportWriteError, header_size
 from gpu_server.sandbox import SandboxLimits, make_replayer
 from gpu_server.summary import Summary
 
@@ -61,7 +69,7 @@ class WorkerPool:
                  release: Callable[[int], None] | None = None, evidence: Evidence | None = None,
                  graph_budget: int = 2 << 30, pooled: PooledErrors | None = None,
                  sandbox: SandboxLimits | None = None, on_quarantine: Callable[[tuple, str], None] | None = None,
-                 max_record_bytes: int = 1 << 30):
+                 max_record_bytes: int = 1 << 30, collective_budget: int = 1 << 30):
         self.summary = summary
         self.pending = pending
         self.on_complete = on_complete or (lambda done, half, files: None)
@@ -88,7 +96,16 @@ class WorkerPool:
             for checker in self.checkers:
                 checker.match_threads = False
         self._sizes: dict[int, dict[str, int]] = {}   # rank -> its report files' sizes after its last completion
-        self.queues: list[queue.Queue] = [queue.Queue(maxsize=queue_size) for _ in devices]
+        # one matcher for every worker: the records of one collective come from ranks routed to different workers
+        self.matcher = Matcher(collective_budget)
+        self._jobs: dict[tuple[str, int], str] = {}   # (run, rank) -> the training (Collective.job) it belongs to
+        self._lock = threading.Lock()
+        self._deliveries = 0
+        # Unbounded: a worker delivering a collective's verdicts to another worker's queue must never block on it
+        # (two workers delivering to each other would wait forever). What the queues hold is bounded by the memory
+        # budget (jobs) and the matcher's budget (verdicts); `queue_size` is kept for callers.
+        del queue_size
+        self.queues: list[queue.Queue] = [queue.Queue() for _ in devices]
         self.threads = [threading.Thread(target=self._run, args=(i,), name=f"gpu-server-worker-{i}", daemon=True)
                         for i in range(len(devices))]
         for t in self.threads:
@@ -116,8 +133,10 @@ class WorkerPool:
             self.summary.record_received(job.rank)
         self.queues[self._index(job.rank)].put(("job", job))
 
-    def end_rank(self, run_id: str, rank: int, why: str) -> None:
-        self.queues[self._index(rank)].put(("end", (run_id, rank, why)))
+    def end_rank(self, run_id: str, rank: int, why: str, job: str = "") -> None:
+        """The rank ended (its End counted): its calls waiting for a backward record get their result rows, and
+        the collectives it never sent are decided (after every record of the rank queued before the End)."""
+        self.queues[self._index(rank)].put(("end", (run_id, rank, why, job)))
 
     def _run(self, i: int) -> None:
         checker, q = self.checkers[i], self.queues[i]
@@ -134,25 +153,79 @@ class WorkerPool:
             try:
                 if kind == "job":
                     self._check(checker, payload)
+                elif kind == "verdict":
+                    finding, verdict = payload
+                    self._completed(checker, checker.check_collective(finding, verdict), verdict.job.rank)
                 elif kind == "end":
-                    run_id, rank, why = payload
+                    run_id, rank, why, job = payload
                     self._completed(checker, checker.flush_run(run_id, rank, why), rank)
+                    job = job or self._jobs.get((run_id, rank), "")
+                    if job:
+                        self._deliver(self.matcher.rank_ended(job, rank))
+                elif kind == "barrier":
+                    payload.set()
             except ReportWriteError as exc:
                 # Its rows are not (all) written: nothing is journaled, the rows it did write are cut back, the
                 # record stays in the spool and a restart with the same --out checks it again.
-                rank = payload.rank if kind == "job" else payload[1]
-                self._cut_back(rank)
+                rank = (payload.rank if kind == "job" else payload[1].job.rank if kind == "verdict"
+                        else payload[1])
+                self._cut_back(checker, rank)
                 self.summary.report_failed(rank, str(exc))
             except Exception:  # noqa: BLE001
                 log.exception("worker %d: internal error", i)
 
     def _check(self, checker: Checker, job: Job) -> None:
+        if job.collective is not None:
+            # never replayed: held by the matcher (within its own budget, so the memory budget is released now)
+            # until its collective is decided; nothing is journaled, the record stays in the spool until then
+            self.release(job.reserved)
+            job.reserved = 0
+            with self._lock:
+                self._jobs[(job.run_id, job.rank)] = job.collective.job
+            self._deliver(self.matcher.add(job))
+            return
         try:
             completion = checker.check(job)
         finally:
             self.release(job.reserved)
             job.reserved = 0
         self._completed(checker, completion, job.rank)
+
+    def _deliver(self, findings: list) -> None:
+        """Each decided collective, rank by rank, to the worker of that rank (which writes its rows)."""
+        for finding in findings:
+            for rank in sorted(finding.verdicts):
+                verdict = finding.verdicts[rank]
+                with self._lock:
+                    self._deliveries += 1
+                self.queues[self._index(int(verdict.job.rank))].put(("verdict", (finding, verdict)))
+
+    def _settle(self) -> None:
+        """Wait until every worker has handled what is queued, including the verdicts they deliver to each other."""
+        while True:
+            with self._lock:
+                before = self._deliveries
+            events = []
+            for q in self.queues:
+                event = threading.Event()
+                q.put(("barrier", event))
+                events.append(event)
+            for event, t in zip(events, self.threads):
+                while not event.wait(1.0):
+                    if not t.is_alive():
+                        return
+            with self._lock:
+                if self._deliveries == before:
+                    return
+
+    def finish_collectives(self) -> int:
+        """Every run ended (--exit-when-done): once every queued record is in the matcher, the collectives still
+        incomplete are decided (`Matcher.finish`) and their rows written before the reports close. Returns how
+        many findings that made."""
+        self._settle()
+        findings = self.matcher.finish()
+        self._deliver(findings)
+        return len(findings)
 
     def _completed(self, checker: Checker, completion: Completion, rank: int) -> None:
         files = {}
@@ -167,10 +240,13 @@ class WorkerPool:
         except Exception:  # noqa: BLE001
             log.exception("could not journal completed records")
 
-    def _cut_back(self, rank: int) -> None:
-        """Cut the rank's report files back to their sizes after its last complete record (no orphan rows)."""
-        for path, size in self._sizes.get(rank, {}).items():
+    def _cut_back(self, checker: Checker, rank: int) -> None:
+        """Cut the rank's report files back to their sizes after its last complete record (no orphan rows); a file
+        made since then (the collective CSV) back to its header."""
+        sizes = self._sizes.get(rank, {})
+        for path in set(sizes) | set(checker.reports(rank).paths):
             try:
+                size = sizes[path] if path in sizes else header_size(path)
                 if os.path.getsize(path) > size:
                     os.truncate(path, size)
             except OSError:
@@ -179,8 +255,13 @@ class WorkerPool:
     def drain_and_stop(self) -> None:
         """Check everything already queued, flush and close the reports. Calls still waiting for their backward
         record are left to gpu_server/pending.py (they stay in the spool)."""
+        self._settle()   # verdicts one worker delivers to another are written before either stops
         for q in self.queues:
             q.put(_STOP)
         for t in self.threads:
             t.join()
         self.pending.stop()
+        left = self.matcher.pending()
+        if left:
+            log.warning("%d collective records wait for the records of their other ranks; they stay in the spool "
+                        "and are matched after a restart with the same --out", left)
