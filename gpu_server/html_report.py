@@ -42,6 +42,7 @@ from gpu_server.atomic_file import write_atomic
 from gpu_server.report_frame import load
 from gpu_server.safe_open import FileRefused, read_json
 from gpu_server.summary import STANDARD_NAMES
+from protos.limits import call_api
 
 ORDER = {"error": 0, "Warning": 1, "SKIP": 2, "pass": 3}
 COLORS = {"error": "#d62728", "Warning": "#ff9f1c", "SKIP": "#9e9e9e", "pass": "#2ca02c"}
@@ -246,7 +247,7 @@ def _calls(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
     calls["precision"] = [_worst([a, b]) for a, b in zip(calls.p_fwd, calls.p_bwd)]
     calls["two_way"] = [_worst([a, b]) for a, b in zip(calls.t_fwd, calls.t_bwd)]
     calls["verdict"] = [_worst([a, b]) for a, b in zip(calls.precision, calls.two_way)]
-    calls["api"] = calls["call"].str.split(".").str[:2].str.join(".")
+    calls["api"] = calls["call"].map(call_api)
     calls["step"] = calls["step"].fillna(-1).astype(int)
     return calls
 

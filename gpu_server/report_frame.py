@@ -34,6 +34,7 @@ from gpu_server.columns import (
     RESULT_HEADER,
 )
 from gpu_server.safe_open import FileRefused, check_csv, open_regular
+from protos.limits import call_api
 
 KINDS = {
     "result": "accuracy_checking_result",
@@ -112,7 +113,7 @@ def _typed(frame: pd.DataFrame, kind: str) -> pd.DataFrame:
         frame["output"] = pd.to_numeric(parts["output"], errors="coerce").astype("Int64")
     else:
         frame["call"] = frame[name]
-    frame["api"] = frame["call"].str.split(".").str[:2].str.join(".")
+    frame["api"] = frame["call"].map(call_api)
     return frame
 
 

@@ -15,6 +15,7 @@ from gpu_server.drain_rate import DrainRate
 from gpu_server.safe_open import FileRefused, csv_rows
 from gpu_server.standards import standard_labels
 from gpu_server.standards.registry import ERROR, SKIP, STATUSES, WARNING
+from protos.limits import call_api, split_row_name
 
 log = logging.getLogger("gpu_server")
 
@@ -102,10 +103,10 @@ class Summary:
             if first is not None and (first["seq"], first["report"] != "accuracy_checking") <= (
                     seq, report != "accuracy_checking"):
                 return
-            parts = row.split(".")
+            call, direction = split_row_name(row)
             self.first_anomaly[rank] = {
-                "rank": rank, "call": ".".join(parts[:3]), "row": row, "step": step, "seq": seq,
-                "direction": parts[3] if len(parts) > 3 else "", "module": module, "source": source,
+                "rank": rank, "call": call, "row": row, "step": step, "seq": seq,
+                "direction": direction, "module": module, "source": source,
                 "report": report, "status": status, "message": message[:500]}
 
     def evidence_saved(self, rank: int, call: str, step: int, folder: str) -> None:
@@ -186,7 +187,7 @@ class Summary:
                     self.precision_status[s] += 1
             if ERROR in (fwd, bwd, pfwd, pbwd):
                 self.failed[rank] += 1
-                api = ".".join(name.split(".")[:2])
+                api = call_api(name)
                 self.failing[api] += 1
                 if len(self.failing_examples[api]) < 3:     # bounded, however many calls fail
                     self.failing_examples[api].append((rank, name, message))
@@ -381,7 +382,7 @@ class CollectiveCounts:
 
     def add(self, rank: int, name: str, group: str, group_seq: int, status: str, finding: str, message: str,
             named: tuple[int, ...] = (), members: str = "") -> None:
-        api = ".".join(name.split(".")[:2])
+        api = call_api(name)
         self.rows_by_finding[finding] += 1
         self.rows_by_status[status] += 1
         key = (group, members, group_seq)   # one collective, whichever API each rank called

@@ -150,7 +150,8 @@ def _cached_spec(func: Any, category: str, api: str) -> _Spec:
 
 
 def protect_unseen(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """A call that is not an API (a custom op, torch's private in-place functions, an op namespace the agent skips):
+    """A call that is not an API (torch's private in-place functions, an op namespace the agent skips, torch's own
+    operator namespaces; a custom operator is an API, category Custom, its `Tensor(a!)` arguments `written_tensors`):
     before it writes a tensor a pending record holds, that record gets its copy."""
     name = getattr(func, "__name__", None)
     if not isinstance(name, str) or name in ("__get__", "__set__", "__delete__"):   # property accessors
@@ -169,7 +170,8 @@ def protect_unseen(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         HELD.protect(written)
 
 
-_BY_TABLE = frozenset({"Aten", "NPU", "Distributed"})   # categories whose writes are looked up (written_tensors)
+# categories whose writes are looked up (written_tensors): a custom operator's `Tensor(a!)` arguments too
+_BY_TABLE = frozenset({"Aten", "NPU", "Distributed", "Custom"})
 
 
 _ON: list["CaptureMode"] = []   # capture modes pushed now, on any thread (for the custom backwards below)
@@ -485,11 +487,12 @@ class Capturer:
 
     def _not_replayable(self, info: tuple[str, str]) -> str | None:
         """Why the server's allowlist refuses `Category.api` by name (its arguments are the server's to check), or
-        None; cached per API."""
+        None; cached per API. A custom operator is sent whole: the server's extension file may give it a
+        reference (the server says SKIP when it has none)."""
         try:
             return self._by_name[info]
         except KeyError:
-            why = self._by_name[info] = apis.replayable(*info)
+            why = self._by_name[info] = None if info[0] == "Custom" else apis.replayable(*info)
             return why
 
     def _recompute_call(self, info: tuple[str, str], args: tuple[Any, ...], kwargs: dict[str, Any]

@@ -1,5 +1,8 @@
 """Which calls are APIs, and what they are called: `{Category}.{api}.{n}` (docs/design.md §4).
 
+A custom operator (`torch.ops.<ns>.<op>` of a namespace that is neither aten, npu, nor one of torch's own) is
+`Custom.<ns>.<op>.n`: category Custom, api `<ns>.<op>`, its overload name dropped.
+
 `classify(func)` maps the function object the mode receives to (category, api) or None (not an API: metadata,
 properties, autograd entry points, profiler ops). The decision is cached per function object. `Counters` gives
 the per-step call index.
@@ -14,6 +17,7 @@ import torch.nn.functional as F
 
 from npu_agent import collectives
 from protos import apis
+from protos.limits import API_NAME
 from protos.torch_compat import op_overload_name, tensor_base_class
 
 # Tensor methods and torch functions that read metadata, move no numbers, or drive autograd: never records.
@@ -31,6 +35,13 @@ autograd_backward grad new_tensor __get__ __set__ __delete__ data_ptr _version _
 
 _SKIP_NAMESPACES = frozenset({"profiler", "prim", "prims", "debugprims", "_c10d_functional", "c10d",
                               "_dtensor", "_c10d_functional_autograd", "_quantized", "higher_order"})
+# Operator namespaces torch itself registers (torch 2.13: `torch._C._dispatch_get_all_op_names()`): torch's own
+# kernels (FSDP2's copy-in, inductor's accumulate_grad_, quantized and oneDNN kernels, symmetric memory), not a
+# training's custom operators. Not APIs, as before custom operators were recorded; their writes are still protected.
+_TORCH_NAMESPACES = frozenset({"quantized", "quantization", "symm_mem", "static_runtime", "onednn", "mkldnn",
+                               "mkldnn_prepacked", "mkl", "c10d_functional", "sparse", "inductor", "inductor_prims",
+                               "fsdp", "_test", "rngprims", "_native", "debug_mode_ops", "export"})
+_CUSTOM = "Custom"
 
 # Which APIs draw random numbers (their generator state is recorded) and which dropout calls carry their keep-mask:
 # the lists are shared with the server (protos/apis.py).
@@ -85,7 +96,12 @@ def _classify_uncached(func: Any) -> tuple[str, str] | None:
             return ("Aten", op)
         if ns == "npu":
             return ("NPU", op)
-        return None  # custom torch.library namespaces cannot be replayed on the bench host
+        if ns in _TORCH_NAMESPACES:
+            return None
+        # A custom operator (torch.library.custom_op, Library.define, a C++ extension): `Custom.<ns>.<op>.n`, every
+        # overload under the one api (the server resolves a reference by (namespace, operator)). A custom_op's
+        # Python wrapper (CustomOpDef.__call__) reaches the mode once, as its default OpOverload.
+        return (_CUSTOM, f"{ns}.{op}") if _custom_name_ok(ns, op) else None
     name = getattr(func, "__name__", None)
     if not isinstance(name, str) or name in _NOT_APIS:
         return None
@@ -112,6 +128,11 @@ def _classify_uncached(func: Any) -> tuple[str, str] | None:
                                                "torch.special")):
         return ("Torch", name)
     return None
+
+
+def _custom_name_ok(ns: str, op: str) -> bool:
+    """Both parts identifiers the wire accepts (protos.limits.CALL_NAME); else the call stays unrecorded."""
+    return API_NAME.match(ns) is not None and API_NAME.match(op) is not None
 
 
 _CACHE: dict[Any, tuple[str, str] | None] = {}

@@ -19,6 +19,7 @@ from typing import Any, Iterator
 import torch
 
 from protos.codec import Opaque
+from protos.limits import CUSTOM
 
 
 def _names(text: str) -> frozenset[str]:
@@ -382,6 +383,9 @@ def replayable(category: str, api: str, args: tuple[Any, ...] = (), kwargs: dict
     kwargs = kwargs or {}
     names = ALLOWLIST.get(category)
     if names is None:
+        if category == CUSTOM:   # api `namespace.op`: a reference comes only from the server's extension file
+            return (f"not replayable: no reference for the custom operator {custom_operator_name(api)}; give one in "
+                    "the server's extension file (docs/extensions.md)")
         if category == "Distributed":
             return "not replayable: collective communication is not replayed on the benchmark host"
         return f"not replayable: unknown API category {category[:32]!r}"
@@ -397,6 +401,11 @@ def replayable(category: str, api: str, args: tuple[Any, ...] = (), kwargs: dict
             if why:
                 return f"not replayable: {why}"
     return None
+
+
+def custom_operator_name(api: str) -> str:
+    """A Custom record's api `mylib.fused_gelu` as torch.library names the operator: `mylib::fused_gelu`."""
+    return api[:160].replace(".", "::", 1)
 
 
 def is_device_string(api: str, value: Any) -> bool:

@@ -15,11 +15,18 @@ GiB = 1 << 30
 # The tensor payload travels in chunks of this size (reference/limits.md: 1-4 MiB chunks are the fast path).
 CHUNK_BYTES = 4 * MiB
 
-CATEGORIES = ("Functional", "Tensor", "Torch", "NPU", "Aten", "Distributed")
+CATEGORIES = ("Functional", "Tensor", "Torch", "NPU", "Aten", "Distributed", "Custom")
+# Custom: an operator of a custom `torch.library` namespace (a `torch.library.custom_op`, a `Library.define`, a C++
+# extension), its api `<namespace>.<op>`: the only category whose api holds a dot (`Custom.mylib.fused_gelu.0`).
+CUSTOM = "Custom"
 # Strict names: ASCII only, anchored with \Z (`$` would accept a trailing newline), digits spelled [0-9] (`\d`
 # would accept any Unicode digit). `.match` on these is a full match.
-API_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}\Z", re.ASCII)
-CALL_NAME = re.compile(r"^(" + "|".join(CATEGORIES) + r")\.([A-Za-z_][A-Za-z0-9_]{0,127})\.([0-9]{1,9})\Z", re.ASCII)
+_IDENT = r"[A-Za-z_][A-Za-z0-9_]{0,127}"
+API_NAME = re.compile(r"^" + _IDENT + r"\Z", re.ASCII)
+# group(1): the category, group(2): the api, group(3): the counter. The api is one identifier, or for Custom (the
+# lookbehind: no other category ends in "Custom") exactly two joined by one dot.
+CALL_NAME = re.compile(r"^(" + "|".join(CATEGORIES) + r")\.((?<=^Custom\.)" + _IDENT + r"\." + _IDENT
+                       + r"|(?<!^Custom\.)" + _IDENT + r")\.([0-9]{1,9})\Z", re.ASCII)
 RUN_ID = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z", re.ASCII)
 
 
@@ -70,7 +77,26 @@ def log_text(value: object, limit: int = 80) -> str:
 
 
 def valid_call_name(name: str) -> re.Match[str] | None:
-    """`Category.api.n` with a known category, an identifier-like api and a decimal counter; else None."""
+    """`Category.api.n` with a known category, an identifier-like api (for Custom `namespace.op`) and a decimal
+    counter; else None. group(1) is the category, group(2) the api, group(3) the counter."""
     if not isinstance(name, str) or len(name) > DEFAULT_LIMITS.max_name_len:
         return None
     return CALL_NAME.match(name)
+
+
+def _api_parts(name: str) -> int:
+    """How many dot-separated parts make `Category.api` ("Custom.mylib.op": three; every other category: two)."""
+    return 3 if name.startswith("Custom.") else 2
+
+
+def call_api(name: str) -> str:
+    """`Category.api` of a call or report-row name: "Functional.linear.0.forward.output.1" -> "Functional.linear",
+    "Custom.mylib.fused_gelu.0" -> "Custom.mylib.fused_gelu"."""
+    return ".".join(name.split(".")[:_api_parts(name)])
+
+
+def split_row_name(row: str) -> tuple[str, str]:
+    """(the call, the direction) of a report-row name: "Functional.linear.0.forward.output.1" ->
+    ("Functional.linear.0", "forward"); a call name alone -> (it, "")."""
+    parts, n = row.split("."), _api_parts(row) + 1
+    return ".".join(parts[:n]), parts[n] if len(parts) > n else ""
