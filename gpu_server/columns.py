@@ -50,5 +50,12 @@ COLLECTIVE_HEADER = ["API Name", "Group", "Ranks", "Group Seq", "Reduce Op", "Dt
 # module path the call ran in ("TinyLM.blocks.0.attn.proj") and the user's line that made it ("train.py:42 (forward)").
 EXTRA_COLUMNS = ["Step", "Seq", "Module", "Source"]
 
+# Our own precision-standard columns of api_precision_compare_details, after msprobe's columns and after EXTRA_COLUMNS
+# (so that neither moves): the mixed-tolerance standard's pass rate, its largest error over the allowed one and its
+# verdict, the quantisation standard's largest |device - bench| and its verdict (docs/standards.md). Blank in rows
+# other standards judge.
+PRECISION_EXTRA_COLUMNS = ["混合容差通过率", "混合容差最大误差比值", "混合容差判定结果", "量化误差最大值",
+                           "量化误差判定结果"]
+
 BLANK = " "  # a cell a check does not set
 FLOAT_DECIMALS = 14

@@ -54,7 +54,9 @@ RATIOS = {
     "绝对阈值法": [("相对误差错误率", 0.0), ("绝对误差错误率", 0.0), ("inf/nan错误率", 0.0)],
     "二进制一致法": [("二进制一致错误率", 0.0)],
     "双千指标法": [("双千指标", 0.999)],
-}
+    "混合容差比对法": [("混合容差通过率", 0.99), ("混合容差最大误差比值", 1.0)],
+    "量化比对法": [("量化误差最大值", 1.0)],
+}   # the benchmark limits are tier L0's (docs/standards.md): an API judged at L1/L2 fails below them
 # the device-vs-bench error shown beside the ratios (accuracy_checking_details), by algorithm
 DEVICE_ERROR = {"ULP误差比对法": "ULP误差平均值", "标杆比对法": "相对误差平均值", "绝对阈值法": "相对误差最大值"}
 MAX_TABLE_ROWS = 5000      # failing/warning calls listed in the page (the CSVs have them all)

@@ -13,7 +13,9 @@ Conventions (where msprobe is silent):
 - float64 device outputs: every metric is computed, with float64's own eps (2^-52) and ULP parameters
   (p 52, min_eb -1022) and float32's small value (2^-20), tolerances (rtol 2^-20, small atol 2^-30) and ULP
   threshold (32). The precision standards do not judge float64 (SKIP); the two-way status does.
-- Other float formats (float8 ...): the float16 row (8/16-bit) or the float32 row, ULP parameters from torch.finfo.
+- float8_e4m3fn / float8_e5m2 have rows of their own (gpu_server.standards.thresholds); other float formats (float8
+  ...fnuz): the float16 row (8/16-bit) or the float32 row, ULP parameters from torch.finfo. One-byte float outputs are
+  widened to float32 (exactly) before any arithmetic: torch has few kernels for them; the parameters stay the format's.
 - Complex outputs are compared as their real and imaginary parts (torch.view_as_real) with the parameters of the
   real dtype.
 - Integer and bool outputs: only binary_error_rate.
@@ -187,7 +189,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def _analyse_one(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int | None) -> Analysis:
+def analyse_with(bench: torch.Tensor, device: torch.Tensor, row: DtypeThresholds) -> Analysis:
+    """`analyse` with another parameter row for the device dtype (a per-API threshold override,
+    gpu_server.standards.selection.configure); never memoised."""
+    return _analyse_one(bench, device, None, row)
+
+
+def _analyse_one(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int | None,
+                 row: DtypeThresholds | None = None) -> Analysis:
     if tuple(bench.shape) != tuple(device.shape) or bench.dtype.is_complex != device.dtype.is_complex:
         raise ValueError(mismatch(bench, device))
     if device.dtype.is_complex:
@@ -200,7 +209,7 @@ def _analyse_one(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int 
         return Analysis(OutputMetrics(binary_error_rate=rate), CosineCheck(None, True, ""), numel, device.dtype, False)
     if numel == 0:
         return Analysis(_empty_metrics(), CosineCheck(None, True, "empty output"), 0, device.dtype, True)
-    return _analyse_floats(bench, [device], chunk)[0]
+    return _analyse_floats(bench, [device], chunk, row)[0]
 
 
 def _absmax(chunk: torch.Tensor) -> torch.Tensor:
@@ -217,11 +226,13 @@ def _absmax(chunk: torch.Tensor) -> torch.Tensor:
 _FAST_LIMIT = 2.0 ** 900   # below this, |device - bench| / eps cannot overflow float64
 
 
-def _analyse_floats(bench: torch.Tensor, devices: list, chunk: int) -> list[Analysis]:
+def _analyse_floats(bench: torch.Tensor, devices: list, chunk: int, row: DtypeThresholds | None = None
+                    ) -> list[Analysis]:
     """Float metrics of several non-empty float outputs of one dtype and of the bench's shape against the bench."""
     bench = bench.detach()
     flat_b = bench.reshape(-1)
-    flat_ds = [d.detach().to(bench.device).reshape(-1) for d in devices]
+    device_dtype = devices[0].dtype
+    flat_ds = [_widened(d.detach().to(bench.device).reshape(-1)) for d in devices]
     numel = flat_b.numel()
     zero = torch.zeros((), dtype=torch.float64, device=bench.device)
     bmax, dmaxs = zero, [zero] * len(flat_ds)
@@ -229,12 +240,11 @@ def _analyse_floats(bench: torch.Tensor, devices: list, chunk: int) -> list[Anal
         bmax = torch.maximum(bmax, _absmax(flat_b[start:start + chunk]))
         dmaxs = [torch.maximum(m, _absmax(d[start:start + chunk])) for m, d in zip(dmaxs, flat_ds)]
     maxima = torch.stack([bmax, *dmaxs]).tolist()   # one transfer for every side
-    device_dtype = flat_ds[0].dtype
     golden_max = float(torch.tensor(maxima[0], dtype=torch.float64).to(device_dtype))
     bench_ok = maxima[0] < _FAST_LIMIT and math.isfinite(golden_max)
     accs, fast = [], []
     for dmax, dmax_value in zip(dmaxs, maxima[1:]):
-        acc = _Accumulator(bench.dtype, device_dtype)
+        acc = _Accumulator(bench.dtype, device_dtype, row)
         acc.set_norms(bmax, dmax)
         accs.append(acc)
         # every element finite on both sides and in the device dtype: the inf/nan terms are all zero
@@ -248,6 +258,11 @@ def _analyse_floats(bench: torch.Tensor, devices: list, chunk: int) -> list[Anal
         for acc, d in slow:
             acc.add(flat_b[start:stop], d[start:stop])
     return [Analysis(acc.metrics(numel), acc.cosine(numel), numel, device_dtype, True) for acc in accs]
+
+
+def _widened(t: torch.Tensor) -> torch.Tensor:
+    """A one-byte float (float8) as float32, exactly; other tensors as they are."""
+    return t.float() if t.is_floating_point() and t.element_size() == 1 else t
 
 
 def _empty_metrics() -> OutputMetrics:
@@ -284,9 +299,9 @@ def _ratio(count: int, total: int, empty: float) -> float:
 class _Accumulator:
     """Float64 running sums and counts over the chunks of one output."""
 
-    def __init__(self, bench_dtype: torch.dtype, device_dtype: torch.dtype):
+    def __init__(self, bench_dtype: torch.dtype, device_dtype: torch.dtype, row: DtypeThresholds | None = None):
         self.device_dtype = device_dtype
-        self.p: DtypeThresholds = THRESHOLDS.for_dtype(device_dtype)
+        self.p: DtypeThresholds = row or THRESHOLDS.for_dtype(device_dtype)
         bench_float = bench_dtype if bench_dtype.is_floating_point else torch.float64
         self.eps = self.p.eps if self.p.eps is not None else torch.finfo(bench_float).eps
         info = torch.finfo(device_dtype)
@@ -315,7 +330,8 @@ class _Accumulator:
     def add(self, bench: torch.Tensor, device: torch.Tensor) -> None:
         p, t = self.p, THRESHOLDS
         b, d = bench.double(), device.double()
-        golden = bench.to(self.device_dtype).double()  # the bench in the device dtype (finiteness, saturation)
+        # the bench in the device dtype (finiteness, saturation)
+        golden = _widened(bench.to(self.device_dtype)).double()
         abs_b = b.abs()
         abs_err = (d - b).abs()
         rel = abs_err / (abs_b + self.eps)

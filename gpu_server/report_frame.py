@@ -30,6 +30,7 @@ from gpu_server.columns import (
     EXTRA_COLUMNS,
     METRIC_COLUMNS,
     PRECISION_DETAILS_HEADER,
+    PRECISION_EXTRA_COLUMNS,
     PRECISION_RESULT_HEADER,
     RESULT_HEADER,
 )
@@ -67,7 +68,8 @@ if len(_PRECISION_ALIASES) != len(PRECISION_DETAILS_HEADER):  # pragma: no cover
 # numeric columns (typed as floats); every other column stays text, columns added later included
 _NUMERIC = {title for _, title in METRIC_COLUMNS} | {
     c for c in PRECISION_DETAILS_HEADER[1:]
-    if not c.endswith("判定结果") and c not in ("比对结果", "比对算法", "Message")}
+    if not c.endswith("判定结果") and c not in ("比对结果", "比对算法", "Message")} | {
+    c for c in PRECISION_EXTRA_COLUMNS if not c.endswith("判定结果")}
 
 
 def kind_of(kind: str) -> str:

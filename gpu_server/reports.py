@@ -1,7 +1,8 @@
 """The CSV reports of one rank (docs/design.md §6.6): msprobe's file names (gpu_server/report_files.py) and headers,
 UTF-8 with
 BOM, one row at a time, flushed after each row. Our own columns (Step, Seq, Module, Source: columns.EXTRA_COLUMNS) come
-after msprobe's; a row's Seq, Module and Source come in a `Where`.
+after msprobe's; a row's Seq, Module and Source come in a `Where`. api_precision_compare_details ends with the
+precision standards' own columns (columns.PRECISION_EXTRA_COLUMNS: mixed tolerance, quantisation), after Source.
 
 Open files are bounded: the report files of every rank share one `OpenFiles` cache (least recently used closed
 first, reopened in append mode), sized from the process's open-file limit, so hundreds of ranks do not exhaust
@@ -32,6 +33,7 @@ from gpu_server.columns import (
     FLOAT_DECIMALS,
     METRIC_COLUMNS,
     PRECISION_DETAILS_HEADER,
+    PRECISION_EXTRA_COLUMNS,
     PRECISION_RESULT_HEADER,
     RESULT_HEADER,
 )
@@ -203,7 +205,9 @@ class RankReports:
         self.result = csv_file(report_files.RESULT, RESULT_HEADER)
         self.details = csv_file(report_files.DETAILS, DETAILS_HEADER)
         self.precision_result = csv_file(report_files.PRECISION_RESULT, PRECISION_RESULT_HEADER)
-        self.precision_details = csv_file(report_files.PRECISION_DETAILS, PRECISION_DETAILS_HEADER)
+        # the precision standards' own columns after Step, Seq, Module, Source: msprobe's and ours stay in place
+        self.precision_details = _CsvFile(report_files.path(out_dir, report_files.PRECISION_DETAILS, ts, rank),
+                                          PRECISION_DETAILS_HEADER + extra + PRECISION_EXTRA_COLUMNS)
 
     @property
     def paths(self) -> list[str]:
@@ -255,6 +259,7 @@ class RankReports:
         for title in PRECISION_DETAILS_HEADER[1:-3]:
             row.append(cell(cells.get(title)))
         row += [status, algorithm or BLANK, clean(message) or BLANK, *_tail(step, where)]
+        row += [cell(cells.get(title)) for title in PRECISION_EXTRA_COLUMNS]
         with self._lock:
             self.precision_details.write(row)
 

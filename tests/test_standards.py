@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from gpu_server.columns import PRECISION_DETAILS_HEADER
+from gpu_server.columns import PRECISION_DETAILS_HEADER, PRECISION_EXTRA_COLUMNS
 from gpu_server.metrics import OutputMetrics
 from gpu_server.standards import STANDARD_REGISTRY, register_standard
 from gpu_server.standards.judging import judge
@@ -15,7 +15,7 @@ from gpu_server.standards.selection import canonical_name, select_standard
 from gpu_server.standards.thresholds import THRESHOLDS
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
-CELL_TITLES = set(PRECISION_DETAILS_HEADER) - {"API Name", "比对结果", "比对算法", "Message"}
+CELL_TITLES = set(PRECISION_DETAILS_HEADER + PRECISION_EXTRA_COLUMNS) - {"API Name", "比对结果", "比对算法", "Message"}
 
 
 def t(values, dtype):
@@ -100,10 +100,10 @@ def test_canonical_name():
     assert canonical_name("add_") == "add"
 
 
-def test_registry_holds_the_five_standards():
+def test_registry_holds_the_seven_standards():
     assert {k: s.algorithm for k, s in STANDARD_REGISTRY.items()} == {
         "benchmark": "标杆比对法", "ulp": "ULP误差比对法", "binary": "二进制一致法", "absolute": "绝对阈值法",
-        "thousandth": "双千指标法"}
+        "thousandth": "双千指标法", "mixed_tolerance": "混合容差比对法", "quantisation": "量化比对法"}
     with pytest.raises(ValueError):
         register_standard("binary", "x")(lambda inp: None)
 

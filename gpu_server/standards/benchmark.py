@@ -3,7 +3,9 @@
 For each of small-value error ratio, RMSE, max and mean relative error: ratio = device metric / max(same-dtype
 metric, floor[dtype]); error if the ratio exceeds its limit (2, 2, 10, 2). An inf/NaN device metric passes only if
 the same-dtype run has the same inf/NaN (its ratio cell is then NaN). The error balance ratio is reported, not
-judged. Needs the same-dtype run: without it the row is SKIP.
+judged. Needs the same-dtype run: without it the row is SKIP. The limits are tier L0's; a per-API tier
+(selection.ApiJudging.tier, THRESHOLDS.benchmark_tiers) sets L1 (5, 1.5, 1.5 for max rel, mean rel, RMSE) or L2
+(2, 1.2, 1.2); the small-value limit is 2 in every tier.
 """
 from __future__ import annotations
 
@@ -41,13 +43,14 @@ def benchmark(inp: StandardInput) -> StandardResult:
     if inp.same is None:
         return StandardResult(SKIP, messages=["the benchmark standard needs the same-dtype run, which is not "
                                               "available"])
-    floor = THRESHOLDS.for_dtype(inp.dtype).ratio_floor
+    floor = inp.param("ratio_floor", THRESHOLDS.for_dtype(inp.dtype).ratio_floor)
+    limits = THRESHOLDS.benchmark_tiers[inp.tier or THRESHOLDS.default_tier]
     result = StandardResult(PASS)
     for attr, ratio_column, status_column, limit_key in _JUDGED:
         value, same = getattr(inp.device, attr), getattr(inp.same, attr)
         consistent = inf_nan_consistent(value, same)
         if consistent is None:
-            limit = THRESHOLDS.benchmark_ratio_limits[limit_key]
+            limit = inp.param(f"{limit_key}_ratio_limit", limits[limit_key])
             ratio = ratio_to_same(value, same, floor)   # msprobe's cell
             judged, basis = _spread_ratio(inp, attr, value, floor)
             ok = judged <= limit

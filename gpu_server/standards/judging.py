@@ -3,19 +3,20 @@
 `judge_pair(api_name, pair, same)` takes an output already sorted into its kind (gpu_server/output_kind.py, shared
 with the two-way status), selects a standard (selection.py) from the output dtype and the API name, computes the
 same-dtype run's metrics against the bench (gpu_server.metrics) and lets the registered standard (binary.py,
-absolute.py, ulp.py, thousandth.py, benchmark.py) decide. `judge(api_name, bench, device, same)` sorts the output
+absolute.py, ulp.py, thousandth.py, benchmark.py, mixed_tolerance.py, quantisation.py) decide, honouring a per-API
+configuration (selection.configure: standard, tier, thresholds). `judge(api_name, bench, device, same)` sorts the output
 itself. This module sits above metrics (metrics reads the thresholds of this package): the package's __init__ does
 not import it, so there is no import cycle.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterable
 
 import torch
 
 from gpu_server.columns import BLANK
-from gpu_server.metrics import OutputMetrics, dtype_kind, mismatch, scalar_error_rate
+from gpu_server.metrics import OutputMetrics, analyse_with, dtype_kind, mismatch, scalar_error_rate
 from gpu_server.output_kind import (
     NONE,
     OTHER,
@@ -27,7 +28,7 @@ from gpu_server.output_kind import (
     comparable_member,
 )
 from gpu_server.standards.registry import ERROR, PASS, SKIP, STANDARD_REGISTRY, StandardInput, StandardResult
-from gpu_server.standards.selection import BINARY, select_standard
+from gpu_server.standards.selection import BINARY, METRIC_PARAMETERS, ApiJudging, api_judging, select_standard
 from gpu_server.standards.thresholds import THRESHOLDS
 
 
@@ -39,16 +40,20 @@ class PrecisionJudgement:
     message: str = ""
 
 
-def judge(api_name: str, bench: Any, device: Any, same: Any = None, spread: Iterable = ()) -> PrecisionJudgement:
+def judge(api_name: str, bench: Any, device: Any, same: Any = None, spread: Iterable = (),
+          category: str | None = None) -> PrecisionJudgement:
     """judge_pair of an output not sorted yet."""
-    return judge_pair(api_name, classify(bench, device), same, spread)
+    return judge_pair(api_name, classify(bench, device), same, spread, category=category)
 
 
-def judge_pair(api_name: str, pair: OutputPair, same: Any = None, spread: Iterable = ()) -> PrecisionJudgement:
+def judge_pair(api_name: str, pair: OutputPair, same: Any = None, spread: Iterable = (),
+               category: str | None = None) -> PrecisionJudgement:
     """The verdict of one output. pair: upcast bench output and device output; same: the same-dtype run's output on
     the trusted host (None when it could not run). The device output's metrics against the bench come from the
     pair, computed once for both reports. `spread`: outputs of other correct same-dtype runs (gpu_server.spread);
-    the ratio tests judge against the largest of their metrics and the host run's (docs/standards.md)."""
+    the ratio tests judge against the largest of their metrics and the host run's (docs/standards.md).
+    `category` ("Functional"): with `api_name` the key of a per-API configuration (selection.configure); without
+    it `api_name` itself is looked up (then it must be "Category.api" to match)."""
     if pair.kind == NONE:
         return PrecisionJudgement(message="no bench output")
     if pair.kind == TYPE_MISMATCH:
@@ -59,13 +64,15 @@ def judge_pair(api_name: str, pair: OutputPair, same: Any = None, spread: Iterab
             None, OutputMetrics(binary_error_rate=rate), None)), "")
 
     device = pair.device
-    key = select_standard(api_name, device.dtype)
+    judging = api_judging(api_name, category)
+    key = select_standard(api_name, device.dtype, judging)
     if pair.mismatched:
         return _error(key, pair.reason)
     if dtype_kind(device.dtype) != "integer/bool" and device.dtype not in THRESHOLDS.judged_dtypes:
         return PrecisionJudgement(status=SKIP, algorithm=STANDARD_REGISTRY[key].algorithm,
                                   message=f"{device.dtype} is not supported by the precision standard")
 
+    overrides, row = _overrides(judging, key, device.dtype)
     notes = []
     same_metrics = None
     if same is not None:
@@ -73,19 +80,34 @@ def judge_pair(api_name: str, pair: OutputPair, same: Any = None, spread: Iterab
         if reason:
             notes.append(f"same-dtype run output ignored ({reason.replace('bench', 'same-dtype')})")
         else:
-            same_metrics = pair.member_analysis(same).metrics
-    device_metrics = pair.analysis().metrics
+            same_metrics = (pair.member_analysis(same) if row is None else analyse_with(pair.bench, same, row)).metrics
+    device_metrics = (pair.analysis() if row is None else analyse_with(pair.bench, device, row)).metrics
     standard = STANDARD_REGISTRY[key]
-    result = standard.judge(StandardInput(device.dtype, device_metrics, same_metrics))
+    extra = dict(bench=pair.bench, output=device, overrides=overrides, tier=judging.tier if judging else None)
+    result = standard.judge(StandardInput(device.dtype, device_metrics, same_metrics, **extra))
     if result.status == ERROR and same_metrics is not None:
         # more spread members only make the verdict more lenient: they are computed only for a row that fails
-        spread_metrics = tuple(pair.member_analysis(m).metrics for m in spread if comparable_member(m, device))
+        spread_metrics = tuple((pair.member_analysis(m) if row is None else analyse_with(pair.bench, m, row)).metrics
+                               for m in spread if comparable_member(m, device))
         if spread_metrics:
-            result = standard.judge(StandardInput(device.dtype, device_metrics, same_metrics, spread_metrics))
+            result = standard.judge(StandardInput(device.dtype, device_metrics, same_metrics, spread_metrics,
+                                                  **extra))
     if result.status != PASS and bit_identical(same, device):
         result.status = PASS
         notes.append("pass: the device output is bit-identical to the same-dtype run")
     return _finish(key, result, "; ".join(notes))
+
+
+def _overrides(judging: ApiJudging | None, key: str, dtype: torch.dtype) -> tuple[dict, Any]:
+    """The configured thresholds of this dtype, and the metrics' parameter row when they change one of its
+    parameters (METRIC_PARAMETERS: the metrics are then computed again with it), else None."""
+    if judging is None or not judging.thresholds:
+        return {}, None
+    overrides = dict(judging.thresholds.get(str(dtype).replace("torch.", ""), {}))
+    changed = {name: overrides[name] for name in METRIC_PARAMETERS.get(key, ()) if name in overrides}
+    if not changed or not dtype.is_floating_point:
+        return overrides, None
+    return overrides, replace(THRESHOLDS.for_dtype(dtype), **changed)
 
 
 def _error(key: str, message: str) -> PrecisionJudgement:

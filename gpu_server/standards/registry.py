@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -27,6 +27,17 @@ class StandardInput:
     same: OutputMetrics | None       # same-dtype run against the bench; None when it is not available
     # the other spread members (gpu_server.spread: stochastic-rounding same-dtype runs) against the bench
     spread: tuple = ()
+    # the tensors themselves, for standards that judge elements rather than metrics (mixed tolerance,
+    # quantisation); None where only metrics are known (the offline comparison of two details CSVs)
+    bench: Any = None
+    output: Any = None
+    # a per-API configuration (selection.ApiJudging): this dtype's threshold overrides and the benchmark tier
+    overrides: Mapping[str, float] = field(default_factory=dict)
+    tier: str | None = None
+
+    def param(self, name: str, default: float) -> float:
+        """A threshold of this output: the per-API override when one is configured, else `default`."""
+        return float(self.overrides.get(name, default))
 
     def members(self) -> list:
         """Every correct same-dtype implementation's metrics: the host's run first, then the spread runs."""

@@ -18,7 +18,7 @@ GROSS = 4.0
 @register_standard(THOUSANDTH, "双千指标法", "double-thousandth")
 def double_thousandth(inp: StandardInput) -> StandardResult:
     share = inp.device.thousandth
-    limit = THRESHOLDS.thousandth_standard_pass
+    limit = inp.param("pass_share", THRESHOLDS.thousandth_standard_pass)
     ok = share >= limit
     messages = []
     c = inp.device.counts

@@ -11,6 +11,7 @@ same-dtype run's.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from gpu_server.standards.registry import (
     ERROR,
@@ -34,7 +35,12 @@ _MEAN, _SHARE, _RATIO, _STATUS = "ULP误差平均值", "ULP误差大于阈值占
 
 @register_standard(ULP, "ULP误差比对法", "ULP")
 def ulp_error(inp: StandardInput) -> StandardResult:
-    row = THRESHOLDS.for_dtype(inp.dtype)
+    base = THRESHOLDS.for_dtype(inp.dtype)
+    mean_limit = inp.overrides.get("ulp_mean_limit", base.ulp_mean_limit)
+    row = replace(base, ulp_threshold=inp.param("ulp_threshold", base.ulp_threshold),
+                  ratio_floor=inp.param("ratio_floor", base.ratio_floor),
+                  ulp_share_limit=inp.param("ulp_share_limit", base.ulp_share_limit),
+                  ulp_mean_limit=None if mean_limit is None else float(mean_limit))
     mean, share = inp.device.ulp_mean, inp.device.ulp_over_threshold
     cells: dict[str, str | float] = {_MEAN: mean, _SHARE: share}
 
