@@ -44,7 +44,14 @@ class ServerApp:
                  keep_records: bool = False, graph_budget: int = 2 << 30,
                  bias_fail_ulp: float = DEFAULT_FAIL_ABOVE_ULP, replay_in: str = "process",
                  replay_timeout_s: float = 120.0, replay_memory: int | None = None, world_size: int | None = None,
-                 collective_budget: int = 1 << 30):
+                 collective_budget: int = 1 << 30, extensions: str | None = None):
+        if extensions:   # before anything replays: the references, post-processing and judging it names
+            from gpu_server import extensions as ext
+
+            loaded = ext.load(extensions)   # ExtensionError (a ValueError): one line per problem
+            log.info("extension file %s: %d references (%s), %d post-processed APIs, %d per-API judgings",
+                     loaded.path, len(loaded.references), ", ".join(loaded.references) or "none",
+                     len(loaded.postprocess), len(loaded.judging))
         self.config = config
         self.out_dir = out_dir
         self.limits = limits

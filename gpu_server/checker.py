@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from gpu_server import error_data, metrics, spread
+from gpu_server import error_data, extensions, metrics, spread
 from gpu_server.columns import BLANK
 from gpu_server.intake import Job
 from gpu_server.nonfinite import CallFiniteness
@@ -155,11 +155,15 @@ class Checker:
             return self._forward_complete(job, out)
         if runs.kept is not None:
             self._keep_graphs(job, _Graphs(weakref.ref(job), runs.kept, runs.nbytes))
-        self._note_finiteness(job, "forward", (job.args, job.kwargs), flatten_outputs(job.output), runs.bench)
-        members = (spread.LazyRuns(lambda: self.replayer.forward_members(job, self.match_threads))
-                   if runs.same is not None else None)
-        outcome = self._compare(rep, job, "forward", flatten_outputs(job.output), runs.bench, runs.same,
-                                runs.same_error, members)
+        device, bench, same = flatten_outputs(job.output), runs.bench, runs.same
+        if extensions.has_postprocess(job.category, job.api):   # only the meaningful part of each run is compared
+            device, bench, same = extensions.postprocess(job.category, job.api, job.args, job.kwargs,
+                                                         [device, bench, same])
+        self._note_finiteness(job, "forward", (job.args, job.kwargs), device, bench)
+        members = (spread.LazyRuns(lambda: extensions.postprocess(
+            job.category, job.api, job.args, job.kwargs, self.replayer.forward_members(job, self.match_threads)))
+            if runs.same is not None else None)
+        outcome = self._compare(rep, job, "forward", device, bench, same, runs.same_error, members)
         if job.backward_expected:
             return self._hold(job, outcome)
         self._finish(job, outcome, None, fwd_job=job)
@@ -276,7 +280,8 @@ class Checker:
                 metrics.prefetch(b_on, [d_on, s_on])
                 pair = classify(b_on, d_on)   # sorted into its kind once, for both reports
                 cmp = compare_pair(pair, spread.with_host(s_on, others))
-                verdict = judge_pair(job.api, pair, s_on, spread=others)
+                # by Category.api: the per-API judging of the extension file's [[judge]] (standards/selection.py)
+                verdict = judge_pair(job.api, pair, s_on, spread=others, category=job.category)
             if self._write_rows and self.pooled is not None and pair.kind == TENSORS:
                 self._pool(job, direction, i, b_on, d_on, s_on)
             rep.write_detail(row, _dtype(b), _dtype(d), _shape(d), cmp.metrics, cmp.status, cmp.message, job.step,

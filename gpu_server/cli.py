@@ -8,6 +8,8 @@ Every acknowledged record is in `--out/spool/` until its rows are written; a res
 crash, a kill or a stop) resumes: same report files, spooled records checked first, nothing written twice
 (gpu_server/spool.py). Use a new `--out` for a new session. `--keep-records` moves reported records into
 `--out/spool/kept/` instead of deleting them, so that `gpu-server recheck OUT` can check the whole run again.
+`--extensions FILE` (or run_ut.extensions) loads the operator's extension file at start (docs/extensions.md); a
+file with problems is refused with one line per problem and exit status 2.
 """
 from __future__ import annotations
 
@@ -101,6 +103,10 @@ def _args(argv):
                    help="judging across calls (docs/pooled.md): a bias of an API pooled over the run that is "
                         "statistically significant is an error above X ULP of the device dtype, a finding below "
                         "(default 0.005)")
+    p.add_argument("--extensions", default=None, metavar="FILE",
+                   help="the extension file (TOML, docs/extensions.md): references of custom and fused operators, "
+                        "post-processing of outputs, per-API judging; trusted code, writable by its owner only "
+                        "(docs/security.md). Wins over run_ut.extensions in --config")
     p.add_argument("--quiet", action="store_true", help="no live progress line")
     return p.parse_args(argv)
 
@@ -185,6 +191,7 @@ def main(argv=None) -> int:
                         replay_in=ns.replay_in, replay_timeout_s=ns.replay_timeout_s,
                         replay_memory=None if ns.replay_memory_mb is None else int(ns.replay_memory_mb * MiB),
                         world_size=ns.world_size, collective_budget=int(max(0.0, ns.collective_memory_mb) * MiB),
+                        extensions=ns.extensions or config.extensions or None,
                         **({} if ns.bias_fail_ulp is None else {"bias_fail_ulp": ns.bias_fail_ulp}))
         app.start()
     except (ValueError, OSError, SpoolError) as exc:

@@ -13,7 +13,7 @@ class ServerConfigError(ValueError):
 
 
 _RUN_UT_KEYS = {"white_list", "black_list", "error_data_path", "is_online", "nfs_path", "host", "port", "rank_list",
-                "tls_path", "precision"}
+                "tls_path", "precision", "extensions"}
 _TOP_KEYS = {"task", "run_ut", "dump_path", "rank", "step", "level", "framework"}
 
 
@@ -27,6 +27,7 @@ class ServerConfig:
     port: int = 50051
     rank_list: frozenset[int] = frozenset()   # empty = every rank (msprobe's [] checked nothing)
     tls_path: str = ""
+    extensions: str = ""   # the extension file (docs/extensions.md); `--extensions` wins
 
     def wants(self, api: str) -> bool:
         """msprobe's filters on the bare API name; the black list wins."""
@@ -96,11 +97,22 @@ def parse_server_config(raw) -> ServerConfig:
                 if not os.path.isfile(os.path.join(tls_path, name)):
                     errors.append(f"run_ut.tls_path: {tls_path!r} has no {name} (needs server.key, server.crt, ca.crt; "
                                   "crl.pem optional; see certs/README.md)")
+    extensions = ru.get("extensions", "")
+    if not isinstance(extensions, str):
+        errors.append(f"run_ut.extensions: {extensions!r} is not a string path (the extension file, "
+                      "docs/extensions.md)")
+        extensions = ""
     if errors:
         raise ServerConfigError("invalid server config:\n  " + "\n  ".join(errors))
     return ServerConfig(white_list=white, black_list=black, error_data_path=error_data_path, nfs_path=nfs_path,
-                        host=host, port=port, rank_list=frozenset(ranks), tls_path=tls_path if not nfs_path else "")
+                        host=host, port=port, rank_list=frozenset(ranks), tls_path=tls_path if not nfs_path else "",
+                        extensions=extensions)
 
 
 def load_server_config(path: str) -> ServerConfig:
-    return parse_server_config(read_json(path, "--config", ServerConfigError))
+    """The config in `path`; a relative run_ut.extensions is taken in the config file's folder."""
+    config = parse_server_config(read_json(path, "--config", ServerConfigError))
+    if config.extensions and not os.path.isabs(config.extensions):
+        config = dataclasses.replace(config, extensions=os.path.join(os.path.dirname(os.path.abspath(path)),
+                                                                     config.extensions))
+    return config

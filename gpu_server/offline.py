@@ -4,7 +4,7 @@
     gpu-server summary OUT [--json] [--fail-on error]     the console summary again, from the CSV reports
     gpu-server compare -npu DETAILS.csv -gpu DETAILS.csv -o DIR
                                                           msprobe's api_precision_compare on two machines' files
-    gpu-server recheck OUT [--device cuda] [--config server.json]
+    gpu-server recheck OUT [--device cuda] [--config server.json] [--extensions FILE]
                                                           check the records in OUT's spool again, into a new folder
     gpu-server health --host H --port P [--tls-path DIR]  the gRPC health probe (gpu_server/health.py)
 
@@ -20,12 +20,15 @@ spool segment that is a link or not a regular file is left out of a recheck (sai
 
 `recheck` checks the records the spool holds: those not yet completely reported (a crashed or killed server) and,
 for a server started with `--keep-records`, every reported one (moved into `spool/kept/` instead of deleted). Without
-`--keep-records` a cleanly drained spool is empty and there is nothing to check again.
+`--keep-records` a cleanly drained spool is empty and there is nothing to check again. `--extensions FILE` (or the
+config's run_ut.extensions) rechecks with an extension file (docs/extensions.md): its references, post-processing
+and per-API judging; a file with problems is refused before anything is copied, one line per problem, exit status 2.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import glob
 import io
 import json
@@ -464,9 +467,15 @@ def _say_left_out(folders: list[str], taken: set[str]) -> None:
 
 
 def recheck(out_dir: str, config: ServerConfig | None = None, device: str | None = None, workers: int | None = None,
-            new_dir: str | None = None) -> tuple[str, list[str], Summary]:
+            new_dir: str | None = None, extensions: str | None = None) -> tuple[str, list[str], Summary]:
     """Check the records held in `out_dir`'s spool again with this code's standards and thresholds on `device`,
-    writing a new set of reports into `new_dir` (default `OUT/recheck_{ts}/`). Returns (new_dir, paths, summary)."""
+    writing a new set of reports into `new_dir` (default `OUT/recheck_{ts}/`). Returns (new_dir, paths, summary).
+    `extensions`: the extension file to recheck with (gpu_server/extensions.py; ExtensionError before anything is
+    copied)."""
+    if extensions:
+        from gpu_server import extensions as ext
+
+        ext.load(extensions)
     new_dir = new_dir or os.path.join(out_dir, "recheck_" + time.strftime("%Y%m%d%H%M%S"))
     if os.path.exists(os.path.join(new_dir, "spool")):
         raise ValueError(f"{new_dir} holds a spool already; give a new folder")
@@ -513,6 +522,8 @@ def recheck_main(argv: list[str]) -> int:
     p.add_argument("--workers", type=int, default=None, help="CPU worker threads")
     p.add_argument("--config", default=None, help="server config.json whose white/black/rank lists apply")
     p.add_argument("-o", "--output", default=None, help="folder for the new reports (default OUT/recheck_{ts})")
+    p.add_argument("--extensions", default=None, metavar="FILE",
+                   help="the extension file to recheck with (docs/extensions.md); wins over run_ut.extensions")
     ns = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[gpu-server] %(levelname)s %(message)s", stream=sys.stderr)
     config = None
@@ -522,9 +533,19 @@ def recheck_main(argv: list[str]) -> int:
         raw = read_json(ns.config, "server config JSON", max_bytes=16 << 20, named=True)
         try:
             config = parse_server_config(raw)
+            if config.extensions and not os.path.isabs(config.extensions):   # in the config file's folder
+                config = dataclasses.replace(config, extensions=os.path.join(
+                    os.path.dirname(os.path.abspath(ns.config)), config.extensions))
         except ServerConfigError as exc:
             raise ValueError(f"--config {ns.config}: {_one_line(str(exc))}") from None
-    new_dir, paths, summary = recheck(_out_dir(ns.out), config, ns.device, ns.workers, ns.output)
+    from gpu_server.extensions import ExtensionError
+
+    try:
+        new_dir, paths, summary = recheck(_out_dir(ns.out), config, ns.device, ns.workers, ns.output,
+                                          ns.extensions or (config.extensions if config else None) or None)
+    except ExtensionError as exc:   # one line per problem, as the server says it at start
+        print(f"gpu-server recheck: {exc}", file=sys.stderr)
+        return 2
     print(summary.human())
     print(f"reports of the recheck in {new_dir}:")
     for path in paths:

@@ -3,7 +3,10 @@
 A record's API name is looked up in the allowlist of its category first; only a listed name is then resolved, with
 a fixed attribute lookup in its own namespace (torch.nn.functional, torch and its linalg/fft/special submodules,
 torch.Tensor, torch.ops.aten) or in the fused-operator references. No eval, no import, no attribute lookup of an
-unlisted string. `replayable()` is what intake calls: the name and every argument are checked before a record is
+unlisted string. The server's extension file (gpu_server/extensions.py, docs/extensions.md) adds exactly the custom
+operators (`Custom.<namespace>.<op>`) and fused operators it gives a reference for; their arguments are checked by
+kind there (`Reference.argument_problem`).
+`replayable()` is what intake calls: the name and every argument are checked before a record is
 acknowledged (their kinds in protos/apis.py, the values of index arguments against what they index in
 gpu_server/native_bounds.py), and a call that fails gets a SKIP row "not replayable: <why>".
 """
@@ -14,6 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from gpu_server import extensions
 from gpu_server.native_bounds import index_problem
 from protos import apis
 from protos.torch_compat import dispatcher_op_names
@@ -48,6 +52,16 @@ def _aten_fn(api: str) -> Callable[..., Any] | None:
 
 def resolve(category: str, api: str) -> Callable[..., Any]:
     """The callable for `Category.api` of the allowlist, or UnknownApi with the reason."""
+    ref = extensions.reference_for(category, api)
+    if ref is not None:   # named by the server's extension file: registered with the fused references
+        from gpu_server.fused import get_reference
+
+        found = get_reference(ref.key)
+        if found is None:
+            raise UnknownApi(f"the reference of {category}.{api} from the extension file is not registered")
+        return found
+    if category == "Custom":
+        raise UnknownApi(extensions.custom_op_message(api.replace(".", "::", 1)))
     why = apis.replayable(category, api)
     if why is not None:
         raise UnknownApi(why)
@@ -75,7 +89,13 @@ def replayable(category: str, api: str, args: tuple[Any, ...] = (),
                kwargs: dict[str, Any] | None = None) -> str | None:
     """None if `Category.api(*args, **kwargs)` may be replayed here, else the reason for its SKIP row: a name on
     the allowlist that resolves on this host, arguments of allowed kinds, and index arguments within what they index
-    (a native kernel dereferences them without a bound)."""
+    (a native kernel dereferences them without a bound). A call the extension file gives a reference for: its
+    arguments by kind (gpu_server/extensions.py)."""
+    ref = extensions.reference_for(category, api)
+    if ref is not None:
+        return ref.argument_problem(args, kwargs or {})
+    if category == "Custom":
+        return extensions.custom_op_message(api.replace(".", "::", 1))
     why = apis.replayable(category, api, args, kwargs)
     if why is not None:
         return why

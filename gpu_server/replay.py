@@ -11,6 +11,8 @@
   measured), else against the same-dtype replay; `scaled_dot_product_attention` with dropout recovers the kernel's
   keep-mask from same-dtype replays and computes the bench with it. Always on the recorded device type only;
 - uninitialised outputs (`empty`, `empty_like`, ...) are never compared: SKIP;
+- a reference from the server's extension file (gpu_server/extensions.py) is replayed like a built-in fused
+  reference; one whose meta dry run fails is still run (it is the operator's own, trusted code);
 - in-place APIs act on private copies (every replay gets its own copies);
 - every replay runs inside `global_state_guard`: a call that changed torch's global state (default dtype or device,
   grad mode, threads, deterministic flags, the default generator, ...) is SKIP and the state is put back;
@@ -32,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from gpu_server import memory_bounds
+from gpu_server import extensions, memory_bounds
 from gpu_server.intake import Job
 from gpu_server.native_bounds import index_problem
 from gpu_server.registry import UnknownApi, is_device_string, resolve
@@ -322,7 +324,8 @@ def allocation_check(job: Job, slack: int = 1 << 16) -> None:
     except Exception as exc:  # noqa: BLE001 - fail closed: a call whose memory cannot be estimated is not run
         raise ReplayError(f"not replayable: the memory a replay of {what} needs could not be estimated "
                           f"({type(exc).__name__}: {str(exc)[:200]})") from None
-    if produced is None and job.api not in memory_bounds.BOUNDED_BY_INPUTS:
+    if produced is None and job.api not in memory_bounds.BOUNDED_BY_INPUTS and \
+            extensions.reference_for(job.category, job.api) is None:   # the operator's own reference: trusted code
         raise ReplayError(f"not replayable: {what} failed its dry run on the meta device ({dry}), so the memory its "
                           "replay would take is unknown; only APIs whose memory is bounded by their inputs are "
                           "replayed without one (docs/security.md)")

@@ -6,7 +6,8 @@ run for minutes. `ProcessReplayer` runs every replay of one server worker in a l
 (gpu_server/sandbox_worker.py) with a memory cap (`--replay-memory-mb`: beyond what the child holds when a replay
 starts, by RLIMIT_AS on the CPU; the device memory fraction on CUDA) and a time limit per request
 (`--replay-timeout-s`). The records travel through shared memory (gpu_server/sandbox_wire.py); the child decodes
-them again with the same decoder. When the child dies, or is killed
+them again with the same decoder; it loads the server's extension file (gpu_server/extensions.py) too, so it
+replays the same references. When the child dies, or is killed
 at its time limit, the request raises `WorkerLost`: the checker reports that call SKIP with the reason, the record is
 quarantined in the spool's journal (never replayed at a restart) and the next request starts a new child.
 
@@ -32,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from gpu_server import spread
+from gpu_server import extensions, spread
 from gpu_server.intake import Job
 from gpu_server.replay import (
     KeptForward,
@@ -182,6 +183,9 @@ class ProcessReplayer:
         cmd = [sys.executable, "-m", "gpu_server.sandbox_worker", "--folder", self.folder, "--rfd", str(to_child_r),
                "--wfd", str(from_child_w), "--device", str(self.device), "--threads", str(self.threads),
                "--memory", str(self.limits.memory_bytes), "--max-record-bytes", str(self.max_record_bytes)]
+        ext = extensions.active()
+        if ext is not None:   # the child loads the same references (and refuses to start on a changed, bad file)
+            cmd += ["--extensions", ext.path, "--python-path", os.pathsep.join(ext.python_path)]
         try:
             self._proc = subprocess.Popen(cmd, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env,
                                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

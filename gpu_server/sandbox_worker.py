@@ -1,7 +1,7 @@
 """A replay worker process: runs the replays of one server worker, inside its caps (docs/design.md §6.8).
 
     python -m gpu_server.sandbox_worker --folder F --rfd R --wfd W --device cpu --threads N --memory BYTES
-                                        --max-record-bytes B
+                                        --max-record-bytes B [--extensions FILE --python-path P]
 
 It decodes each record again from the bytes the server put in its arena (gpu_server/sandbox_wire.py), with the
 same decoder the server validated it with, runs the replay functions of gpu_server/replay.py and gpu_server/spread.py
@@ -12,6 +12,10 @@ The caps: on the CPU, before each request the soft RLIMIT_AS is set to the proce
 holds the kept graphs) plus `--memory`: an allocation past it fails inside the replay, which becomes that call's
 SKIP row. On CUDA, the device memory fraction. The server stops a replay that runs past its time limit by killing
 this process. A native crash kills only this process.
+
+With `--extensions`, the server's extension file is loaded as the server loaded it (gpu_server/extensions.py; the
+folders its modules came from in `--python-path`), before the worker says it is ready; a file that no longer
+validates stops the worker with the same message (exit status 2).
 """
 from __future__ import annotations
 
@@ -204,7 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--memory", type=int, required=True)
     p.add_argument("--max-record-bytes", type=int, default=0)
+    p.add_argument("--extensions", default=None)
+    p.add_argument("--python-path", default="")
     ns = p.parse_args(argv)
+    if ns.extensions:
+        from gpu_server import extensions
+
+        try:
+            extensions.load(ns.extensions, [f for f in ns.python_path.split(os.pathsep) if f])
+        except extensions.ExtensionError as exc:
+            print(f"gpu-server replay worker: {exc}", file=sys.stderr)
+            return 2
     # records are decoded as read-only views of the server's arena: the replay never writes its inputs in place (it
     # replays on private copies), and a write would fault here instead of changing what the server holds
     warnings.filterwarnings("ignore", message="The given buffer is not writable")

@@ -4,6 +4,10 @@ Shaped like ``torch/utils/flop_counter.py``: each operator is one small pure fun
 torch_npu name with the :func:`reference` decorator. The server looks names up with :func:`get_reference` and never
 resolves operator names any other way (no ``eval``, no ``getattr`` on user strings).
 
+The operator's extension file (gpu_server/extensions.py, docs/extensions.md) registers its references here too, with
+:func:`register_extension`: a custom ``torch.library`` operator under its ``namespace::op`` name, or a fused operator
+under its bare torch_npu name (replacing the built-in one); :func:`unregister_extensions` takes them back out.
+
 Every reference takes exactly torch_npu's documented positional/keyword arguments and defaults, returns what
 torch_npu returns (same tuple arity), computes in the dtype of its inputs (the server upcasts before calling) on the
 inputs' device, and is written with differentiable torch ops so that the backward is autograd through it.
@@ -13,11 +17,14 @@ from __future__ import annotations
 
 from typing import Callable, TypeVar
 
-__all__ = ["FUSED_REFERENCES", "reference", "get_reference"]
+__all__ = ["FUSED_REFERENCES", "reference", "get_reference", "register_extension", "unregister_extensions",
+           "extension_names"]
 
 F = TypeVar("F", bound=Callable)
 
 FUSED_REFERENCES: dict[str, Callable] = {}
+_BUILT_IN: dict[str, Callable] = {}      # the built-in references an extension replaced, put back by unregister
+_EXTENSIONS: set[str] = set()            # names registered by the extension file
 
 _PREFIXES = ("torch_npu.", "torch.ops.npu.", "npu.")
 
@@ -32,6 +39,30 @@ def reference(name: str) -> Callable[[F], F]:
         return fn
 
     return decorator
+
+
+def register_extension(name: str, fn: Callable) -> None:
+    """Register `fn`, a reference named by the server's extension file, under ``name`` (``namespace::op`` for a
+    custom operator, the bare torch_npu name for a fused one: that one replaces the built-in reference)."""
+    if name in _EXTENSIONS:
+        raise ValueError(f"reference {name!r} is named twice in the extension file")
+    if name in FUSED_REFERENCES:
+        _BUILT_IN[name] = FUSED_REFERENCES[name]
+    FUSED_REFERENCES[name] = fn
+    _EXTENSIONS.add(name)
+
+
+def unregister_extensions() -> None:
+    """Remove every reference of the extension file (the built-in ones it replaced come back)."""
+    for name in list(_EXTENSIONS):
+        FUSED_REFERENCES.pop(name, None)
+        if name in _BUILT_IN:
+            FUSED_REFERENCES[name] = _BUILT_IN.pop(name)
+    _EXTENSIONS.clear()
+
+
+def extension_names() -> frozenset[str]:
+    return frozenset(_EXTENSIONS)
 
 
 def get_reference(name: str) -> Callable | None:
