@@ -138,3 +138,29 @@ def test_metrics_of_an_fp8_device_output(dtype):
     want = (device.float() - bench).abs().max().item()
     assert result.metrics.max_abs_err == pytest.approx(want)
     assert result.metrics.cosine == pytest.approx(1.0, abs=0.01)   # 2-3 mantissa bits
+
+
+@pytest.mark.parametrize("dtype", FP8[:2], ids=str)
+def test_an_fp8_api_is_replayed_with_a_float32_bench_and_judged(dtype):
+    """An API on fp8 tensors giving fp8 (mul): the bench runs in float32 (most CPU kernels do not take one-byte
+    floats), the same-dtype run in fp8; the correct device output passes the standards, one flipped to the next
+    fp8 value is within the mixed tolerance (rtol 2 eps), three values away in a quarter of its elements fails it."""
+    from gpu_server.output_kind import classify
+    from gpu_server.standards.judging import judge_pair
+    from gpu_server.standards.registry import ERROR, PASS
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(256, generator=gen).to(dtype) for _ in range(2))
+    with capture(backward=False) as (mode, sink):
+        with mode:
+            z = torch.mul(x, y)
+    job = to_job(sink.forward("Torch.mul.0"))
+    bench = run_forward(job, CPU, bench=True)
+    same = run_forward(job, CPU, bench=False)
+    assert bench.dtype == torch.float32 and same.dtype == dtype
+    assert judge_pair("mul", classify(bench, z), same, category="Torch").status == PASS
+    near, bad = z.view(torch.uint8).clone(), z.view(torch.uint8).clone()
+    near[::4] += 1   # the next representable value (same sign, finite for these magnitudes)
+    bad[::4] += 3
+    assert judge_pair("mul", classify(bench, near.view(dtype)), same, category="Torch").status == PASS
+    assert judge_pair("mul", classify(bench, bad.view(dtype)), same, category="Torch").status == ERROR
