@@ -1,11 +1,12 @@
 """The server's extension file (issue 23, docs/extensions.md): references for custom torch.library operators,
 post-processing of outputs and per-API judging, given to the server by its operator (`--extensions FILE`).
 
-A real training (tests/custom_op_training.py) calls two custom operators, `mylib::fused_gelu` (with register_fake and
-register_autograd) and `mylib::grouped_rows(x, count)` (writes only the first `count` rows, the others stale), against
-real servers: without the file both are SKIP naming it; with it the correct operators pass forward and backward, a
-planted bug in fused_gelu is an error, and the stale rows never give a false alarm (they do without [[postprocess]]);
-a [[judge]] section changes a verdict on `gpu-server recheck`. Bad files are refused at start, one line per problem."""
+A real training (examples/extensions/train_custom.py, the worked example of docs/extensions.md) calls two custom
+operators, `mylib::fused_gelu` (with register_fake and register_autograd) and `mylib::grouped_rows(x, count)`
+(writes only the first `count` rows, the others stale), against real servers: without the file both are SKIP naming
+it; with it the correct operators pass forward and backward, a planted bug in fused_gelu is an error, and the stale
+rows never give a false alarm (they do without [[postprocess]]); a [[judge]] section changes a verdict on
+`gpu-server recheck`. Bad files are refused at start, one line per problem."""
 from __future__ import annotations
 
 import os
@@ -17,7 +18,8 @@ import pytest
 from tests import support
 
 GPU_SERVER = os.path.join(os.path.dirname(support.PY), "gpu-server")
-TRAINING = os.path.join(os.path.dirname(os.path.abspath(__file__)), "custom_op_training.py")
+TRAINING = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "extensions",
+                        "train_custom.py")
 GELU, ROWS = "Custom.mylib.fused_gelu", "Custom.mylib.grouped_rows"
 
 REFS = '''

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 
 import torch
@@ -14,11 +15,15 @@ import torch.nn.functional as F
 
 from npu_agent import PrecisionDebugger
 
+BUG = os.environ.get("OCHECK_GELU_BUG") == "1"
+
 
 @torch.library.custom_op("mylib::fused_gelu", mutates_args=())
 def fused_gelu(x: torch.Tensor) -> torch.Tensor:
-    """The device's kernel (here: plain torch)."""
-    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    """The device's kernel (here: plain torch; OCHECK_GELU_BUG=1 plants a bug: every value 1 + 2^-8 too large, as a
+    faulty kernel would be, to see the report name it)."""
+    y = 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    return y * (1.0 + 2.0 ** -8) if BUG else y
 
 
 @fused_gelu.register_fake
@@ -83,6 +88,7 @@ def main(config: str, steps: int = 2) -> None:
         opt.zero_grad()
         dbg.step()
     dbg.close()
+    print("TRAINING DONE", float(loss))
 
 
 if __name__ == "__main__":
