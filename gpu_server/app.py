@@ -17,7 +17,8 @@ import time
 from gpu_server import disk
 from gpu_server.config import ServerConfig
 from gpu_server.error_data import Evidence
-from gpu_server.intake import ByteBudget, Intake, Job, check_peak
+from gpu_server.intake import ByteBudget, Intake, check_peak
+from gpu_server.job import Job
 from gpu_server.pending import PendingCalls
 from gpu_server.pooled import DEFAULT_FAIL_ABOVE_ULP, PooledErrors
 from gpu_server.registry import known
@@ -216,17 +217,21 @@ class ServerApp:
         self.done.set()
 
     def shutdown(self) -> None:
-        """Stop accepting: no new streams or records; what was acknowledged is still checked."""
+        """Stop accepting: no new streams or records; what was acknowledged is still checked. The shared folder's
+        reader first reads every complete record file already there (the agent counted them delivered:
+        FolderReader.sweep), so they are reported in this run."""
         if self.server is not None:
             self.server.stop(grace=2.0).wait()
         if self.folder is not None:
             self.folder.stop()
 
     def finish(self) -> list[str]:
-        for name in ("duplicates", "rejected", "filtered", "refused_ranks"):
+        for name in ("duplicates", "rejected", "not_replayable", "filtered", "refused_ranks"):
             self.summary.count(name, getattr(self.intake, name))
         if self.budget.overdrawn:   # half-received records alone filled the budget: the oldest went on beyond it
             self.summary.count("memory_budget_overdrawn", self.budget.overdrawn)
+        if self.folder is not None:   # record files the stop's sweep read from the shared folder (FolderReader.sweep)
+            self.summary.count("folder_files_read_at_stop", self.folder.swept)
         self.summary.count("spool_replayed", self.replayed)
         self.summary.count("spool_quarantined", self.quarantined)
         if self.done.is_set():

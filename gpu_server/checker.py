@@ -18,18 +18,19 @@ import torch
 
 from gpu_server import error_data, extensions, metrics, spread
 from gpu_server.columns import BLANK
-from gpu_server.intake import Job
+from gpu_server.job import CallKey, Job, call_key
 from gpu_server.nonfinite import CallFiniteness
 from gpu_server.output_kind import TENSORS, classify
-from gpu_server.pending import CallKey, Completion, PendingCalls, Waiting, call_key
+from gpu_server.pending import Completion, PendingCalls, Waiting
 from gpu_server.pooled import PooledErrors
 from gpu_server.replay import ReplayError, flatten_outputs
+from gpu_server.report_files import row_name
 from gpu_server.reports import NULL_REPORTS, RankReports, ReportWriteError, Where
 from gpu_server.sandbox import InlineReplayer, OnLost, Replayer, WorkerLost
 from gpu_server.standards.judging import judge_pair
-from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING
+from gpu_server.statuses import ERROR, PASS, SKIP, WARNING, aggregate
 from gpu_server.summary import Summary
-from gpu_server.verdict import aggregate, compare_pair
+from gpu_server.verdict import compare_pair
 from protos import online_check_pb2 as pb
 
 log = logging.getLogger("gpu_server")
@@ -261,14 +262,14 @@ class Checker:
         if len(bench) != len(device):
             msg = f"bench and device outputs differ in structure: {len(bench)} vs {len(device)} compared values"
             where = Where(job.seq, job.module, job.source)
-            rep.write_detail(f"{job.name}.{direction}.output.0", BLANK, BLANK, BLANK, None, ERROR, msg, job.step,
+            rep.write_detail(row_name(job.name, direction, 0), BLANK, BLANK, BLANK, None, ERROR, msg, job.step,
                              where=where)
-            rep.write_precision_detail(f"{job.name}.{direction}.output.0", {}, ERROR, BLANK, msg, job.step,
+            rep.write_precision_detail(row_name(job.name, direction, 0), {}, ERROR, BLANK, msg, job.step,
                                        where=where)
-            self._note_row(job, f"{job.name}.{direction}.output.0", ERROR, "accuracy_checking", msg)
+            self._note_row(job, row_name(job.name, direction, 0), ERROR, "accuracy_checking", msg)
             return Outcome([ERROR], [ERROR], msg, msg)
         for i, (d, b) in enumerate(zip(device, bench)):
-            row = f"{job.name}.{direction}.output.{i}"
+            row = row_name(job.name, direction, i)
             # the bench and same-dtype outputs stay where they were computed (the metrics run on the bench device);
             # the device's output goes there once
             b_on = b.detach() if isinstance(b, torch.Tensor) else b
@@ -308,13 +309,13 @@ class Checker:
         except Exception:  # noqa: BLE001 - the pooled statistics are a view of the rows, never a reason to lose one
             if not self._pool_failed:
                 self._pool_failed = True
-                log.exception("pooled statistics: %s.%s.output.%d could not be pooled (logged once)", job.name,
-                              direction, index)
+                log.exception("pooled statistics: %s could not be pooled (logged once)",
+                              row_name(job.name, direction, index))
 
     def _skip_rows(self, rep: RankReports, job: Job, direction: str, reason: str, status: str = SKIP) -> Outcome:
         """One detail row in each report with a fixed status (SKIP, or ERROR for a collective judged wrong without
         a comparison) and its reason."""
-        row = f"{job.name}.{direction}.output.0"
+        row = row_name(job.name, direction, 0)
         where = Where(job.seq, job.module, job.source)
         rep.write_detail(row, BLANK, BLANK, BLANK, None, status, reason, job.step, where=where)
         rep.write_precision_detail(row, {}, status, BLANK, reason, job.step, where=where)

@@ -47,10 +47,10 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from gpu_server.collective_info import CollectiveInfo
-from gpu_server.intake import Job
+from gpu_server.job import Job
 from gpu_server.replay import flatten_outputs
 from gpu_server.seqset import SeqSet
-from gpu_server.standards.registry import ERROR, SKIP
+from gpu_server.statuses import ERROR, SKIP
 from protos.apis import COLLECTIVES, POINT_TO_POINT
 from protos.trees import iter_leaves
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_server.intake import Job
+from gpu_server.job import Job
 from protos.codec import dtype_from_name, dtype_name
 
 _SCRIPT = '''"""Replays {name} (step {step}, rank {rank}) from the saved data: python replay.py"""

@@ -28,6 +28,12 @@ Rules:
   follows it) or left alone.
 * An end marker counts only for a run and rank whose records reached the server through the folder
   (`Intake.end_backed`), and below `--world-size` when it is given.
+* Stopping (SIGTERM, `stop`): the agent counted every published file as delivered, so the server takes them all.
+  Polling ends with the file in hand, then one sweep reads every complete record file already in the folder (final
+  names only, never the agent's hidden temporary files), in sequence order and without waiting for gaps, and the end
+  markers after them; each file is reserved in the memory budget before it is read and spooled and handed to the
+  workers like any other, so the drain that follows (`ServerApp.finish`) reports them in this run. A file the sweep
+  cannot read (or that the time limit of `stop` leaves unread) stays in the folder for the next start.
 * Every file name that reaches the log is escaped (`protos.limits.log_text`).
 """
 from __future__ import annotations
@@ -78,7 +84,8 @@ class BadFile(Exception):
 
 
 class _Stopped(Exception):
-    """The server stops while a file waits for memory: it is read again at the next start."""
+    """The reader is halted (the stop's time limit is over) while a file waits for memory: it is read again at the
+    next start."""
 
 
 @dataclasses.dataclass
@@ -95,7 +102,7 @@ class _Stream:
 class FolderReader:
     def __init__(self, nfs_path: str, intake: Intake, limits: Limits = DEFAULT_LIMITS,
                  on_end: Callable[[pb.End], None] | None = None, min_poll_s: float = 0.02, max_poll_s: float = 1.0,
-                 gap_grace_s: float = 3.0, budget: ByteBudget | None = None):
+                 gap_grace_s: float = 3.0, budget: ByteBudget | None = None, sweep_on_stop: bool = True):
         self.nfs_path = nfs_path
         self.intake = intake
         self.limits = limits
@@ -106,9 +113,13 @@ class FolderReader:
         self.gap_grace_s = gap_grace_s
         self._streams: dict[tuple[str, int], _Stream] = {}
         self._reported: set[str] = set()
-        self._stop = threading.Event()
+        self._stop = threading.Event()    # stop polling (then sweep, `sweep_on_stop`)
+        self._halt = threading.Event()    # give up now: the file in hand is finished or left, nothing more is read
+        self._sweeping = False
+        self.sweep_on_stop = sweep_on_stop
         self._thread: threading.Thread | None = None
         self.errors = 0
+        self.swept = 0   # record files the stop's sweep processed
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -117,11 +128,19 @@ class FolderReader:
         self._thread = threading.Thread(target=self._run, name="gpu-server-folder", daemon=True)
         self._thread.start()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop polling; the file being processed is finished first (never half-accepted)."""
+    def stop(self, timeout: float = 600.0) -> None:
+        """Stop polling; the file being processed is finished first (never half-accepted). Then, with
+        `sweep_on_stop`, every complete record file already in the folder is read and handed to the intake (`sweep`)
+        before this returns, within `timeout` seconds: what is left then stays for the next start."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("shared folder %s: the files still unread after %.0f s of stopping stay in the folder for "
+                        "the next start", self.nfs_path, timeout)
+            self._halt.set()
+            self._thread.join(30.0)
 
     def _run(self) -> None:
         delay = self.min_poll_s
@@ -135,6 +154,33 @@ class FolderReader:
                 busy = False
             delay = self.min_poll_s if busy else min(delay * 2, self.max_poll_s)
             self._stop.wait(delay)
+        if self.sweep_on_stop and not self._halt.is_set():
+            try:
+                self.sweep()
+            except Exception:  # noqa: BLE001 - what the sweep did not read stays for the next start
+                log.exception("shared folder %s: error while reading the files left at the stop", self.nfs_path)
+
+    def sweep(self, passes: int = 4) -> int:
+        """Read every complete record file in the folder now, in sequence order, without waiting for missing
+        sequence numbers, and the end markers after them; the number of record files processed. A pass that
+        found an end marker's last records published meanwhile is followed by another, `passes` at most."""
+        self._sweeping = True
+        before = self.swept
+        try:
+            for _ in range(passes):
+                if self._halt.is_set() or not self.poll_once():
+                    break
+        finally:
+            self._sweeping = False
+        n = self.swept - before
+        if n:
+            log.info("shared folder %s: %d record files left in the folder at the stop were read and accepted",
+                     self.nfs_path, n)
+        return n
+
+    def _cut(self) -> bool:
+        """Whether the pass in progress ends early: halted, or stopping with a sweep to follow."""
+        return self._halt.is_set() or (self._stop.is_set() and not self._sweeping)
 
     # -- one pass ------------------------------------------------------------------------------------------
     def poll_once(self) -> bool:
@@ -154,7 +200,7 @@ class FolderReader:
                         busy |= self._poll_rank(folder, int(m.group(1)))
                     finally:
                         os.close(folder.fd)
-            if self._stop.is_set():
+            if self._cut():
                 break
         return busy
 
@@ -192,7 +238,7 @@ class FolderReader:
                                            f"'{{run}}.rank{rank}.end'")
         busy = False
         for run_id in sorted(set(records) | set(ends)):
-            if self._stop.is_set():
+            if self._cut():
                 break
             busy |= self._poll_stream(folder, run_id, rank, records.get(run_id, {}), ends.get(run_id))
         return busy
@@ -211,12 +257,17 @@ class FolderReader:
             # restart) or it starts at 0. The agent publishes in order, so the lowest file present is the next.
             st.next_seq = pending[0]
         for seq in pending:
-            if self._stop.is_set():
+            if self._cut():
                 return busy
             if seq < st.next_seq:
                 # Older than what this process already handled (a re-published file): the intake dedupes it.
                 busy |= self._process_record(folder, files[seq], run_id, rank, seq) > 0
                 continue
+            if seq > st.next_seq and self._sweeping:
+                # stopping: the files present are all there is to read now; a missing one is read at the next start
+                log.warning("shared folder: run %s rank %d: records %d..%d are not in the folder at the stop; going "
+                            "on with %d", run_id, rank, st.next_seq, seq - 1, seq)
+                st.next_seq = seq
             if seq > st.next_seq:
                 end_settled = st.end_seen_at is not None and now - st.end_seen_at >= self.gap_grace_s
                 if not end_settled:
@@ -334,7 +385,7 @@ class FolderReader:
     def _acquire(self, asm: FrameAssembler, n: int) -> None:
         """Reserve the rest of a record's peak in the budget (waits for the workers to free it)."""
         if n and self.budget is not None:
-            if not self.budget.acquire(n, self._stop.is_set, own=asm.holding):
+            if not self.budget.acquire(n, self._halt.is_set, own=asm.holding):
                 raise _Stopped()
             asm.granted(n)
 
@@ -358,7 +409,7 @@ class FolderReader:
         """Handle one record file: the number of sequence numbers it covered (a batch file covers several), or 0
         when it could not be read now (retry later, keep the order)."""
         path = folder.join(name)
-        asm = FrameAssembler(self.limits, self.budget, cancelled=self._stop.is_set)
+        asm = FrameAssembler(self.limits, self.budget, cancelled=self._halt.is_set)
         try:
             records = self._load_records(folder, name, run_id, rank, seq, asm)
         except FileNotFoundError:
@@ -388,15 +439,24 @@ class FolderReader:
                 if why:
                     self.intake.rejected += 1
                     status, reason = int(pb.Ack.REJECTED), why
+                    valid = False
                 else:
+                    before = self.intake.not_replayable
                     status, reason = self.intake.accept(record, payload, reserved, ORIGIN)
+                    valid = self.intake.not_replayable > before   # valid, but not replayable here: not "rejected"
                 del payload
-                if status == pb.Ack.REJECTED:
-                    log.warning("shared folder: %s (record %d) rejected: %s", name, record.header.seq, reason)
+                if status == pb.Ack.REJECTED and valid:
+                    log.info("shared folder: %s (record %d) is not replayable here (a SKIP row says why): %s",
+                             log_text(name, 300), record.header.seq, reason)
+                elif status == pb.Ack.REJECTED:
+                    log.warning("shared folder: %s (record %d) rejected: %s", log_text(name, 300), record.header.seq,
+                                reason)
         finally:
             if self.budget is not None:   # records not handed to the intake (an error above): their bytes go back
                 self.budget.release(sum(r[2] for r in records))
         self._remove(folder, name)
+        if self._sweeping:
+            self.swept += 1
         return n
 
     def _process_end(self, folder: _Dir, name: str, run_id: str, rank: int, st: _Stream) -> None:

@@ -41,11 +41,12 @@ from gpu_server import report_files as names
 from gpu_server.atomic_file import write_atomic
 from gpu_server.report_frame import load
 from gpu_server.safe_open import FileRefused, read_json
+from gpu_server.statuses import ERROR, PASS, SKIP, WARNING, WORST_FIRST
 from gpu_server.summary import STANDARD_NAMES
 from protos.limits import call_api
 
-ORDER = {"error": 0, "Warning": 1, "SKIP": 2, "pass": 3}
-COLORS = {"error": "#d62728", "Warning": "#ff9f1c", "SKIP": "#9e9e9e", "pass": "#2ca02c"}
+ORDER = {s: i for i, s in enumerate(WORST_FIRST)}   # worst first
+COLORS = {ERROR: "#d62728", WARNING: "#ff9f1c", SKIP: "#9e9e9e", PASS: "#2ca02c"}
 # per algorithm (比对算法): the ratio columns of api_precision_compare_details and their error thresholds
 RATIOS = {
     "标杆比对法": [("相对误差平均值比值", 2.0), ("均方根误差比值", 2.0), ("小值域错误比值", 2.0),
@@ -111,7 +112,7 @@ def svg_stacked_bars(rows: list[tuple[str, dict[str, int]]], width: int = 640, b
         out.append(f"<text x='{x + 4:.1f}' y='{y + bar - 4}'>{sum(counts.values())}</text>")
     legend_y = h - 6
     lx = label_w
-    for status in ("error", "Warning", "SKIP", "pass"):
+    for status in WORST_FIRST:
         out.append(f"<rect x='{lx}' y='{legend_y - 9}' width='10' height='10' fill='{COLORS[status]}'/>"
                    f"<text x='{lx + 14}' y='{legend_y}'>{status}</text>")
         lx += 80
@@ -147,7 +148,7 @@ def svg_histogram(values: list[tuple[float, bool]], threshold: float | None, xla
            f"<text x='{left - 4}' y='{top + ph}' text-anchor='end'>0</text>"]
     for i, (ok, bad) in enumerate(counts):
         x = left + i * bw
-        for n, color, base in ((ok, "#4c78a8", 0), (bad, COLORS["error"], ok)):
+        for n, color, base in ((ok, "#4c78a8", 0), (bad, COLORS[ERROR], ok)):
             if n:
                 hgt = ph * n / peak
                 y = top + ph - ph * base / peak - hgt
@@ -273,7 +274,7 @@ def _nth(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 def _status_counts(series) -> dict[str, int]:
     counts: dict[str, int] = {}
     for s in series:
-        s = s if s in ORDER else "SKIP"
+        s = s if s in ORDER else SKIP
         counts[s] = counts.get(s, 0) + 1
     return counts
 
@@ -336,8 +337,7 @@ _MOVE_SUMMARY = "; move it out of the folder to have the report from the CSV rep
 
 def _api_bias_csv(out_dir: str, ts: str) -> str:
     """The path of the session's pooled-bias CSV (written beside the summary)."""
-    namer = getattr(names, "api_bias_path", None)
-    return namer(out_dir, ts) if namer else os.path.join(out_dir, f"api_bias_{ts}.csv")
+    return names.api_bias_path(out_dir, ts)
 
 
 def _d(value) -> dict:
@@ -393,11 +393,11 @@ def _anomaly_candidates(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
         if status_col is not None:
             if status_col not in frame.columns:
                 continue
-            bad = frame[frame[status_col].fillna("").astype(str).str.strip() == "error"]
+            bad = frame[frame[status_col].fillna("").astype(str).str.strip() == ERROR]
             rows, directions = bad["API Name"], bad["direction"]
         else:
-            fwd = frame["forward"].fillna("").astype(str).str.strip() == "error"
-            bwd = frame["backward"].fillna("").astype(str).str.strip() == "error"
+            fwd = frame["forward"].fillna("").astype(str).str.strip() == ERROR
+            bwd = frame["backward"].fillna("").astype(str).str.strip() == ERROR
             bad = frame[fwd | bwd]
             rows = bad["call"]
             directions = pd.Series(["forward" if f else "backward" for f in fwd[fwd | bwd]], index=bad.index)
@@ -411,7 +411,7 @@ def _anomaly_candidates(frames: dict[str, pd.DataFrame]) -> pd.DataFrame:
             "call": bad["call"].astype(str), "row": rows.astype(str), "direction": directions.fillna("").astype(str),
             "module": bad[MODULE].map(_text) if MODULE in bad.columns else blank,
             "source": bad[SOURCE].map(_text) if SOURCE in bad.columns else blank,
-            "report": report, "status": "error",
+            "report": report, "status": ERROR,
             "message": bad["Message"].map(_text) if "Message" in bad.columns else blank,
             "kind_order": kind_order, "order": bad.index.to_numpy()}))
     if not parts:
@@ -457,7 +457,7 @@ def _modules_from_calls(calls: pd.DataFrame) -> list[dict] | None:
     None when the reports carry no module paths (an older folder)."""
     if "module" not in calls.columns or not any(calls["module"]):
         return None
-    table = calls.assign(_err=calls["verdict"] == "error", _warn=calls["verdict"] == "Warning").groupby(
+    table = calls.assign(_err=calls["verdict"] == ERROR, _warn=calls["verdict"] == WARNING).groupby(
         "module").agg(calls=("call", "size"), errors=("_err", "sum"), warnings=("_warn", "sum")).reset_index()
     table = table.sort_values(["errors", "warnings", "calls", "module"], ascending=[False, False, False, True],
                               kind="stable")
@@ -651,7 +651,7 @@ def _section_modules(modules: list | None, origin: str) -> list[str]:
                  "</tr></thead><tbody>")
     for m in rows[:MAX_MODULE_ROWS]:
         module, errors, warnings = _text(m.get("module")), _int(m.get("errors")) or 0, _int(m.get("warnings")) or 0
-        status = "error" if errors else "Warning" if warnings else ""
+        status = ERROR if errors else WARNING if warnings else ""
         label = (f"<a href='{_e(_filter_href(module, status))}'>{_module_cell(module)}</a>" if module and status
                  else _module_cell(module))
         parts.append(f"<tr data-module='{_e(module)}'><td>{label}</td><td class='num'>{_cell_num(m.get('calls'))}</td>"
@@ -743,7 +743,7 @@ def _top_down(summary: dict[str, Any], frames: dict[str, pd.DataFrame], calls: p
     parts: list[str] = []
     first = _d(summary.get("first_anomaly"))
     if isinstance(first.get("earliest"), dict) or any(isinstance(v, dict) for v in _d(first.get("by_rank")).values()):
-        origin = f"from summary_{ts}.json"
+        origin = f"from {os.path.basename(names.summary_path(out_dir, ts))}"
     else:   # no summary, an older one, or one whose rows had no Seq (an older agent): the CSV rows tell
         first = _first_anomaly_from_csv(frames)
         origin = ("computed from the CSV rows: per rank the failing row with the smallest Seq (execution order); "
@@ -755,7 +755,7 @@ def _top_down(summary: dict[str, Any], frames: dict[str, pd.DataFrame], calls: p
                  if bias_csv and os.path.isfile(bias_csv) else None)
     parts += _section_api_bias(_d(summary.get("api_bias")), bias_link)
     if isinstance(summary.get("modules"), list):
-        parts += _section_modules(summary["modules"], f"from summary_{ts}.json")
+        parts += _section_modules(summary["modules"], f"from {os.path.basename(names.summary_path(out_dir, ts))}")
     else:
         parts += _section_modules(_modules_from_calls(calls) if len(calls) else [],
                                   "computed from the CSV rows (a call's verdict is the worst of its statuses)")
@@ -778,7 +778,7 @@ def _collectives(summary: dict[str, Any], out_dir: str, ts: str | None) -> dict:
             continue
         for row in _read_rows(os.path.join(out_dir, name)) or ():
             counts.add(rank, _text(row.get("API Name")), _text(row.get("Group")), int_cell(row.get("Group Seq")) or 0,
-                       _text(row.get("Status")) or "SKIP", _text(row.get("Finding")), _text(row.get("Message")),
+                       _text(row.get("Status")) or SKIP, _text(row.get("Finding")), _text(row.get("Message")),
                        members=_text(row.get("Ranks")))
     return counts.as_dict() if counts.rows_by_finding else {}
 
@@ -878,7 +878,7 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
                                  or f"id='{ident}'" in present) + "</nav>"
 
     # failing and warning calls
-    bad = calls[calls["verdict"].isin(["error", "Warning"])].copy()
+    bad = calls[calls["verdict"].isin([ERROR, WARNING])].copy()
     bad["order"] = bad["verdict"].map(ORDER)
     bad = bad.sort_values(["order", "api", "rank", "step", "call"], kind="stable")
     parts.append(f"<h2 id='failing'>Failing and warning calls ({len(bad)})</h2>")
@@ -920,8 +920,8 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
     # verdicts at a glance, by API and by standard
     parts.append("<h2 id='verdicts'>Verdicts at a glance</h2><div class='tiles' id='tiles'>")
     parts.append(f"<div class='tile'><b id='n-calls'>{len(calls)}</b>calls checked</div>")
-    for status, label in (("error", "calls failed"), ("Warning", "with a warning"), ("SKIP", "skipped"),
-                          ("pass", "passed")):
+    for status, label in ((ERROR, "calls failed"), (WARNING, "with a warning"), (SKIP, "skipped"),
+                          (PASS, "passed")):
         parts.append(f"<div class='tile {status}'><b id='n-{status}'>{verdicts.get(status, 0)}</b>{label}</div>")
     parts.append(f"<div class='tile'><b>{len(pdet)}</b>output rows judged</div></div>")
     parts.append("<p class='muted'>A call's verdict is the worst of its forward and backward statuses in both reports: "
@@ -931,7 +931,7 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
     by_api = []
     for api, group in calls.groupby("api"):
         by_api.append((api, _status_counts(group["verdict"])))
-    by_api.sort(key=lambda item: (-item[1].get("error", 0), -item[1].get("Warning", 0), item[0]))
+    by_api.sort(key=lambda item: (-item[1].get(ERROR, 0), -item[1].get(WARNING, 0), item[0]))
     parts.append("<h3 id='by-api'>Verdicts by API</h3><div class='grid'><div>")
     parts.append(svg_stacked_bars(by_api[:40]))
     if len(by_api) > 40:
@@ -941,24 +941,24 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
     for api, c in by_api:
         parts.append(f"<tr data-api='{_e(api)}'><td>{_e(api)}</td><td class='num'>{sum(c.values())}</td>"
                      + "".join(f"<td class='num {'s-' + s if c.get(s) and s != 'pass' else ''}'>{c.get(s, 0)}</td>"
-                               for s in ("error", "Warning", "SKIP", "pass")) + "</tr>")
+                               for s in WORST_FIRST) + "</tr>")
     parts.append("</tbody></table></div></div>")
     by_std = []
     if len(pdet):
         for algo, group in pdet.groupby(pdet["比对算法"].fillna(" ").str.strip().replace("", "none (SKIP)")):
             by_std.append((f"{STANDARD_NAMES.get(algo, algo)} ({algo})" if algo in STANDARD_NAMES else algo,
-                           _status_counts(group["比对结果"].fillna("SKIP"))))
+                           _status_counts(group["比对结果"].fillna(SKIP))))
     parts.append("<h3 id='by-standard'>Output rows by precision standard (比对算法)</h3>")
-    parts.append(svg_stacked_bars(sorted(by_std, key=lambda x: -x[1].get("error", 0))))
+    parts.append(svg_stacked_bars(sorted(by_std, key=lambda x: -x[1].get(ERROR, 0))))
 
     # error distributions of failing APIs
-    failing_apis = [api for api, c in by_api if c.get("error")]
+    failing_apis = [api for api, c in by_api if c.get(ERROR)]
     parts.append(f"<h2 id='distributions'>Error distributions of the failing APIs ({len(failing_apis)})</h2>")
     if not failing_apis:
         parts.append("<p>No API failed.</p>")
     for api in failing_apis[:20]:
         rows = pdet[pdet["api"] == api]
-        failing_dirs = sorted(set(rows.loc[rows["比对结果"] == "error", "direction"].dropna()))
+        failing_dirs = sorted(set(rows.loc[rows["比对结果"] == ERROR, "direction"].dropna()))
         parts.append(f"<h3 class='api-dist' data-api='{_e(api)}'>{_e(api)} "
                      f"<span class='muted'>({', '.join(failing_dirs) or 'two-way status only'})</span></h3>"
                      "<div class='grid'>")
@@ -968,7 +968,7 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
             for algo in algos[:1]:
                 arows = sub[sub["比对算法"].str.strip() == algo]
                 for col, thr in RATIOS[algo][:2]:
-                    vals = [(float(v), r == "error") for v, r in zip(arows[col], arows["比对结果"]) if pd.notna(v)]
+                    vals = [(float(v), r == ERROR) for v, r in zip(arows[col], arows["比对结果"]) if pd.notna(v)]
                     if vals:
                         parts.append(f"<div class='card'><div>{_e(direction)} &middot; {_e(algo)} &middot; "
                                      f"{len(vals)} output rows</div>"
@@ -979,7 +979,7 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
                     drows = det[(det["api"] == api) & (det["direction"] == direction)]
                     merged = drows.merge(arows[["rank", "ts", "API Name", "step", "比对结果"]],
                                          on=["rank", "ts", "API Name", "step"], how="left")
-                    vals = [(float(v), r == "error") for v, r in zip(merged[dev_col], merged["比对结果"])
+                    vals = [(float(v), r == ERROR) for v, r in zip(merged[dev_col], merged["比对结果"])
                             if pd.notna(v)]
                     if vals:
                         parts.append(f"<div class='card'><div>{_e(direction)} &middot; device against the bench"
@@ -992,12 +992,12 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
     series = {}
     for rank in ranks:
         sub = calls[calls["rank"] == rank]
-        series[f"rank {rank}"] = [(s, float((g["verdict"] == "error").sum())) for s, g in sub.groupby("step")]
+        series[f"rank {rank}"] = [(s, float((g["verdict"] == ERROR).sum())) for s, g in sub.groupby("step")]
     parts.append("<div class='card'><div>failing calls per step</div>" + svg_lines(series, "failing calls")
                  + "</div>")
     ratio_series = {}
     for api in failing_apis[:8]:
-        rows = pdet[(pdet["api"] == api) & (pdet["比对结果"].isin(["error", "pass"]))]
+        rows = pdet[(pdet["api"] == api) & (pdet["比对结果"].isin([ERROR, PASS]))]
         algo = next((a for a in rows["比对算法"].dropna().str.strip() if a in RATIOS), None)
         if algo is None:
             continue
@@ -1020,14 +1020,14 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
         rs = sorted(set(int(s) for s in sub["step"] if s >= 0))
         parts.append(f"<tr data-rank='{rank}'><td>{rank}</td><td class='num'>{len(sub)}</td>"
                      + "".join(f"<td class='num {'s-' + s if c.get(s) and s != 'pass' else ''}'>{c.get(s, 0)}</td>"
-                               for s in ("error", "Warning", "SKIP", "pass"))
+                               for s in WORST_FIRST)
                      + f"<td>{(str(rs[0]) + '-' + str(rs[-1])) if rs else '-'}</td></tr>")
     parts.append("</tbody></table>")
     if failing_apis and ranks:
         parts.append("<h3>Failing calls per API and rank</h3><table id='api-rank'><thead><tr><th>API</th>"
                      + "".join(f"<th>rank {r}</th>" for r in ranks) + "</tr></thead><tbody>")
         for api in failing_apis:
-            sub = calls[(calls["api"] == api) & (calls["verdict"] == "error")]
+            sub = calls[(calls["api"] == api) & (calls["verdict"] == ERROR)]
             counts = sub.groupby("rank").size().to_dict()
             parts.append(f"<tr><td>{_e(api)}</td>" + "".join(
                 f"<td class='num {'s-error' if counts.get(r) else ''}'>{counts.get(r, 0)}</td>" for r in ranks)

@@ -6,26 +6,28 @@ drops duplicates (same run, rank, seq), applies the rank and API filters, valida
 names, tensor table, every value decoded, the replay registry) and only then writes it to the durable spool
 (gpu_server/spool.py) and hands the decoded `Job` to the workers; it returns a `Ticket` that holds the
 acknowledgement once the record is durable. A record that fails validation is answered REJECTED at once with the
-reason and a SKIP row, and is never spooled. `Intake.accept` is the same, waiting for the ticket. `Intake.end_backed`
+reason and a SKIP row, and is never spooled; it is counted `rejected` when it breaks the wire contract (malformed,
+hostile, refused sizes or names) and `not_replayable` when it is valid but cannot be replayed here (its arguments, an
+API this host lacks). `Intake.accept` is the same, waiting for the ticket. `Intake.end_backed`
 says whether an end message may count (its run and rank sent records).
 """
 from __future__ import annotations
 
 import asyncio
 import bisect
-import dataclasses
 import logging
 import mmap
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from gpu_server.collective_info import CollectiveError, CollectiveInfo, from_wire
+from gpu_server.collective_info import CollectiveError, from_wire
 from gpu_server.config import ServerConfig
-from gpu_server.registry import replayable
+from gpu_server.job import Job
+from gpu_server.registry import name_refused, replayable
 from gpu_server.seqset import SeqSet
 from protos import online_check_pb2 as pb
 from protos.apis import COLLECTIVES, POINT_TO_POINT
@@ -39,41 +41,6 @@ if TYPE_CHECKING:
     from gpu_server.spool import Spool, Ticket
 
 ACCEPTED, DUPLICATE, REJECTED = pb.Ack.ACCEPTED, pb.Ack.DUPLICATE, pb.Ack.REJECTED
-
-
-@dataclasses.dataclass
-class Job:
-    run_id: str
-    rank: int
-    step: int
-    seq: int
-    name: str                  # Functional.linear.0
-    category: str
-    api: str
-    direction: int
-    args: tuple = ()
-    kwargs: dict = dataclasses.field(default_factory=dict)
-    output: Any = None
-    grad_output: Any = None
-    grad_input: Any = None
-    grad_input_positions: tuple[int, ...] = ()
-    requires_grad: frozenset[int] = frozenset()   # ids of decoded input tensors that required grad
-    grad_enabled: bool = False
-    autocast: tuple[bool, str, str] = (False, "", "")
-    inplace: bool = False
-    backward_expected: bool = False
-    rng_state: bytes = b""
-    rng_device: str = ""
-    mask: torch.Tensor | None = None
-    skip_reason: str = ""      # set: the call is reported SKIP with this reason
-    intra_op_threads: int = 0  # CPU training's thread count (0: unknown / not a CPU device)
-    nbytes: int = 0
-    reserved: int = 0          # bytes of the server's memory budget this job holds until it is checked
-    module: str = ""           # where the call was made (the header's, through wire_text): "TinyLM.blocks.0.attn"
-    source: str = ""           # "train.py:42 (forward)"
-    collective: CollectiveInfo | None = None   # a torch.distributed call: matched across ranks, never replayed
-    wire: tuple[Any, Any] | None = None   # (pb.Record, payload) it was decoded from: a replay worker process decodes
-                                          # the same bytes again (gpu_server/sandbox.py)
 
 
 MAX_WHERE = 1024   # characters kept of a record's module path and source location
@@ -725,7 +692,8 @@ class Intake:
         self.on_closed: Callable[[], None] = lambda: None   # an origin's last stream closed (ServerApp: done yet?)
         self.received = 0
         self.duplicates = 0
-        self.rejected = 0
+        self.rejected = 0          # records that break the wire contract (malformed, hostile, refused sizes or names)
+        self.not_replayable = 0    # valid records that cannot be replayed here (their SKIP row says why)
         self.filtered = 0
         self.refused_ranks = 0
 
@@ -888,7 +856,12 @@ class Intake:
         if not job.skip_reason:
             why = replayable(match.group(1), match.group(2), job.args, job.kwargs)
             if why is not None:
-                self.rejected += 1
+                # a name the agent never sends without its reason breaks the contract (rejected); a valid record
+                # whose arguments (or this host) keep it from being replayed is `not replayable`: its SKIP row says why
+                if name_refused(match.group(1), match.group(2)):
+                    self.rejected += 1
+                else:
+                    self.not_replayable += 1
                 return job, f"{h.name}: {why}"
         return job, ""
 

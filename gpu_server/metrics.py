@@ -1,19 +1,19 @@
 """Per-output metrics of docs/standards.md: pure functions of (bench, device) tensors, no I/O.
 
 `bench` is the upcast bench output (float32 for a float16/bfloat16 device output, float64 for float32), `device`
-the device output in its own dtype. Every parameter follows the DEVICE dtype (gpu_server.standards.thresholds),
+the device output in its own dtype. Every parameter follows the DEVICE dtype (gpu_server.dtype_limits),
 except the eps of the relative error, which docs/standards.md defines as 2^-8 for a bfloat16 device and otherwise the
 machine epsilon of the BENCH dtype (2^-23 for float16 outputs, 2^-52 for float32 outputs).
 
 All statistics are accumulated in float64 with vectorised torch ops on the bench tensor's device, chunk by chunk
-(THRESHOLDS.chunk_elements) so that temporaries stay bounded for large outputs.
+(CHUNK_ELEMENTS) so that temporaries stay bounded for large outputs.
 
 Conventions (where msprobe is silent):
 - Empty outputs: double-x ratios 1, error rates and shares 0, max/mean/RMSE 0, cosine blank (None).
 - float64 device outputs: every metric is computed, with float64's own eps (2^-52) and ULP parameters
   (p 52, min_eb -1022) and float32's small value (2^-20), tolerances (rtol 2^-20, small atol 2^-30) and ULP
   threshold (32). The precision standards do not judge float64 (SKIP); the two-way status does.
-- float8_e4m3fn / float8_e5m2 have rows of their own (gpu_server.standards.thresholds); other float formats (float8
+- float8_e4m3fn / float8_e5m2 have rows of their own (gpu_server.dtype_limits); other float formats (float8
   ...fnuz): the float16 row (8/16-bit) or the float32 row, ULP parameters from torch.finfo. One-byte float outputs are
   widened to float32 (exactly) before any arithmetic: torch has few kernels for them; the parameters stay the format's.
 - Complex outputs are compared as their real and imaginary parts (torch.view_as_real) with the parameters of the
@@ -38,7 +38,16 @@ import numpy
 import torch
 
 from gpu_server import metric_kernel
-from gpu_server.standards.thresholds import THRESHOLDS, DtypeThresholds
+from gpu_server.dtype_limits import (
+    CHUNK_ELEMENTS,
+    COSINE_PASS,
+    COSINE_ZERO,
+    HUNDREDTH,
+    TEN_THOUSANDTH,
+    THOUSANDTH,
+    DtypeThresholds,
+    row_for,
+)
 
 
 @dataclass(frozen=True)
@@ -170,7 +179,7 @@ def prefetch(bench: Any, others: list) -> None:
         elif twin is not o:
             twins.append((o, twin))
     for members in by_dtype.values():
-        for o, result in zip(members, _analyse_floats(bench, members, THRESHOLDS.chunk_elements)):
+        for o, result in zip(members, _analyse_floats(bench, members, CHUNK_ELEMENTS)):
             memo[(id(bench), id(o), None)] = (bench, o, result)
     for o, twin in twins:   # bit-identical outputs have identical metrics: computed once
         memo[(id(bench), id(o), None)] = (bench, o, memo[(id(bench), id(twin), None)][2])
@@ -201,7 +210,7 @@ def _analyse_one(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int 
         raise ValueError(mismatch(bench, device))
     if device.dtype.is_complex:
         bench, device = torch.view_as_real(bench.resolve_conj()), torch.view_as_real(device.resolve_conj())
-    chunk = chunk_elements or THRESHOLDS.chunk_elements
+    chunk = chunk_elements or CHUNK_ELEMENTS
     numel = device.numel()
     if not device.dtype.is_floating_point:
         device = device.detach().to(bench.device)
@@ -301,7 +310,7 @@ class _Accumulator:
 
     def __init__(self, bench_dtype: torch.dtype, device_dtype: torch.dtype, row: DtypeThresholds | None = None):
         self.device_dtype = device_dtype
-        self.p: DtypeThresholds = row or THRESHOLDS.for_dtype(device_dtype)
+        self.p: DtypeThresholds = row or row_for(device_dtype)
         bench_float = bench_dtype if bench_dtype.is_floating_point else torch.float64
         self.eps = self.p.eps if self.p.eps is not None else torch.finfo(bench_float).eps
         info = torch.finfo(device_dtype)
@@ -328,7 +337,7 @@ class _Accumulator:
         self.maxima[key] = torch.maximum(self.maxima[key].to(values.device), values.max())  # NaN propagates
 
     def add(self, bench: torch.Tensor, device: torch.Tensor) -> None:
-        p, t = self.p, THRESHOLDS
+        p = self.p
         b, d = bench.double(), device.double()
         # the bench in the device dtype (finiteness, saturation)
         golden = _widened(bench.to(self.device_dtype)).double()
@@ -336,9 +345,9 @@ class _Accumulator:
         abs_err = (d - b).abs()
         rel = abs_err / (abs_b + self.eps)
         self._max("abs", abs_err)
-        self._count("hundredth", rel < t.hundredth)
-        self._count("thousandth", rel < t.thousandth)
-        self._count("ten_thousandth", rel < t.ten_thousandth)
+        self._count("hundredth", rel < HUNDREDTH)
+        self._count("thousandth", rel < THOUSANDTH)
+        self._count("ten_thousandth", rel < TEN_THOUSANDTH)
         both_nan = torch.isnan(b) & torch.isnan(d)
         self._count("binary", (d != b) & ~both_nan)
         self._count("above", d > b)
@@ -394,7 +403,7 @@ class _Accumulator:
         return self._resolved
 
     def cosine(self, numel: int) -> CosineCheck:
-        zero = THRESHOLDS.cosine_zero
+        zero = COSINE_ZERO
         if numel == 1:
             return CosineCheck(None, True, "one element: cosine similarity not applicable")
         f = self._resolve()[1]
@@ -409,7 +418,7 @@ class _Accumulator:
         if math.isnan(cos):
             return CosineCheck(cos, False, "cosine similarity is NaN (inf or NaN in the outputs)")
         cos = min(1.0, max(-1.0, cos))
-        return CosineCheck(cos, cos > THRESHOLDS.cosine_pass, "")
+        return CosineCheck(cos, cos > COSINE_PASS, "")
 
     def metrics(self, numel: int) -> OutputMetrics:
         c, f = self._resolve()
@@ -534,7 +543,7 @@ def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: i
     sc = _scratch()
     f64 = torch.float64
     acc0 = quick[0][0]
-    p, t = acc0.p, THRESHOLDS
+    p = acc0.p
     tile = _TILE if dev.type == "cpu" else n
     scale = 2.0 ** p.ulp_precision
     size = min(tile, n)
@@ -600,8 +609,8 @@ def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: i
             spf = spacing[:m].view(f64)
             rl, tm, mk = rel[:m], tmp[:m], mask[:m]
             torch.div(ae, den, out=rl)
-            for key, bound in (("hundredth", t.hundredth), ("thousandth", t.thousandth),
-                               ("ten_thousandth", t.ten_thousandth)):
+            for key, bound in (("hundredth", HUNDREDTH), ("thousandth", THOUSANDTH),
+                               ("ten_thousandth", TEN_THOUSANDTH)):
                 c[key] = c[key] + torch.count_nonzero(torch.lt(rl, bound, out=mk))
             sg = signs[j]
             sg[0] = sg[0] + torch.sign(df, out=tm).sum()   # sums of +-1 and 0: exact integers in float64
@@ -641,12 +650,12 @@ def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor,
     f64, dev = torch.float64, flat_b.device
     sc = _scratch()
     acc0 = quick[0][0]
-    p, t = acc0.p, THRESHOLDS
+    p = acc0.p
     size = min(_TILE, n)
     spb, ae = sc.get("spacing", size, torch.int64, dev), sc.get("abserr", size, f64, dev)
     np_spb = spb.numpy()
     np_spf, np_ae = np_spb.view(numpy.float64), ae.numpy()
-    bounds = numpy.array([t.hundredth, t.thousandth, t.ten_thousandth], dtype=numpy.float64)
+    bounds = numpy.array([HUNDREDTH, THOUSANDTH, TEN_THOUSANDTH], dtype=numpy.float64)
     scale = 2.0 ** p.ulp_precision
     bmax_f = float(bmax)
     np_bb = bb.numpy()

@@ -39,7 +39,9 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from gpu_server import report_files
 from gpu_server.safe_open import FileRefused, create_regular, csv_rows, open_regular, read_json
+from gpu_server.statuses import aggregate
 
 if TYPE_CHECKING:
     import torch
@@ -107,8 +109,9 @@ def report_main(argv: list[str]) -> int:
     from gpu_server.html_report import write_html
 
     out = _out_dir(ns.out)
-    if not glob.glob(os.path.join(glob.escape(out), "api_precision_compare_result_*_rank*.csv")):
-        raise FileNotFoundError(f"{out}: no api_precision_compare_result_*_rank*.csv reports in it")
+    pattern = report_files.rank_glob(report_files.PRECISION_RESULT)
+    if not glob.glob(os.path.join(glob.escape(out), pattern)):
+        raise FileNotFoundError(f"{out}: no {pattern} reports in it")
     if ns.output is not None:
         _check_output(ns.output)
     print(write_html(out, ns.output))
@@ -132,13 +135,13 @@ def _check_output(path: str) -> None:
 def summarize(out_dir: str) -> Summary:
     """A gpu_server.summary.Summary rebuilt from the CSV reports of every session in `out_dir`, with the end and
     transport counts of the sessions' summary_{ts}.json files where they exist."""
-    from gpu_server.report_frame import report_files
+    from gpu_server.report_frame import report_files as frame_files
     from gpu_server.summary import Summary
 
     summary = Summary()
-    sessions = sorted({ts for _, ts, _ in report_files(out_dir, "result")})
+    sessions = sorted({ts for _, ts, _ in frame_files(out_dir, "result")})
     if not sessions:
-        raise FileNotFoundError(f"{out_dir}: no accuracy_checking_result_*_rank*.csv reports in it")
+        raise FileNotFoundError(f"{out_dir}: no {report_files.rank_glob(report_files.RESULT)} reports in it")
     for ts in sessions:
         summary.seed_from_reports(out_dir, ts, strict=True)
         _reload_summary_json(summary, out_dir, ts)
@@ -300,17 +303,6 @@ def judge_pair(npu: dict[str, str], gpu: dict[str, str]) -> tuple[str, dict[str,
                                                              for m in result.messages if m).strip()
 
 
-def _api_status(statuses: list[str]) -> str:
-    if not statuses:
-        return " "
-    if all(s == "SKIP" for s in statuses):
-        return "SKIP"
-    for s in ("error", "Warning"):
-        if s in statuses:
-            return s
-    return "pass"
-
-
 def compare(npu_path: str, gpu_path: str, out_dir: str) -> tuple[str, str]:
     """Write api_precision_compare_result_{ts}.csv and api_precision_compare_details_{ts}.csv into out_dir from two
     details files. Rows are matched by API Name (and Step, when both files have it: ours repeat API names per
@@ -331,8 +323,8 @@ def compare(npu_path: str, gpu_path: str, out_dir: str) -> tuple[str, str]:
         gpu_by[k] = row
     os.makedirs(out_dir, exist_ok=True)
     ts = time.strftime("%Y%m%d%H%M%S")
-    result_path = os.path.join(out_dir, f"api_precision_compare_result_{ts}.csv")
-    details_path = os.path.join(out_dir, f"api_precision_compare_details_{ts}.csv")
+    result_path = report_files.comparison_path(out_dir, report_files.PRECISION_RESULT, ts)
+    details_path = report_files.comparison_path(out_dir, report_files.PRECISION_DETAILS, ts)
     extra = ["Step"] if with_step else []
     # (full API, step) -> {"forward": [...], "backward": [...], "skip": msg, "unsupported": bool}
     calls: dict[tuple[str, str], dict[str, Any]] = {}
@@ -368,7 +360,7 @@ def compare(npu_path: str, gpu_path: str, out_dir: str) -> tuple[str, str]:
                 entry["skip"] = message
         for (api, api_step), entry in calls.items():
             tail = [api_step] if with_step else []
-            fwd, bwd = _api_status(entry["forward"]), _api_status(entry["backward"])
+            fwd, bwd = aggregate(entry["forward"]), aggregate(entry["backward"])
             if entry["unsupported"] and not entry["forward"] and not entry["backward"]:
                 results.writerow([api, "SKIP", "SKIP", "This data type does not support benchmark compare."] + tail)
                 continue

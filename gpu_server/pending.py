@@ -1,8 +1,9 @@
 """The one owner of a call's lifecycle on the server: from its first record to its result row, and what the
 spool's journal says about each record (gpu_server/spool_journal.py).
 
-A record is identified by a `RecordKey` (run, rank, seq), a call by a `CallKey` (run, rank, step, name). Every
-decision about what is reported and journaled is made here, whatever ends the wait:
+A record is identified by a `RecordKey` (run, rank, seq), a call by a `CallKey` (run, rank, step, name), both
+defined in gpu_server/job.py. Every decision about what is reported and journaled is made here, whatever ends the
+wait:
 
 | event                              | rows written                        | journal                               |
 |------------------------------------|-------------------------------------|---------------------------------------|
@@ -26,30 +27,11 @@ import dataclasses
 import logging
 import threading
 from collections import OrderedDict
-from typing import Any, NamedTuple
+from typing import Any
+
+from gpu_server.job import CallKey, RecordKey, call_key, record_key
 
 log = logging.getLogger("gpu_server")
-
-
-class RecordKey(NamedTuple):
-    run_id: str
-    rank: int
-    seq: int
-
-
-class CallKey(NamedTuple):
-    run_id: str
-    rank: int
-    step: int
-    name: str
-
-
-def record_key(job) -> RecordKey:
-    return RecordKey(job.run_id, int(job.rank), int(job.seq))
-
-
-def call_key(job) -> CallKey:
-    return CallKey(job.run_id, int(job.rank), int(job.step), job.name)
 
 
 @dataclasses.dataclass

@@ -114,5 +114,18 @@ def known(category: str, api: str) -> str | None:
         return str(exc)
 
 
-def is_device_string(api: str, value: Any) -> bool:
-    return apis.is_device_string(api, value)
+def is_device_string(api: str, value: Any, param: str | None = None) -> bool:
+    """A device given as a string ('cpu', 'cuda:0', 'npu:0') where the API takes a device (`device=` of any API, or
+    positionally to `to`/`cuda`/`cpu`): data, replaced by the bench device in the replay."""
+    return apis.is_device_string(api, value, param)
+
+
+def name_refused(category: str, api: str) -> bool:
+    """Whether `Category.api` is refused by its name alone (an unknown category, a name outside the allowlist, a
+    fused operator without a reference). The agent decides that at capture time and sends such calls with their
+    reason and no tensors (npu_agent/capture.py), so a record that still asks for one breaks the wire contract: it
+    is counted rejected. A valid record refused for its arguments, or for an API this host lacks, is counted
+    `not replayable` instead (gpu_server/intake.py)."""
+    if category == "Custom" or extensions.reference_for(category, api) is not None:
+        return False
+    return apis.replayable(category, api) is not None

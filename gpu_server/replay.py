@@ -14,6 +14,9 @@
 - a reference from the server's extension file (gpu_server/extensions.py) is replayed like a built-in fused
   reference; one whose meta dry run fails is still run (it is the operator's own, trusted code);
 - in-place APIs act on private copies (every replay gets its own copies);
+- every device argument (a `torch.device`, or a device string such as 'cpu' or 'npu:0' as `device=` or given to
+  `to`/`cuda`) is the bench device in the replay: factories (`torch.tensor(1.0, device='cpu')`, `torch.zeros(3,
+  device=...)`) are replayed and compared like any API;
 - every replay runs inside `global_state_guard`: a call that changed torch's global state (default dtype or device,
   grad mode, threads, deterministic flags, the default generator, ...) is SKIP and the state is put back;
 - before any kernel runs: index arguments are checked against what they index (`gpu_server.native_bounds`), and the
@@ -35,7 +38,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from gpu_server import extensions, memory_bounds
-from gpu_server.intake import Job
+from gpu_server.job import Job
 from gpu_server.native_bounds import index_problem
 from gpu_server.registry import UnknownApi, is_device_string, resolve
 from protos import apis
@@ -132,8 +135,16 @@ def prepare_inputs(job: Job, device: torch.device, bench: bool, requires_grad: b
         return leaf
 
     args = map_leaves(job.args, move)
-    kwargs = map_leaves(job.kwargs, move)
+    kwargs = device_kwargs(job.api, map_leaves(job.kwargs, move), device)
     return args, kwargs, leaves
+
+
+def device_kwargs(api: str, kwargs: dict, device: torch.device) -> dict:
+    """`kwargs` with a device string given as `device=` ('cpu', 'npu:0': protos/apis.is_device_string) replaced by
+    `device`: `torch.tensor(1.0, device='cpu')` is replayed on the bench device like any factory."""
+    if any(is_device_string(api, v, k) for k, v in kwargs.items()):
+        return {k: device if is_device_string(api, v, k) else v for k, v in kwargs.items()}
+    return kwargs
 
 
 def to_device(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
@@ -379,7 +390,8 @@ def _meta_elements(job: Job) -> int | str:
                 args, kwargs = memory_bounds.scalar_arguments(job.category, args, kwargs)
             else:
                 args, kwargs = memory_bounds.mask_arguments(job.api, args, kwargs)
-            meta_args, meta_kwargs = map_leaves(args, to_meta), map_leaves(kwargs, to_meta)
+            meta_args = map_leaves(args, to_meta)
+            meta_kwargs = device_kwargs(job.api, map_leaves(kwargs, to_meta), meta)
             with torch.no_grad(), meta:
                 out = fn(*meta_args, **meta_kwargs)
             return sum(t.numel() for t in iter_leaves(out) if isinstance(t, torch.Tensor))

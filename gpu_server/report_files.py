@@ -8,6 +8,9 @@ that made collectives, and the summary.
     summary_{ts}.json                              api_bias_{ts}.csv (the pooled test across calls, all ranks)
 
 `{ts}` is the session's start time (`%Y%m%d%H%M%S`, kept across restarts with the same --out).
+
+The detail rows' names (the `API Name` of accuracy_checking_details and api_precision_compare_details) are built here
+too: `row_name` ("Functional.linear.0.forward.output.1"; protos.limits.split_row_name splits one back).
 """
 from __future__ import annotations
 
@@ -60,6 +63,22 @@ def session_reports(out_dir: str, ts: str) -> dict[str, tuple[str, int]]:
     return out
 
 
+def comparison_path(out_dir: str, kind: str, ts: str) -> str:
+    """A report file of the offline comparison of two details CSVs (gpu_server/offline.py): one file per kind, no
+    rank, `{kind}_{ts}.csv` (kind: PRECISION_RESULT or PRECISION_DETAILS)."""
+    if kind not in (PRECISION_RESULT, PRECISION_DETAILS):
+        raise ValueError(f"unknown comparison report kind {kind!r}")
+    return os.path.join(out_dir, f"{kind}_{ts}.csv")
+
+
+def rank_glob(kind: str) -> str:
+    """The glob pattern of one kind's per-rank report files of every session:
+    "api_precision_compare_result_*_rank*.csv"."""
+    if kind not in RANK_KINDS:
+        raise ValueError(f"unknown report kind {kind!r}")
+    return f"{kind}_*_rank*.csv"
+
+
 def summary_path(out_dir: str, ts: str) -> str:
     return os.path.join(out_dir, f"summary_{ts}.json")
 
@@ -67,3 +86,14 @@ def summary_path(out_dir: str, ts: str) -> str:
 def api_bias_path(out_dir: str, ts: str) -> str:
     """The pooled findings across calls of session `ts` (gpu_server/pooled.py): one row per API, direction, dtype."""
     return os.path.join(out_dir, f"api_bias_{ts}.csv")
+
+
+def row_infix(direction: str) -> str:
+    """What joins a call's name and an output's index in the name of a detail row: ".forward.output."."""
+    return f".{direction}.output."
+
+
+def row_name(call: str, direction: str, index: int) -> str:
+    """The name of the detail row of output `index` of a call's `direction` ("forward" | "backward"):
+    "Functional.linear.0.forward.output.1"."""
+    return f"{call}{row_infix(direction)}{int(index)}"

@@ -24,6 +24,7 @@ import re
 
 import pandas as pd
 
+from gpu_server import report_files as report_names
 from gpu_server.columns import (
     BLANK,
     DETAILS_HEADER,
@@ -38,10 +39,10 @@ from gpu_server.safe_open import FileRefused, check_csv, open_regular
 from protos.limits import call_api
 
 KINDS = {
-    "result": "accuracy_checking_result",
-    "details": "accuracy_checking_details",
-    "precision_result": "api_precision_compare_result",
-    "precision_details": "api_precision_compare_details",
+    "result": report_names.RESULT,
+    "details": report_names.DETAILS,
+    "precision_result": report_names.PRECISION_RESULT,
+    "precision_details": report_names.PRECISION_DETAILS,
 }
 HEADERS = {"result": RESULT_HEADER, "details": DETAILS_HEADER, "precision_result": PRECISION_RESULT_HEADER,
            "precision_details": PRECISION_DETAILS_HEADER}

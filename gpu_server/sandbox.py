@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 
 from gpu_server import extensions, spread
-from gpu_server.intake import Job
+from gpu_server.job import Job
 from gpu_server.replay import (
     KeptForward,
     ReplayError,

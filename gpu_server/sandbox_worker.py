@@ -30,7 +30,8 @@ from typing import Any
 import torch
 
 from gpu_server import replay, spread
-from gpu_server.intake import Job, decode_job
+from gpu_server.intake import decode_job
+from gpu_server.job import Job
 from gpu_server.replay import KeptForward, ReplayError, flatten_outputs
 from gpu_server.sandbox_wire import Arena, ChannelClosed, Mapped, NotTransferable, receive, send, write_leaves
 from protos import online_check_pb2 as pb

@@ -14,7 +14,7 @@ from gpu_server.atomic_file import write_atomic
 from gpu_server.drain_rate import DrainRate
 from gpu_server.safe_open import FileRefused, csv_rows
 from gpu_server.standards import standard_labels
-from gpu_server.standards.registry import ERROR, SKIP, STATUSES, WARNING
+from gpu_server.statuses import ERROR, SKIP, STATUSES, WARNING
 from protos.limits import call_api, split_row_name
 
 log = logging.getLogger("gpu_server")
@@ -324,9 +324,9 @@ class Summary:
         lines.append("  api_precision_compare (standards): " + _counts(d["api_precision_compare_status"]))
         for name, counts in d["api_precision_compare_rows_by_standard"].items():
             lines.append(f"    {name:24s} rows: " + _counts(counts))
-        for k in ("duplicates", "rejected", "filtered", "spool_replayed"):
+        for k, what in _TRANSPORT_LINES:
             if d["transport"].get(k):
-                lines.append(f"  {k.replace('_', ' ')} records: {d['transport'][k]}")
+                lines.append(f"  {k.replace('_', ' ')} records{what}: {d['transport'][k]}")
         if d["session"].get("resumed"):
             lines.append(f"  resumed session (server start {d['session']['server_starts']}): "
                          f"{d['session']['records_reported_before']} records reported by earlier starts")
@@ -450,6 +450,17 @@ def _where(e: dict) -> str:
 def _ratio(value) -> str:
     """A spread ratio of the pooled findings: None is how the JSON spells an infinite one."""
     return "inf" if value is None else f"{value:.3g}"
+
+
+# transport counts in the human summary, with what they mean: "rejected" only for records that break the wire
+# contract; a valid record that cannot be replayed here is "not replayable" (its SKIP row says why)
+_TRANSPORT_LINES = (
+    ("duplicates", ""),
+    ("rejected", " (they break the wire contract: malformed, hostile, refused sizes or names)"),
+    ("not_replayable", " (valid, but not replayable on this server: reported SKIP with the reason)"),
+    ("filtered", ""),
+    ("spool_replayed", ""),
+)
 
 
 def _top_down(d: dict) -> list[str]:

@@ -1,6 +1,6 @@
-"""Two-way status of docs/standards.md (accuracy_checking_details `Status`) and the API-level aggregation. Pure, no I/O.
+"""Two-way status of docs/standards.md (accuracy_checking_details `Status`). Pure, no I/O.
 
-Statuses are msprobe's strings: "pass", "Warning", "error", "SKIP"; an empty list aggregates to " " (no backward).
+Statuses are msprobe's strings (gpu_server/statuses.py, which also aggregates them into an API's status).
 """
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any, Iterable
 
 import torch
 
-from gpu_server.columns import BLANK
 from gpu_server.metrics import Analysis, OutputMetrics, scalar_error_rate
 from gpu_server.output_kind import (
     NONE,
@@ -21,8 +20,9 @@ from gpu_server.output_kind import (
     comparable_member,
     type_differs,
 )
-from gpu_server.standards.registry import ERROR, PASS, SKIP, WARNING, fmt, wilson
+from gpu_server.standards.registry import fmt, wilson
 from gpu_server.standards.thresholds import THRESHOLDS
+from gpu_server.statuses import ERROR, PASS, SKIP, WARNING
 
 
 @dataclass
@@ -30,20 +30,6 @@ class OutputComparison:
     metrics: OutputMetrics | None
     status: str  # "pass" | "Warning" | "error" | "SKIP"
     message: str
-
-
-def aggregate(statuses: list[str]) -> str:
-    """API-level Forward/Backward Test Success: any error wins, then any Warning, else pass; all SKIP -> SKIP;
-    no rows -> " " (msprobe's run_ut let the last non-pass row win; docs/standards.md fixes that)."""
-    if not statuses:
-        return BLANK
-    if all(s == SKIP for s in statuses):
-        return SKIP
-    if ERROR in statuses:
-        return ERROR
-    if WARNING in statuses:
-        return WARNING
-    return PASS
 
 
 def compare_output(bench: Any, device: Any, spread: Iterable = ()) -> OutputComparison:

@@ -31,7 +31,7 @@ from gpu_server import replay
 from gpu_server.checker import Checker
 from gpu_server.collectives import Matcher
 from gpu_server.error_data import Evidence
-from gpu_server.intake import Job
+from gpu_server.job import Job
 from gpu_server.pending import Completion, PendingCalls
 from gpu_server.pooled import PooledErrors
 from gpu_server.reports import ReportWriteError, header_size

@@ -105,6 +105,8 @@ def _classify_uncached(func: Any) -> tuple[str, str] | None:
     name = getattr(func, "__name__", None)
     if not isinstance(name, str) or name in _NOT_APIS:
         return None
+    if isinstance(func, type):   # a constructor the mode sees (torch.device(...), torch.Generator(...)): not an API
+        return None
     hit = _TABLE.get(id(func))
     if hit is not None:
         return hit

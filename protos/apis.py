@@ -7,7 +7,9 @@ uninitialised outputs are replayed). How to add an API: docs/security.md, "What 
 A call is replayable when its name is in the allowlist of its category and every argument leaf is a tensor, a
 number, a bool, None, a dtype, a shape, a memory format, the strided layout (sparse and other layouts build tensors
 whose index arrays kernels trust), a slice, Ellipsis or a device (replaced by the bench device), nested in tuples,
-lists and mappings, and every string is one of the values the API documents for that parameter (`STRINGS`). Nothing
+lists and mappings, and every string is one of the values the API documents for that parameter (`STRINGS`) or a
+device string such as 'cpu' or 'npu:0' given as `device` (`is_device_string`: a device is data, the replay puts the
+bench device there; factories such as `torch.tensor(1.0, device='cpu')` are replayed and compared). Nothing
 that does I/O, starts processes, imports modules, changes global defaults or seeds a generator is in the allowlist;
 tests/test_allowlist.py enumerates the tables and checks that by name and by calling.
 """
@@ -276,8 +278,11 @@ STRINGS: dict[str, dict[str, frozenset[str]]] = {
                              "softmax_layout": frozenset({"", "TND"})},
     "npu_rotary_mul": {"rotary_mode": frozenset({"half", "interleave"})},
 }
-# Device strings (`x.to("cuda")`, `x.cuda("cuda:0")`): replaced by the bench device, like device arguments.
+# Device strings (`x.to("cuda")`, `x.cuda("cuda:0")`, `torch.tensor(1.0, device="cpu")`): data, replaced by the bench
+# device like `torch.device` arguments. Accepted as the parameter `device` of any API, and positionally by the APIs
+# that take a device first (`_DEVICE_STRING_APIS`); anywhere else a string must be a documented value (`STRINGS`).
 DEVICE_STRING = re.compile(r"(cpu|cuda|npu|xpu|mps|hpu|mtia)(:[0-9]{1,4})?\Z")
+DEVICE_PARAM = "device"
 _DEVICE_STRING_APIS = frozenset({"to", "cuda", "cpu", "_to_copy"})
 # einsum equations: letters, commas, spaces, '...' and one '->'.
 EINSUM = re.compile(r"[A-Za-z ,]*(\.\.\.[A-Za-z ,]*)*(->[A-Za-z ]*(\.\.\.[A-Za-z ]*)?)?\Z")
@@ -356,7 +361,7 @@ def _string_ok(api: str, value: str, param: str | None, position: int | None) ->
         if len(value) <= 256 and EINSUM.match(value):
             return None
         return f"einsum equation {value[:64]!r} is not letters, ',', '...' and '->'"
-    if api in _DEVICE_STRING_APIS and param in (None, "device") and DEVICE_STRING.match(value):
+    if is_device_string(api, value, param):
         return None
     allowed = STRINGS.get(api, {})
     values = allowed.get(param) if param is not None else frozenset().union(*allowed.values())
@@ -408,9 +413,12 @@ def custom_operator_name(api: str) -> str:
     return api[:160].replace(".", "::", 1)
 
 
-def is_device_string(api: str, value: Any) -> bool:
-    """A device given as a string to `to`/`cuda`/`cpu`: the replay puts the bench device there."""
-    return api in _DEVICE_STRING_APIS and isinstance(value, str) and DEVICE_STRING.match(value) is not None
+def is_device_string(api: str, value: Any, param: str | None = None) -> bool:
+    """A device given as a string: as the parameter `device` of any API (`param`, its keyword), or to
+    `to`/`cuda`/`cpu`/`_to_copy` positionally. The replay puts the bench device there."""
+    if not isinstance(value, str) or DEVICE_STRING.match(value) is None:
+        return False
+    return param == DEVICE_PARAM or (api in _DEVICE_STRING_APIS and param is None)
 
 
 def _leaves(value: Any, top: bool = True) -> Iterator[Any]:

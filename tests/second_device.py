@@ -25,6 +25,13 @@ Each is at least as accurate against float64 as the host's kernel (tests/test_se
 A replacement never calls the operator it replaces; it computes below autograd with torch functions disabled so
 that no capture mode sees its inner ops.
 
+How differently (tests/test_second_device.py measures it bitwise against the host's kernels, per kernel and dtype):
+every float32 output differs, and every kernel differs in at least one 16-bit dtype; the pairs in IDENTICAL_16BIT
+come out bit-identical on the test's inputs. They are 16-bit outputs of a float32 accumulation (the host's is float32
+too): another summation order moves the float32 result by a few float32 ULP, which rounding to bfloat16 (8 bits) or
+float16 (11 bits) almost never sees. Making them differ would take a less accurate kernel (a rounding to the output
+dtype before the bias, a 16-bit accumulation): the device would no longer be correct, which is the point of it.
+
 Use: `install()` once at the top of a training process, before the model runs; or set `SECOND_DEVICE=1` for the
 training entry point of tests/faulty_kernels.py (a fault case installed after it overrides its own operator only).
 """
@@ -35,6 +42,11 @@ import math
 import warnings
 
 import torch
+
+# (kernel, dtype) pairs of tests/test_second_device.py's accuracy check whose outputs equal the host's bitwise
+IDENTICAL_16BIT = frozenset({"mm|torch.bfloat16", "addmm|torch.bfloat16", "addmm|torch.float16", "bmm|torch.bfloat16",
+                             "layer_norm|torch.bfloat16", "softmax|torch.bfloat16", "softmax|torch.float16",
+                             "conv2d|torch.bfloat16"})
 
 BLOCK = 8                 # products per float32 partial sum in the matmul family
 _ROW_CHUNK = 1 << 20      # elements of the (rows, K, N) product tensor built at once
@@ -268,3 +280,17 @@ def install() -> None:
             lib.impl(op, fn, "CPU")
     _LIBS.append(lib)
     _installed = True
+
+
+def ulp_ratios(out_dir: str, rank: int, prefix: str) -> list[float]:
+    """The ULP standard's share ratio (ULP误差大于阈值占比比值: the device's share of elements over the ULP threshold
+    over the host's same-dtype run's) of the rows of `rank`'s api_precision_compare_details whose API name starts
+    with `prefix`. A device computing exactly like the host gives 1 (or 0 where both shares are 0) in every row."""
+    from tests import support
+
+    ratios = []
+    for row in support.read_csv(out_dir, "api_precision_compare_details", rank):
+        cell = row.get("ULP误差大于阈值占比比值", "").strip()
+        if row["API Name"].startswith(prefix) and row["比对算法"] == "ULP误差比对法" and cell:
+            ratios.append(float(cell))
+    return ratios

@@ -258,6 +258,16 @@ def test_60_streams_of_large_frames_stay_within_the_documented_bound(tmp_path):
     assert peak - base <= bound, ((peak - base) / MiB, bound / MiB)
 
 
+def publish_folder_record(rank_dir: str, run_id: str, seq: int, numel: int) -> None:
+    """A sum record of `numel` float64 elements written into a rank folder as the agent does: a dot-file, renamed."""
+    _, frames = sum_record(run_id, seq, numel)
+    name = folder_record_name(run_id, 0, seq)
+    with open(os.path.join(rank_dir, "." + name), "wb") as fh:
+        for piece in file_chunks(frames):
+            fh.write(piece)
+    os.rename(os.path.join(rank_dir, "." + name), os.path.join(rank_dir, name))
+
+
 def test_a_folder_full_of_large_records_stays_within_the_budget(tmp_path):
     """docs/security.md: reading the shared folder, peak RSS <= start + --memory-mb + 64 MiB. 16 records of 12 MiB
     (192 MiB in all, each one's estimated peak 96 MiB) in 4 MiB frames wait in the folder of a server with
@@ -269,21 +279,13 @@ def test_a_folder_full_of_large_records_stays_within_the_budget(tmp_path):
     memory = 128 * MiB
     records = 16
 
-    def publish(run_id: str, seq: int, numel: int) -> None:
-        _, frames = sum_record(run_id, seq, numel)
-        name = folder_record_name(run_id, 0, seq)
-        with open(os.path.join(rank_dir, "." + name), "wb") as fh:
-            for piece in file_chunks(frames):
-                fh.write(piece)
-        os.rename(os.path.join(rank_dir, "." + name), os.path.join(rank_dir, name))
-
     with support.Server(work, nfs_path=nfs, args=("--memory-mb", str(memory // MiB), "--replay-in", "thread")) as srv:
-        publish("warm", 0, 1 << 16)
+        publish_folder_record(rank_dir, "warm", 0, 1 << 16)
         assert _wait_rows(srv.out, 1, 60) == 1
         time.sleep(0.5)
         base = rss_now(srv.proc.pid)
         for seq in range(records):          # written into the folder faster than the server checks them
-            publish("full", seq, (12 * MiB) // 8)
+            publish_folder_record(rank_dir, "full", seq, (12 * MiB) // 8)
         rows = _wait_rows(srv.out, records + 1, 240)
         peak = peak_rss(srv.proc.pid)
         deadline = time.time() + 30   # a record file is removed once durable in the spool, which may follow its row

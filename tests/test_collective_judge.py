@@ -13,10 +13,10 @@ import torch
 from gpu_server import spread
 from gpu_server.collective_info import CollectiveInfo
 from gpu_server.collectives import Finding, Matcher, RankVerdict
-from gpu_server.intake import Job
+from gpu_server.job import Job
 from gpu_server.output_kind import classify
 from gpu_server.standards.judging import judge_pair
-from gpu_server.standards.registry import ERROR, PASS, SKIP
+from gpu_server.statuses import ERROR, PASS, SKIP
 from gpu_server.verdict import compare_pair
 from protos import online_check_pb2 as pb
 

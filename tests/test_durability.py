@@ -218,3 +218,151 @@ def test_spool_survives_a_torn_journal_line_and_rejects_a_damaged_segment(tmp_pa
     with pytest.raises(ValueError, match="checksum"):
         sp.read(rec.replay[-1])
     sp.close()
+
+
+# -- restart, then re-send (issue 24) ---------------------------------------------------------------------------
+
+
+def _relu_frames(seq: int, run: str = "resend", rank: int = 0) -> list[bytes]:
+    """A real encoded Functional.relu record (seq `seq`) as the agent sends it: its wire frames."""
+    import torch
+
+    from npu_agent.records import PendingRecord, encode_record
+    from npu_agent.snapshot import snapshot
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seq))
+    rec = PendingRecord(name=f"Functional.relu.{seq}", step=0, seq=seq, inputs=snapshot(((x,), {})),
+                        output=snapshot(torch.relu(x)))
+    _, enc = encode_record(rec, run, rank)
+    return list(enc.wire_frames(1 << 20))
+
+
+def _send(port: int, seqs) -> dict[int, int]:
+    """Send the relu records `seqs` on one stream; their acknowledgements' statuses by seq."""
+    from tests.support import stream_acks
+
+    msgs = [f for seq in seqs for f in _relu_frames(seq)]
+    acks = stream_acks(port, msgs, lambda acks: len(acks) >= len(seqs), timeout=60)
+    return {a.seq: a.status for a in acks}
+
+
+def test_records_re_sent_after_a_restart_are_duplicates_and_reported_once(tmp_path):
+    """A server accepts records and is killed with -9 (some are reported, some only spooled: either way accepted);
+    a second server on the same --out gets the same (run, rank, seq) records again, as an agent re-sends what it
+    is unsure of: every one is answered DUPLICATE, never checked again, and each has exactly one row."""
+    from protos import online_check_pb2 as pb
+
+    work = str(tmp_path)
+    out = os.path.join(work, "out")
+    first = Server(work, out=out).start()
+    assert _send(first.port, range(6)) == {seq: pb.Ack.ACCEPTED for seq in range(6)}
+    deadline = time.time() + 20               # a few reported (journaled), the rest possibly only in the spool
+    while _rows(out) < 2 and time.time() < deadline:
+        time.sleep(0.01)
+    first.kill()
+    second = Server(work, out=out).start()
+    acks = _send(second.port, range(8))       # 0-5 again, 6 and 7 new
+    assert acks == {**{seq: pb.Ack.DUPLICATE for seq in range(6)}, 6: pb.Ack.ACCEPTED, 7: pb.Ack.ACCEPTED}, acks
+    assert second.stop() == 0, second.log()[-3000:]
+    assert "resuming the session" in second.log()
+    for kind, key in (("accuracy_checking_result", "API name"), ("api_precision_compare_result", "API Name"),
+                      ("accuracy_checking_details", "API Name")):
+        names = collections.Counter(r[key].split(".forward")[0] for r in read_csv(out, kind))
+        assert names == {f"Functional.relu.{seq}": 1 for seq in range(8)}, (kind, names)
+    result = read_csv(out, "accuracy_checking_result")
+    assert all(r["Forward Test Success"] == "pass" for r in result), result
+    summary = summary_of(out)
+    assert summary["session"]["resumed"] and summary["session"]["server_starts"] == 2
+
+
+# -- the fsync order of the spool (issue 24) --------------------------------------------------------------------
+
+
+class _Trace:
+    """os.fsync and os.unlink recorded in order, with the file each acted on, and every acknowledgement set."""
+
+    def __init__(self, monkeypatch):
+        import threading
+
+        from gpu_server import spool_acks
+
+        self.events: list[tuple[str, str]] = []
+        self.journal_at_fsync: list[str] = []     # the journal's text whenever a report file is fsync'ed
+        self.journal_path = ""
+        self._lock = threading.Lock()
+        real_fsync, real_unlink, real_set = os.fsync, os.unlink, spool_acks.Ticket.set
+
+        def fsync(fd):
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            real_fsync(fd)
+            with self._lock:
+                self.events.append(("fsync", path))
+                if path.endswith(".csv") and self.journal_path:
+                    with open(self.journal_path, encoding="utf-8") as fh:
+                        self.journal_at_fsync.append(fh.read())
+
+        def unlink(path, *args, **kwargs):
+            real_unlink(path, *args, **kwargs)
+            with self._lock:
+                self.events.append(("unlink", os.fspath(path)))
+
+        def ticket_set(ticket, status, reason=""):
+            with self._lock:
+                self.events.append(("ack", str(ticket.seq)))
+            real_set(ticket, status, reason)
+
+        monkeypatch.setattr(os, "fsync", fsync)
+        monkeypatch.setattr(os, "unlink", unlink)
+        monkeypatch.setattr(spool_acks.Ticket, "set", ticket_set)
+
+    def index(self, kind: str, test) -> list[int]:
+        return [i for i, (k, what) in enumerate(self.events) if k == kind and test(what)]
+
+
+def test_spool_fsyncs_a_segment_before_its_ack_and_the_journal_before_rows_count_as_durable(tmp_path, monkeypatch):
+    """The order gpu_server/spool_acks.py and spool_journal.py promise (and a server without fsync breaks):
+    1. acceptance: a record's segment is written to seg-N.spl.tmp and fsync'ed, renamed, the spool folder fsync'ed,
+       and only then is its ticket set ACCEPTED (the acknowledgement the agent waits for);
+    2. completion: the report files named in `complete` are fsync'ed first, then the journal line saying their rows
+       are complete is written and fsync'ed, and only then is the record's segment deleted (the rows, not the
+       spool, are from then on what holds the record)."""
+    from gpu_server.spool import Spool
+    from protos import online_check_pb2 as pb
+
+    out = str(tmp_path)
+    spool_dir = os.path.join(out, "spool")
+    trace = _Trace(monkeypatch)
+    sp = Spool(out)
+    sp.open("20260101000000")
+    trace.journal_path = os.path.join(spool_dir, "journal.log")
+    for seq in range(3):                          # one record per group commit: one segment each
+        assert sp.append(*_record(seq, bytes([seq]) * 64)).wait(10) == (pb.Ack.ACCEPTED, "")
+    segs = sorted(glob.glob(os.path.join(spool_dir, "seg-*.spl")))
+    assert len(segs) == 3, segs
+    for seq, seg in enumerate(segs):
+        ack = trace.index("ack", lambda s, seq=seq: s == str(seq))
+        seg_fsync = trace.index("fsync", lambda p, seg=seg: p == seg + ".tmp")
+        dir_fsync = trace.index("fsync", lambda p: p == spool_dir)
+        assert len(ack) == 1 and seg_fsync, (seq, trace.events)
+        assert seg_fsync[0] < ack[0], f"record {seq} acknowledged before its segment was fsync'ed: {trace.events}"
+        assert any(seg_fsync[0] < d < ack[0] for d in dir_fsync), \
+            f"record {seq}: the spool folder (the rename) not fsync'ed before the ack: {trace.events}"
+
+    report = os.path.join(out, "accuracy_checking_result_20260101000000_rank0.csv")
+    with open(report, "w") as fh:
+        fh.write("header\nrow0\nrow1\n")
+    sp.complete([("run1", 0, 0), ("run1", 0, 1)], [], {report: os.path.getsize(report)})
+    sp.flush()
+    report_fsync = trace.index("fsync", lambda p: p == report)
+    journal_fsync = trace.index("fsync", lambda p: p == trace.journal_path)
+    gone = [trace.index("unlink", lambda p, seg=seg: p == seg) for seg in segs[:2]]
+    assert report_fsync and journal_fsync and all(gone), trace.events
+    assert report_fsync[0] < journal_fsync[0], f"the journal fsync'ed before the rows it covers: {trace.events}"
+    assert all(journal_fsync[0] < g[0] for g in gone), f"a segment deleted before the journal was fsync'ed: " \
+        f"{trace.events}"
+    assert '"d":[["run1",0,0],["run1",0,1]]' not in trace.journal_at_fsync[0], \
+        "the journal line was written before the report file was fsync'ed"
+    assert not trace.index("unlink", lambda p: p == segs[2]), "record 2 is not reported: its segment must stay"
+    with open(trace.journal_path, encoding="utf-8") as fh:
+        assert '"d":[["run1",0,0],["run1",0,1]]' in fh.read()
+    sp.close()

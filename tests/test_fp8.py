@@ -147,7 +147,7 @@ def test_an_fp8_api_is_replayed_with_a_float32_bench_and_judged(dtype):
     fp8 value is within the mixed tolerance (rtol 2 eps), three values away in a quarter of its elements fails it."""
     from gpu_server.output_kind import classify
     from gpu_server.standards.judging import judge_pair
-    from gpu_server.standards.registry import ERROR, PASS
+    from gpu_server.statuses import ERROR, PASS
 
     gen = torch.Generator().manual_seed(0)
     x, y = (torch.randn(256, generator=gen).to(dtype) for _ in range(2))

@@ -218,22 +218,72 @@ def test_mutated_records_are_rejected_with_a_reason(data):
     intake, _ = new_intake()
 
     def accept():
-        status, reason = intake.accept(rec, payload)
-        assert status in (pb.Ack.ACCEPTED, pb.Ack.REJECTED, pb.Ack.DUPLICATE)
-        if status == pb.Ack.REJECTED:
-            assert reason
-        return status
+        return intake.accept(rec, payload)
 
-    bounded(accept)
-    # the decoder alone: WireError or a checked record, nothing else
+    status, reason = bounded(accept)
+    assert status in (pb.Ack.ACCEPTED, pb.Ack.REJECTED), (status, reason)
+    assert status != pb.Ack.REJECTED or reason.strip(), "REJECTED without a reason"
+    assert status != pb.Ack.ACCEPTED or not reason, (status, reason)
+    # the decoder alone: WireError or a checked record, nothing else; a record it refuses must have been REJECTED
+    # by the intake, with a reason (never ACCEPTED and checked)
+    why = _decoder_refusal(rec, payload)
+    if why:
+        assert status == pb.Ack.REJECTED and reason.strip(), f"the decoder refuses it ({why}) but the intake " \
+                                                            f"answered {pb.Ack.Status.Name(status)} {reason!r}"
+
+
+def _decoder_refusal(rec: pb.Record, payload) -> str:
+    """Why RecordDecoder refuses the record (its WireError), or "" when it decodes every tensor and value."""
     try:
         dec = RecordDecoder(rec, payload, LIMITS)
         for i in range(len(rec.tensors)):
             dec.tensor(i)
         for v in rec.args.items:
             dec.value(v)
-    except WireError:
-        pass
+        for v in rec.kwargs.values:
+            dec.value(v)
+    except WireError as exc:
+        return str(exc) or type(exc).__name__
+    return ""
+
+
+def _broken(what: str) -> tuple[pb.Record, bytearray]:
+    """The valid record with one thing made certainly invalid."""
+    rec = pb.Record()
+    rec.CopyFrom(RECORD)
+    payload = bytearray(PAYLOAD)
+    t = rec.tensors[0]
+    if what == "dtype":
+        t.dtype = "object"
+    elif what == "nbytes":
+        t.nbytes += 4
+    elif what == "shape":
+        del t.shape[:]
+        t.shape.extend([-1, 6])
+    elif what == "payload":
+        payload = payload[:len(payload) // 2]
+        rec.payload_bytes = len(payload)
+    elif what == "tensor_index":
+        rec.args.items.append(pb.Value(tensor=10_000))
+    elif what == "deep":
+        rec.args.items.append(_deep(40, "list"))
+    elif what == "name":
+        rec.header.name = "NoSuchCategory.linear.0"
+    elif what == "run":
+        rec.header.run_id = "not a run id!"
+    return rec, payload
+
+
+@pytest.mark.parametrize("what", ["dtype", "nbytes", "shape", "payload", "tensor_index", "deep", "name", "run"])
+def test_a_certainly_invalid_record_is_rejected_with_a_reason(what):
+    """Each edit here makes the record invalid: the answer is REJECTED with a non-empty reason, nothing else."""
+    rec, payload = _broken(what)
+    intake, jobs = new_intake()
+    status, reason = intake.accept(rec, payload)
+    assert (pb.Ack.Status.Name(status), bool(reason.strip())) == ("REJECTED", True), (what, status, reason)
+    assert all(j.skip_reason for j in jobs), f"{what}: an invalid record was handed on to be checked: {jobs}"
+    if what not in ("name", "run"):
+        assert _decoder_refusal(rec, payload), what
 
 
 def test_huge_declared_sizes_are_refused_before_allocation():

@@ -104,3 +104,78 @@ def test_the_walker_sees_every_kind_of_import(tmp_path, source, expected):
     bad = violations(tmp_path, {"npu_agent": {"gpu_server"}})
     assert len(bad) >= 1 and all(b.startswith(str(Path("npu_agent/sub/mod.py"))) for b in bad), bad
     assert any(f" imports {expected} " in b for b in bad), bad
+
+
+# Layers inside the server (issue 24): the shared types and the metrics sit below the intake, the checker, the
+# judging and the reports, and import none of them, so that no import runs back up the layers.
+LOW_MODULES = {
+    "gpu_server/job.py": "a decoded record and the record/call keys (gpu_server.job)",
+    "gpu_server/statuses.py": "the status words and their aggregation (gpu_server.statuses)",
+    "gpu_server/dtype_limits.py": "the per-dtype parameters of the metrics (gpu_server.dtype_limits)",
+    "gpu_server/metrics.py": "the per-output metrics (gpu_server.metrics)",
+    "gpu_server/metric_kernel.py": "the metrics' compiled kernel (gpu_server.metric_kernel)",
+}
+# what they may import of the server: each other and the vocabulary below them
+LOW_ALLOWED = {"gpu_server.job", "gpu_server.statuses", "gpu_server.dtype_limits", "gpu_server.metrics",
+               "gpu_server.metric_kernel", "gpu_server.collective_info", "gpu_server.columns"}
+# what they must never import: above them (named so that the message says which layer was crossed)
+HIGH = ("gpu_server.intake", "gpu_server.checker", "gpu_server.standards", "gpu_server.reports",
+        "gpu_server.report_files", "gpu_server.summary", "gpu_server.verdict", "gpu_server.workers",
+        "gpu_server.replay", "gpu_server.pending")
+
+
+def layering_violations(root: Path) -> list[str]:
+    bad = []
+    for rel, what in LOW_MODULES.items():
+        path = root / rel
+        assert path.is_file(), f"{rel} is gone: update LOW_MODULES"
+        for line, name in imports_of(path, root):
+            if not name.startswith("gpu_server") or name == "gpu_server":
+                continue
+            crossed = next((h for h in HIGH if name == h or name.startswith(h + ".")), None)
+            if crossed or not any(name == a or name.startswith(a + ".") for a in LOW_ALLOWED):
+                bad.append(f"{rel}:{line} imports {name} ({what} sits below {crossed or 'the rest of the server'})")
+    return bad
+
+
+def test_shared_types_and_metrics_import_nothing_above_them():
+    bad = layering_violations(ROOT)
+    assert not bad, ("the shared types (job, statuses), the dtype limits and the metrics must not import the "
+                     "intake, the checker, the standards or the reports; move what they need below them:\n  "
+                     + "\n  ".join(bad))
+
+
+def test_every_user_takes_the_shared_types_from_their_home():
+    """One spelling: `Job` and the record/call keys only from gpu_server.job, the status words only from
+    gpu_server.statuses (nothing re-exports them)."""
+    bad = []
+    for top in ("gpu_server", "tests", "bench", "examples"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            tree = ast.parse(path.read_bytes(), filename=str(path))
+            for node in ast.walk(tree):
+                if not isinstance(node, ast.ImportFrom) or not node.module:
+                    continue
+                names = {a.name for a in node.names}
+                if node.module != "gpu_server.job" and names & {"Job", "RecordKey", "CallKey", "record_key",
+                                                                   "call_key"}:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {sorted(names)} from {node.module}")
+                if node.module != "gpu_server.statuses" and names & {"PASS", "WARNING", "ERROR", "SKIP", "STATUSES",
+                                                                        "status_of", "aggregate"}:
+                    bad.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {sorted(names)} from {node.module}")
+    assert not bad, "\n  ".join(["take them from gpu_server.job / gpu_server.statuses:"] + bad)
+
+
+def test_the_layering_check_sees_a_back_up_import(tmp_path):
+    """The check itself can fail: metrics importing the standards again is reported with its line."""
+    for rel in LOW_MODULES:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("import torch\n")
+    (tmp_path / "gpu_server" / "metrics.py").write_text(
+        "from gpu_server import metric_kernel\nfrom gpu_server.standards.thresholds import THRESHOLDS\n")
+    (tmp_path / "gpu_server" / "job.py").write_text("def f():\n    from gpu_server.intake import decode_job\n")
+    bad = layering_violations(tmp_path)
+    assert any(b.startswith(str(Path("gpu_server/metrics.py")) + ":2 imports gpu_server.standards.thresholds")
+               for b in bad), bad
+    assert any(b.startswith(str(Path("gpu_server/job.py")) + ":2 imports gpu_server.intake") for b in bad), bad
+    assert {b.split(" imports ")[0] for b in bad} == {str(Path("gpu_server/metrics.py")) + ":2",
+                                                       str(Path("gpu_server/job.py")) + ":2"}, bad

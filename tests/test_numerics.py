@@ -1,12 +1,14 @@
 """The checker does not change the training's numerics (issues 2, 3): parameters after 3 steps are bitwise identical
 with the checker on and off, with dropout and with both kinds of activation checkpointing; and with
 `online_run_ut_recompute` no backward records are captured at all."""
+import json
+
 import pytest
 
 from tests.support import Server, agent_config, read_csv, run_training
 
 SAME_PARAMS = r"""
-import sys, torch, torch.nn as nn, torch.nn.functional as F, torch.utils.checkpoint as ckpt
+import json, sys, torch, torch.nn as nn, torch.nn.functional as F, torch.utils.checkpoint as ckpt
 from examples.demo import TinyLM, batches
 from npu_agent import PrecisionDebugger
 
@@ -38,7 +40,8 @@ def run(dbg, reentrant, dtype):
 dbg = PrecisionDebugger(config_path=sys.argv[1])
 mode = sys.argv[2]
 reentrant = {"plain": None, "reentrant": True, "nonreentrant": False}[mode]
-for dtype in ((torch.float32, torch.bfloat16) if mode == "plain" else (torch.bfloat16,)):
+dtypes = (torch.float32, torch.bfloat16) if mode == "plain" else (torch.bfloat16,)
+for dtype in dtypes:
     off = run(None, reentrant, dtype)
     on = run(dbg, reentrant, dtype)
     same = all(torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a, b.view(torch.uint8)
@@ -46,6 +49,7 @@ for dtype in ((torch.float32, torch.bfloat16) if mode == "plain" else (torch.bfl
     assert same, f"parameters differ with the checker on ({mode}, {dtype})"
 counts = dbg.close()
 assert counts["unacknowledged"] == 0, counts
+print("COUNTS " + json.dumps(dict(counts, runs=len(dtypes))))
 print("IDENTICAL", mode)
 """
 
@@ -62,6 +66,13 @@ def test_parameters_bitwise_identical_with_checker_on_and_off(server, tmp_path, 
     cfg = agent_config(str(tmp_path / "agent.json"), server.port)
     proc = run_training(SAME_PARAMS, cfg, mode)
     assert f"IDENTICAL {mode}" in proc.stdout
+    # the comparison means something only if the checker was on: calls were captured and sent in the runs with
+    # it (3 steps of TinyLM per dtype, forward and backward records), every one acknowledged
+    line = [x for x in proc.stdout.splitlines() if x.startswith("COUNTS ")][-1]
+    counts = json.loads(line[len("COUNTS "):])
+    assert counts["forward_calls"] >= 3 * 10 * counts["runs"], counts
+    assert counts["captured"] >= counts["forward_calls"] and counts["sent"] == counts["captured"], counts
+    assert counts["acknowledged"] + counts["rejected"] == counts["captured"], counts
 
 
 def test_recompute_flag_captures_no_backward(server, tmp_path):

@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from gpu_server.pending import PendingCalls, RecordKey
+from gpu_server.job import RecordKey
+from gpu_server.pending import PendingCalls
 from gpu_server.seqset import SeqSet
 from gpu_server.spool_journal import JournalState, read_journal
 from gpu_server.spool_segments import read_entry, scan_segment, write_segment

@@ -401,3 +401,68 @@ def test_double_thousandth_judged_against_the_spread():
     assert r.status == "pass" and r.cells["双千指标"] < 0.999 and "Wilson" in r.message
     wrong = (bench * (1 + 2.0 ** -7)).to(torch.bfloat16)                             # 0.8 % off everywhere
     assert check("conv2d", bench, wrong, rounded).status == "error"
+
+
+# ---- issue 24: the judge with spread runs, and the absolute threshold's exact limit ------------------------------
+
+def _correct_runs(bench, dtype, n=3):
+    """`n` correct same-dtype outputs: the bench rounded to `dtype`, and the bench nudged by a relative 2^-30 (far
+    below any tolerance) before rounding, so that each is a correct run of its own."""
+    return [(bench * (1 + i * 2.0 ** -30)).to(dtype) for i in range(n)]
+
+
+@pytest.mark.parametrize("api, dtype, wrong", [
+    ("mul", F32, lambda b: torch.where(torch.arange(b.numel()) % 10 == 0, b * 1.01, b)),   # absolute threshold
+    ("matmul", F32, lambda b: b * (1 + 2.0 ** -12)),                                        # ULP
+    ("conv2d", F32, lambda b: b * (1 + 2.0 ** -7)),                                         # double-thousandth
+    ("tanh", BF16, lambda b: b * 1.05),                                                     # benchmark
+])
+def test_clearly_wrong_device_is_error_even_with_spread_runs(api, dtype, wrong):
+    """With a same-dtype run and correct spread runs present (they make the ratio tests more lenient), a device
+    output that is clearly wrong stays error: a judge that passes whenever spread runs exist fails this."""
+    torch.manual_seed(0)
+    bench = torch.randn(2048, dtype=F64) + 2.0
+    same, *spread = _correct_runs(bench, dtype)
+    device = wrong(bench).to(dtype)
+    assert check(api, bench, device, same).status == "error"
+    r = judge(api, bench, device, same, spread)
+    assert r.status == "error", (api, r.message)
+    # and the correct runs themselves pass, spread or not
+    assert judge(api, bench, spread[0], same, spread).status == "pass"
+
+
+@pytest.mark.parametrize("changed, n, status, rate", [
+    (0, 100, "pass", 0.0),
+    (1, 100, "error", 0.01),      # a 1 % relative error rate: any rate above 0 is an error
+    (1, 1000, "error", 0.001),
+    (5, 100, "error", 0.05),
+])
+def test_absolute_threshold_relative_error_rate_limit_is_zero(changed, n, status, rate):
+    """docs/standards.md, absolute threshold: each of the three error rates must be 0. float32: rtol 2^-20; the
+    changed elements are 9 ULP (9 * 2^-23 = 1.125 rtol) off a bench of 1, just above the tolerance."""
+    assert THRESHOLDS.for_dtype(F32).rtol == 2.0 ** -20
+    bench = torch.ones(n, dtype=F64)
+    device = filled(n, 1.0, F32, [(i, 1.0 + 9 * 2.0 ** -23) for i in range(changed)])
+    r = check("mul", bench, device, bench.to(F32))
+    assert (r.status, r.cells["相对误差错误率"]) == (status, pytest.approx(rate)), r.message
+    assert r.cells["相对误差判定结果"] == status
+
+
+@pytest.mark.parametrize("ulps, status", [(7, "pass"), (8, "pass"), (9, "error")])
+def test_absolute_threshold_relative_tolerance_just_below_and_above(ulps, status):
+    # float32 bench 1, every element `ulps` * 2^-23 off: relative error ulps/8 * rtol; at or below rtol passes
+    bench = torch.ones(200, dtype=F64)
+    device = torch.full((200,), 1.0 + ulps * 2.0 ** -23, dtype=F32)
+    r = check("add", bench, device, bench.to(F32))
+    assert r.status == status and r.cells["相对误差错误率"] == (0.0 if status == "pass" else 1.0), r.message
+
+
+@pytest.mark.parametrize("off, status, rate", [(2.0 ** -31, "pass", 0.0), (2.0 ** -29, "error", 0.01)])
+def test_absolute_threshold_small_value_error_rate_limit_is_zero(off, status, rate):
+    # float32: |bench| <= 2^-20 is small, judged by |error| <= small_atol 2^-30; one of 100 small elements off
+    t32 = THRESHOLDS.for_dtype(F32)
+    assert (t32.small_value, t32.small_atol) == (2.0 ** -20, 2.0 ** -30)
+    bench = torch.full((100,), 2.0 ** -22, dtype=F64)
+    device = filled(100, 2.0 ** -22, F32, [(0, 2.0 ** -22 + off)])
+    r = check("sub", bench, device, bench.to(F32))
+    assert (r.status, r.cells["绝对误差错误率"]) == (status, pytest.approx(rate)), r.message

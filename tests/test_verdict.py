@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from gpu_server.verdict import aggregate, compare_output
+from gpu_server.statuses import aggregate
+from gpu_server.verdict import compare_output
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 
@@ -196,3 +197,18 @@ def test_two_way_error_that_a_correct_run_shares_is_pass():
     cmp = compare_output(bench, device, [same])
     assert cmp.status == "pass" and "a correct same-dtype run" in cmp.message
     assert compare_output(bench, (bench * 1.05).to(torch.float32), [same]).status == "error"   # cosine is fine,
+
+
+@pytest.mark.parametrize("dtype, factor", [(torch.float32, 1 + 2.0 ** -8), (torch.bfloat16, 1.05),
+                                           (torch.float16, 1 + 2.0 ** -5)])
+def test_clearly_wrong_device_stays_error_with_correct_spread_runs(dtype, factor):
+    """Issue 24: correct same-dtype runs (the host's and spread runs) forgive only what they share; a device output
+    clearly further out than all of them stays error, however many there are."""
+    torch.manual_seed(0)
+    bench = torch.randn(4096, dtype=torch.float64) + 3.0
+    spread = [(bench * (1 + i * 2.0 ** -30)).to(dtype) for i in range(4)]
+    device = (bench * factor).to(dtype)
+    assert compare_output(bench, device).status == "error"
+    cmp = compare_output(bench, device, spread)
+    assert cmp.status == "error", cmp.message
+    assert compare_output(bench, spread[1], spread).status == "pass"

@@ -7,8 +7,9 @@ absolute error rate (small elements with abs_err > small_atol).
 """
 from __future__ import annotations
 
-from gpu_server.standards.registry import ERROR, PASS, StandardInput, StandardResult, fmt, register_standard, status_of
+from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard
 from gpu_server.standards.selection import ABSOLUTE
+from gpu_server.statuses import ERROR, PASS, status_of
 
 # (OutputMetrics attribute, value column, status column)
 _RATES = (

@@ -12,9 +12,6 @@ from __future__ import annotations
 import math
 
 from gpu_server.standards.registry import (
-    ERROR,
-    PASS,
-    SKIP,
     StandardInput,
     StandardResult,
     fmt,
@@ -23,10 +20,10 @@ from gpu_server.standards.registry import (
     register_standard,
     share_bound_ratio,
     spread_reference,
-    status_of,
 )
 from gpu_server.standards.selection import BENCHMARK
 from gpu_server.standards.thresholds import THRESHOLDS
+from gpu_server.statuses import ERROR, PASS, SKIP, status_of
 
 # (OutputMetrics attribute, ratio column, status column, key of THRESHOLDS.benchmark_ratio_limits)
 _JUDGED = (

@@ -5,8 +5,9 @@ Passes iff the binary error rate (share of elements with device != bench; both N
 """
 from __future__ import annotations
 
-from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard, status_of
+from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard
 from gpu_server.standards.selection import BINARY
+from gpu_server.statuses import status_of
 
 
 @register_standard(BINARY, "二进制一致法", "binary consistency")

@@ -27,9 +27,10 @@ from gpu_server.output_kind import (
     classify,
     comparable_member,
 )
-from gpu_server.standards.registry import ERROR, PASS, SKIP, STANDARD_REGISTRY, StandardInput, StandardResult
+from gpu_server.standards.registry import STANDARD_REGISTRY, StandardInput, StandardResult
 from gpu_server.standards.selection import BINARY, METRIC_PARAMETERS, ApiJudging, api_judging, select_standard
 from gpu_server.standards.thresholds import THRESHOLDS
+from gpu_server.statuses import ERROR, PASS, SKIP
 
 
 @dataclass

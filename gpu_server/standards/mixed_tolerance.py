@@ -14,9 +14,10 @@ import math
 
 import torch
 
-from gpu_server.standards.registry import ERROR, PASS, SKIP, StandardInput, StandardResult, fmt, register_standard
+from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard
 from gpu_server.standards.selection import MIXED_TOLERANCE
 from gpu_server.standards.thresholds import THRESHOLDS
+from gpu_server.statuses import ERROR, PASS, SKIP
 
 RATE, MAX_RATIO, STATUS = "混合容差通过率", "混合容差最大误差比值", "混合容差判定结果"
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from gpu_server.standards.registry import ERROR, PASS, SKIP, StandardInput, StandardResult, fmt, register_standard
+from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard
 from gpu_server.standards.selection import QUANTISATION
 from gpu_server.standards.thresholds import THRESHOLDS
+from gpu_server.statuses import ERROR, PASS, SKIP
 
 MAX_DIFF, STATUS = "量化误差最大值", "量化误差判定结果"
 

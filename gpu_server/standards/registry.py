@@ -16,9 +16,6 @@ import torch
 if TYPE_CHECKING:
     from gpu_server.metrics import OutputMetrics
 
-PASS, WARNING, ERROR, SKIP = "pass", "Warning", "error", "SKIP"
-STATUSES = (PASS, WARNING, ERROR, SKIP)   # msprobe's status strings, in the order the summaries list them
-
 
 @dataclass(frozen=True)
 class StandardInput:
@@ -46,7 +43,7 @@ class StandardInput:
 
 @dataclass
 class StandardResult:
-    status: str                                          # PASS | ERROR | SKIP
+    status: str                                          # PASS | ERROR | SKIP (gpu_server/statuses.py)
     cells: dict[str, str | float] = field(default_factory=dict)
     messages: list[str] = field(default_factory=list)
 
@@ -83,10 +80,6 @@ def standard_labels() -> dict[str, str]:
 def fmt(value: float | None) -> str:
     """A number in a message: enough digits to see on which side of a threshold it lies."""
     return "blank" if value is None else f"{value:.6g}"
-
-
-def status_of(ok: bool) -> str:
-    return PASS if ok else ERROR
 
 
 def inf_nan_consistent(device_value: float, same_value: float | None) -> bool | None:

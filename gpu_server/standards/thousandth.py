@@ -8,9 +8,10 @@ half of the elements outside.
 """
 from __future__ import annotations
 
-from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard, status_of, wilson
+from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard, wilson
 from gpu_server.standards.selection import THOUSANDTH
 from gpu_server.standards.thresholds import THRESHOLDS
+from gpu_server.statuses import status_of
 
 GROSS = 4.0
 

@@ -1,45 +1,35 @@
 """Every threshold and constant of the comparison layer (docs/standards.md), as one named table: `THRESHOLDS`.
 
-Nothing numeric that decides a metric or a verdict is written anywhere else: `gpu_server.metrics`,
-`gpu_server.verdict` and the standards read it from here. The values are docs/standards.md's (msprobe's StandardConfig
-and
-CompareConst with the fixes docs/standards.md lists; docs/standards.md shows where they differ from msprobe).
+Nothing numeric that decides a verdict is written anywhere else: `gpu_server.verdict` and the standards read it from
+here. The values are docs/standards.md's (msprobe's StandardConfig and CompareConst with the fixes docs/standards.md
+lists; docs/standards.md shows where they differ from msprobe).
 
-Per-dtype rows are keyed by the DEVICE dtype. float64 has a row so that per-output metrics are defined for it
-(it uses float64's own ULP parameters and float32's small-value, tolerance and ULP-threshold values); the
-precision standards do not judge it (SKIP), so its standard-only fields are None. The float8 rows
-(float8_e4m3fn, float8_e5m2) follow one rule in units of the format (docs/standards.md, fp8): small value = the
-smallest normal, small atol = the subnormal spacing, rtol = eps (as float16), ratio floor = eps / 2 (as float16 and
-bfloat16), the ULP threshold, share limit and two-way branch of the 16-bit formats.
+The per-dtype rows (`per_dtype`, `for_dtype`) and the constants that define the metrics themselves (cosine, the
+double-hundredth/-thousandth bounds, the chunk size) live one layer down, in gpu_server/dtype_limits.py, so that
+`gpu_server.metrics` reads them without importing the standards; this table takes them from there.
 
 The mixed-tolerance standard's per-dtype constants are one table, `MIXED_TOLERANCE` (Ascend's 2026 operator
 standards); the benchmark standard's ratio tiers (msprobe 2026) are `BENCHMARK_TIERS`.
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Mapping
 
 import torch
 
-
-@dataclass(frozen=True)
-class DtypeThresholds:
-    """The parameters of one device dtype."""
-
-    small_value: float          # |bench| <= small_value is a "small" element
-    small_atol: float           # absolute tolerance of small elements (absolute-threshold and benchmark)
-    rtol: float                 # relative tolerance of normal elements and of saturated inf/nan elements
-    ulp_precision: int          # p: mantissa bits of the device format
-    ulp_min_exponent: int       # min_eb: exponent of the smallest normal number
-    ulp_threshold: float        # an element is "over" when its ULP error is strictly above this
-    ratio_floor: float | None   # floor of the same-dtype metric in the ratio tests (benchmark, ULP)
-    ulp_share_limit: float | None  # ULP standard passes when the over-threshold share is below this
-    ulp_mean_limit: float | None   # ULP standard passes when the mean ULP error is below this (float32 only)
-    low_precision: bool         # True: the float16/bfloat16 branch of the two-way status (docs/standards.md)
-    eps: float | None = None    # fixed eps of the relative error; None = machine eps of the bench dtype
+from gpu_server.dtype_limits import (
+    CHUNK_ELEMENTS,
+    COSINE_PASS,
+    COSINE_ZERO,
+    HUNDREDTH,
+    PER_DTYPE,
+    TEN_THOUSANDTH,
+    THOUSANDTH,
+    DtypeThresholds,
+    row_for,
+)
 
 
 @dataclass(frozen=True)
@@ -96,54 +86,25 @@ class Thresholds:
     def for_dtype(self, dtype: torch.dtype) -> DtypeThresholds:
         """The row of a floating device dtype; other float formats (float8 ...) get the float16 row (8/16-bit
         formats) or the float32 row, with ULP parameters taken from torch.finfo of the format."""
-        row = self.per_dtype.get(dtype)
-        if row is not None:
-            return row
-        info = torch.finfo(dtype)
-        base = self.per_dtype[torch.float16 if info.bits <= 16 else torch.float32]
-        return replace(base, ulp_precision=round(-math.log2(info.eps)),
-                       ulp_min_exponent=round(math.log2(info.tiny)))
+        return row_for(dtype, self.per_dtype)
 
 
 THRESHOLDS = Thresholds(
-    per_dtype=MappingProxyType({
-        torch.float16: DtypeThresholds(
-            small_value=2.0 ** -10, small_atol=2.0 ** -16, rtol=2.0 ** -10, ulp_precision=10, ulp_min_exponent=-14,
-            ulp_threshold=1.0, ratio_floor=2.0 ** -11, ulp_share_limit=0.001, ulp_mean_limit=None, low_precision=True),
-        torch.bfloat16: DtypeThresholds(
-            small_value=2.0 ** -10, small_atol=2.0 ** -16, rtol=2.0 ** -8, ulp_precision=7, ulp_min_exponent=-126,
-            ulp_threshold=1.0, ratio_floor=2.0 ** -8, ulp_share_limit=0.001, ulp_mean_limit=None, low_precision=True,
-            eps=2.0 ** -8),
-        torch.float32: DtypeThresholds(
-            small_value=2.0 ** -20, small_atol=2.0 ** -30, rtol=2.0 ** -20, ulp_precision=23, ulp_min_exponent=-126,
-            ulp_threshold=32.0, ratio_floor=2.0 ** -14, ulp_share_limit=0.05, ulp_mean_limit=64.0,
-            low_precision=False),
-        torch.float64: DtypeThresholds(
-            small_value=2.0 ** -20, small_atol=2.0 ** -30, rtol=2.0 ** -20, ulp_precision=52, ulp_min_exponent=-1022,
-            ulp_threshold=32.0, ratio_floor=None, ulp_share_limit=None, ulp_mean_limit=None, low_precision=False),
-        # float8 (docs/standards.md, fp8): small value = smallest normal, small atol = subnormal spacing, rtol = eps,
-        # ratio floor = eps / 2; p and min_eb from the format
-        torch.float8_e4m3fn: DtypeThresholds(
-            small_value=2.0 ** -6, small_atol=2.0 ** -9, rtol=2.0 ** -3, ulp_precision=3, ulp_min_exponent=-6,
-            ulp_threshold=1.0, ratio_floor=2.0 ** -4, ulp_share_limit=0.001, ulp_mean_limit=None, low_precision=True),
-        torch.float8_e5m2: DtypeThresholds(
-            small_value=2.0 ** -14, small_atol=2.0 ** -16, rtol=2.0 ** -2, ulp_precision=2, ulp_min_exponent=-14,
-            ulp_threshold=1.0, ratio_floor=2.0 ** -3, ulp_share_limit=0.001, ulp_mean_limit=None, low_precision=True),
-    }),
+    per_dtype=PER_DTYPE,
     judged_dtypes=frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2}),
-    cosine_pass=0.99,
-    cosine_zero=2.0 ** -52,
+    cosine_pass=COSINE_PASS,
+    cosine_zero=COSINE_ZERO,
     max_abs_pass=0.001,
-    hundredth=0.01,
+    hundredth=HUNDREDTH,
     hundredth_pass=0.99,
-    thousandth=0.001,
+    thousandth=THOUSANDTH,
     thousandth_pass=0.999,
-    ten_thousandth=0.0001,
+    ten_thousandth=TEN_THOUSANDTH,
     ten_thousandth_pass=0.9999,
     thousandth_standard_pass=0.999,
     benchmark_ratio_limits=MappingProxyType({"small_value": 2.0, "rmse": 2.0, "max_rel": 10.0, "mean_rel": 2.0}),
     ulp_ratio_limit=1.0,
-    chunk_elements=1 << 22,
+    chunk_elements=CHUNK_ELEMENTS,
     benchmark_tiers=MappingProxyType({
         "L0": MappingProxyType({"small_value": 2.0, "rmse": 2.0, "max_rel": 10.0, "mean_rel": 2.0}),
         "L1": MappingProxyType({"small_value": 2.0, "rmse": 1.5, "max_rel": 5.0, "mean_rel": 1.5}),

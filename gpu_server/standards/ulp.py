@@ -14,9 +14,6 @@ import math
 from dataclasses import replace
 
 from gpu_server.standards.registry import (
-    ERROR,
-    PASS,
-    SKIP,
     StandardInput,
     StandardResult,
     fmt,
@@ -28,6 +25,7 @@ from gpu_server.standards.registry import (
 )
 from gpu_server.standards.selection import ULP
 from gpu_server.standards.thresholds import THRESHOLDS
+from gpu_server.statuses import ERROR, PASS, SKIP
 
 GROSS_ULP = 4.0   # max ULP error above this many times the spread's (or the threshold): no benefit of the bound
 _MEAN, _SHARE, _RATIO, _STATUS = "ULP误差平均值", "ULP误差大于阈值占比", "ULP误差大于阈值占比比值", "ULP误差判定结果"

@@ -1,0 +1,220 @@
+"""Mutation check (issue 24): break the product on purpose, one small text patch at a time, and see the tests fail.
+
+Each mutation below is a bug an audit once found the tests blind to. For each one this script copies the
+repository (the files `git ls-files --cached --others --exclude-standard` lists, as they are in the working tree,
+and `.venv` as a symlink) to a temporary folder, applies the patch to the COPY (the checkout is never touched), runs
+the mutation's relevant test files there with pytest (PYTHONPATH set to the copy, so the copy's packages are the
+ones imported, in the test process, in the gpu-server subprocesses and in the trainings), and records whether the
+tests failed (the mutant is killed) or passed (it survived). A patch whose text is no longer found in the product is
+reported as `patch does not apply`, never skipped quietly; a mutant whose tests pass unchanged makes the script
+exit 1.
+
+Run it by hand (it is not part of the test suite: each mutant runs real servers and trainings, minutes in all):
+
+    .venv/bin/python tests/mutants.py                  # every mutation, one after the other
+    .venv/bin/python tests/mutants.py --only no-fsync  # one (repeatable); --list names them
+    .venv/bin/python tests/mutants.py --keep           # keep the temporary copies (their paths are printed)
+
+It prints one row per mutation: its name, the test files run, killed / survived / patch does not apply / timeout,
+and the seconds it took. `--timeout` bounds each mutant's pytest run (default 900 s; running past it is reported as
+`timeout`, not killed). Each pytest run stops at its first failure (-x); `--all-failures` runs every test of
+the files and lists each one that fails.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    patches: tuple[tuple[str, str, str], ...]   # (file, text found exactly once, its replacement)
+    tests: tuple[str, ...]                      # pytest arguments: test files (or node ids)
+
+
+_FSYNC_FILES = ("gpu_server/atomic_file.py", "gpu_server/spool_acks.py", "gpu_server/spool_journal.py",
+                "gpu_server/spool_recovery.py")
+
+_SPREAD_JUDGE = ("            result = standard.judge(StandardInput(device.dtype, device_metrics, same_metrics, "
+                 "spread_metrics,\n                                                  **extra))\n")
+
+MUTATIONS = (
+    Mutation(
+        "spool-forgets-accepted",
+        "a restart forgets which (run, rank, seq) records it accepted (the spool's accepted set restores empty)",
+        (("gpu_server/spool.py",
+          '        """Every (run, rank, seq) this --out has accepted: completely reported or still in the spool."""\n',
+          '        """Every (run, rank, seq) this --out has accepted: completely reported or still in the spool."""\n'
+          "        if self.dir:\n            return\n"),),
+        ("tests/test_durability.py",)),
+    Mutation(
+        "restart-forgets-accepted",
+        "a restarted server does not seed its intake with what the spool accepted: re-sent records are new again",
+        (("gpu_server/app.py", "        for run_id, rank, seq in self.spool.seen():\n",
+          "        for run_id, rank, seq in ():\n"),),
+        ("tests/test_durability.py",)),
+    Mutation(
+        "no-fsync",
+        "every os.fsync of the spool, its journal and the atomic files is a no-op",
+        tuple((path, "os.fsync(", "(lambda _fd: None)(") for path in _FSYNC_FILES),
+        ("tests/test_durability.py",)),
+    Mutation(
+        "judge-passes-with-spread",
+        "the precision standards' judge passes any output once spread runs exist",
+        (("gpu_server/standards/judging.py", _SPREAD_JUDGE, _SPREAD_JUDGE + "            result.status = PASS\n"),),
+        ("tests/test_standards.py",)),
+    Mutation(
+        "verdict-passes-with-spread",
+        "the two-way status forgives any error once a comparable same-dtype or spread run exists",
+        (("gpu_server/verdict.py",
+          "        if not comparable_member(member, pair.device):\n            continue\n"
+          "        if i == 0 and bit_identical(member, pair.device):\n",
+          "        if not comparable_member(member, pair.device):\n            continue\n"
+          "        cmp.status = PASS\n        return\n"
+          "        if i == 0 and bit_identical(member, pair.device):\n"),),
+        ("tests/test_verdict.py",)),
+    Mutation(
+        "absolute-tolerates-5pct",
+        "the absolute threshold tolerates error rates up to 5 % (the limit is 0)",
+        (("gpu_server/standards/absolute.py", "        ok = rate == 0\n", "        ok = rate <= 0.05\n"),),
+        ("tests/test_standards.py",)),
+    Mutation(
+        "second-device-not-installed",
+        "the second device's kernels are never installed: the trainings compute exactly like the host",
+        (("tests/second_device.py", "    if _installed:\n        return\n", "    if True:\n        return\n"),),
+        ("tests/test_second_device.py", "tests/test_faulty_device.py")),
+    Mutation(
+        "start-is-a-no-op",
+        "PrecisionDebugger.start() does nothing: nothing is captured",
+        (("npu_agent/debugger.py", "    def start(self) -> None:\n        with self._lock:\n",
+          "    def start(self) -> None:\n        return\n        with self._lock:\n"),),
+        ("tests/test_numerics.py",)),
+    Mutation(
+        "start-captures-nothing",
+        "PrecisionDebugger.start() sets up the agent but never enters its capture mode: nothing is captured",
+        (("npu_agent/debugger.py", "            self._mode.__enter__()\n", "            pass\n"),),
+        ("tests/test_numerics.py",)),
+    Mutation(
+        "intake-accepts-invalid",
+        "a record that fails validation gets its SKIP row but is answered ACCEPTED",
+        (("gpu_server/intake.py",
+          "            return Ticket(h.seq, REJECTED, reason)\n        ticket = self.spool.append",
+          "            return Ticket(h.seq, ACCEPTED)\n        ticket = self.spool.append"),),
+        ("tests/test_fuzz.py",)),
+)
+
+
+def copy_repo(dest: str) -> None:
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = os.path.join(ROOT, rel)
+        if not os.path.lexists(src):       # deleted in the working tree
+            continue
+        target = os.path.join(dest, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if os.path.islink(src):
+            os.symlink(os.readlink(src), target)
+        elif os.path.isfile(src):
+            shutil.copy2(src, target)
+    os.symlink(os.path.join(ROOT, ".venv"), os.path.join(dest, ".venv"))
+
+
+def apply(dest: str, mutation: Mutation) -> str:
+    """Patch the copy; "" when every patch applied, else why not."""
+    for rel, old, new in mutation.patches:
+        path = os.path.join(dest, rel)
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except OSError as exc:
+            return f"{rel}: {exc}"
+        count = text.count(old)
+        if count == 0:
+            return f"{rel}: the text to replace is not there"
+        if count > 1 and not old.endswith("("):    # a call replaced everywhere (os.fsync), else exactly one place
+            return f"{rel}: the text to replace is there {count} times"
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text.replace(old, new))
+    return ""
+
+
+def run_one(mutation: Mutation, keep: bool, timeout: float, every: bool = False) -> tuple[str, float, str]:
+    """(outcome, seconds, where the copy is or the tail of pytest's output)."""
+    since = time.monotonic()
+    dest = tempfile.mkdtemp(prefix=f"mutant-{mutation.name}-")
+    try:
+        copy_repo(dest)
+        why = apply(dest, mutation)
+        if why:
+            return "patch does not apply", time.monotonic() - since, why
+        env = dict(os.environ, PYTHONPATH=dest, PYTHONDONTWRITEBYTECODE="1")
+        py = os.path.join(ROOT, ".venv", "bin", "python")
+        probe = "import gpu_server, npu_agent; print(gpu_server.__file__, npu_agent.__file__)"
+        where = subprocess.run([py, "-c", probe], cwd=dest, env=env, capture_output=True, text=True).stdout
+        if not all(p.startswith(dest) for p in where.split()):
+            return "copy not imported", time.monotonic() - since, where
+        cmd = [py, "-m", "pytest", *([] if every else ["-x"]), "-q", "-p", "no:cacheprovider",
+               "--basetemp", os.path.join(dest, ".pt"), *mutation.tests]
+        try:
+            proc = subprocess.run(cmd, cwd=dest, env=env, capture_output=True, text=True, timeout=timeout)
+            out, code = proc.stdout + proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired:
+            return "timeout", time.monotonic() - since, f"pytest ran past {timeout:.0f} s"
+        if code == 0:
+            outcome = "survived"
+        elif code == 1:
+            outcome = "killed"
+        else:
+            outcome = f"error (pytest exit {code})"
+        tail = "\n".join(line for line in out.splitlines() if line.startswith(("FAILED", "ERROR")) or " passed" in line
+                         or " failed" in line)
+        return outcome, time.monotonic() - since, (dest if keep else "") + ("\n" if keep else "") + tail
+    finally:
+        if not keep:
+            shutil.rmtree(dest, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", action="append", default=[], help="run only this mutation (repeatable)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary copies")
+    p.add_argument("--list", action="store_true", help="list the mutations and exit")
+    p.add_argument("--all-failures", action="store_true",
+                   help="run every test of the files (no -x): lists every test that kills the mutant")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per mutant's pytest run")
+    ns = p.parse_args(argv)
+    if ns.list:
+        for m in MUTATIONS:
+            print(f"{m.name:30} {m.what}")
+        return 0
+    unknown = set(ns.only) - {m.name for m in MUTATIONS}
+    if unknown:
+        p.error(f"unknown mutation(s): {', '.join(sorted(unknown))}")
+    chosen = [m for m in MUTATIONS if not ns.only or m.name in ns.only]
+    rows = []
+    for m in chosen:
+        print(f"-- {m.name}: {m.what}", flush=True)
+        outcome, seconds, detail = run_one(m, ns.keep, ns.timeout, ns.all_failures)
+        rows.append((m.name, " ".join(m.tests), outcome, seconds))
+        print(f"   {outcome} in {seconds:.0f} s\n   " + detail.replace("\n", "\n   "), flush=True)
+    width = max(len(r[0]) for r in rows)
+    twidth = max(len(r[1]) for r in rows)
+    print(f"\n{'mutation':{width}}  {'tests run':{twidth}}  {'outcome':22}  seconds")
+    for name, tests, outcome, seconds in rows:
+        print(f"{name:{width}}  {tests:{twidth}}  {outcome:22}  {seconds:7.0f}")
+    return 0 if all(r[2] == "killed" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
