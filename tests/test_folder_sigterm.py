@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 from gpu_server.folder import FolderReader
@@ -28,6 +29,17 @@ def _stop_paused(srv: support.Server) -> int:
     assert srv.proc is not None
     os.kill(srv.proc.pid, signal.SIGCONT)
     return srv.stop(timeout=240)
+
+
+def _sample_peak(pid: int, samples: list[int]) -> None:
+    while True:
+        try:
+            samples.append(support.memory_of(pid, "VmHWM"))
+        except (OSError, ValueError):   # exited (a zombie's status has no VmHWM: 0 is appended, harmless)
+            return
+        if samples[-1] == 0:
+            return
+        time.sleep(0.01)
 
 
 def test_sigterm_right_after_the_training_reports_every_record_file_in_the_folder(tmp_path):
@@ -56,7 +68,9 @@ def test_sigterm_right_after_the_training_reports_every_record_file_in_the_folde
     assert os.listdir(os.path.join(nfs, "rank0")) == [], "record files left in the folder"
     summary = summary_of(srv.out)
     transport = summary["transport"]
-    assert transport["folder_files_read_at_stop"] > 0, transport
+    # How many files the sweep read rather than the steady reader depends on which thread runs first after SIGCONT
+    # (on a loaded machine the steady reader may take them all): the sweep itself is pinned deterministically by
+    # test_stop_sweeps_the_folder_without_waiting_for_a_missing_record below.
     assert transport["rejected"] == 0 and transport["spool_left"] == 0, transport
     assert sum(summary["records_received"].values()) == counts["captured"], summary["records_received"]
     assert [e["rank"] for e in summary["ranks_ended"]] == [0], summary["ranks_ended"]   # its end marker too
@@ -88,12 +102,17 @@ def test_sigterm_with_a_folder_full_of_large_records_stays_within_the_budget(tmp
         partial = os.path.join(rank_dir, "." + folder_record_name("full", 0, records) + ".123.abcd.tmp")
         with open(partial, "wb") as fh:
             fh.write(b"OCFRAME1")
+        # The peak RSS of the server's own image: VmHWM, sampled until it exits (monotonic, so the last sample is the
+        # peak but for its last milliseconds). Not wait4's ru_maxrss: that counts the pytest process's pages the
+        # child shared between fork and exec, gigabytes late in a full test run.
+        samples: list[int] = []
+        sampler = threading.Thread(target=_sample_peak, args=(srv.proc.pid, samples), daemon=True)
+        sampler.start()
         os.kill(srv.proc.pid, signal.SIGCONT)   # then SIGTERM at once (see _stop_paused)
         os.kill(srv.proc.pid, signal.SIGTERM)
-        # the child's peak RSS over its whole life, from the kernel once it exits (its /proc entry is gone then)
-        _, status, usage = os.wait4(srv.proc.pid, 0)
-        srv.proc.returncode = os.waitstatus_to_exitcode(status)
-        peak = usage.ru_maxrss * 1024
+        srv.proc.wait(240)
+        sampler.join(10)
+        peak = max(samples)
     finally:
         srv.kill()
     assert srv.proc.returncode == 0, srv.log()[-3000:]
@@ -101,7 +120,7 @@ def test_sigterm_with_a_folder_full_of_large_records_stays_within_the_budget(tmp
     assert rows == records + 1, (rows, srv.log()[-3000:])
     assert os.listdir(rank_dir) == [os.path.basename(partial)], os.listdir(rank_dir)
     transport = summary_of(srv.out)["transport"]
-    assert transport["folder_files_read_at_stop"] > 0 and transport["rejected"] == 0, transport
+    assert transport["rejected"] == 0, transport
     bound = memory + 64 * MiB
     print(f"\nfolder at SIGTERM: {records} records of 12 MiB, --memory-mb {memory // MiB}: peak RSS {peak / MiB:.0f} "
           f"MiB, {(peak - base) / MiB:.0f} MiB above the {base / MiB:.0f} MiB before (bound {bound / MiB:.0f}); "
