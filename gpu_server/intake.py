@@ -490,11 +490,11 @@ class FrameAssembler:
                 and frame.chunk.seq == self.record.header.seq
                 and self.filled + len(frame.data if data is None else data) == self.record.payload_bytes)
 
-    def feed(self, frame: pb.Frame, reserved: int | None = None, data: bytes | memoryview | None = None
+    def feed(self, frame: pb.Frame, data: bytes | memoryview | None = None
              ) -> tuple[pb.Record, bytes | memoryview] | None:
         """The complete record and its payload once `frame` completes one, else None (`take_reserved` then gives
         the budget bytes it holds). `data` as for `completes`; a payload that came in one frame is that frame's data
-        as it is (a view into the message: no copy). `reserved`: no longer used (kept for old callers)."""
+        as it is (a view into the message: no copy)."""
         body = frame.WhichOneof("body")
         if data is None:
             data = frame.data

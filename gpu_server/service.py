@@ -332,7 +332,7 @@ class StreamHandler:
                 await self.budget.acquire_async(extra, own=asm.holding, order=asm.started or None)
                 asm.granted(extra)
             if asm.completes(frame, data):
-                done = await loop.run_in_executor(self._work, asm.feed, frame, None, data)   # the join copies
+                done = await loop.run_in_executor(self._work, asm.feed, frame, data)   # the join copies
             else:
                 done = asm.feed(frame, data=data)
         except WireError as exc:

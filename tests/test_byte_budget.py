@@ -258,6 +258,18 @@ def test_60_streams_of_large_frames_stay_within_the_documented_bound(tmp_path):
     assert peak - base <= bound, ((peak - base) / MiB, bound / MiB)
 
 
+FOLDER_MEMORY, FOLDER_RECORDS = 128 * MiB, 16   # 16 records of 12 MiB against --memory-mb 128
+
+
+def folder_of_rank0(tmp_path) -> tuple[str, str, str]:
+    """(the work folder, a shared folder, its rank0 folder, made) for the folder memory tests."""
+    work = str(tmp_path)
+    nfs = os.path.join(work, "nfs")
+    rank_dir = os.path.join(nfs, "rank0")
+    os.makedirs(rank_dir)
+    return work, nfs, rank_dir
+
+
 def publish_folder_record(rank_dir: str, run_id: str, seq: int, numel: int) -> None:
     """A sum record of `numel` float64 elements written into a rank folder as the agent does: a dot-file, renamed."""
     _, frames = sum_record(run_id, seq, numel)
@@ -272,12 +284,8 @@ def test_a_folder_full_of_large_records_stays_within_the_budget(tmp_path):
     """docs/security.md: reading the shared folder, peak RSS <= start + --memory-mb + 64 MiB. 16 records of 12 MiB
     (192 MiB in all, each one's estimated peak 96 MiB) in 4 MiB frames wait in the folder of a server with
     --memory-mb 128: each frame is reserved before it is read, each record's peak until it is checked."""
-    work = str(tmp_path)
-    nfs = os.path.join(work, "nfs")
-    rank_dir = os.path.join(nfs, "rank0")
-    os.makedirs(rank_dir)
-    memory = 128 * MiB
-    records = 16
+    work, nfs, rank_dir = folder_of_rank0(tmp_path)
+    memory, records = FOLDER_MEMORY, FOLDER_RECORDS
 
     with support.Server(work, nfs_path=nfs, args=("--memory-mb", str(memory // MiB), "--replay-in", "thread")) as srv:
         publish_folder_record(rank_dir, "warm", 0, 1 << 16)

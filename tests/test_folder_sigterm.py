@@ -17,7 +17,14 @@ from gpu_server.folder import FolderReader
 from protos.folder_format import folder_record_name
 from protos.limits import MiB
 from tests import support
-from tests.test_byte_budget import _wait_rows, publish_folder_record, rss_now
+from tests.test_byte_budget import (
+    FOLDER_MEMORY,
+    FOLDER_RECORDS,
+    _wait_rows,
+    folder_of_rank0,
+    publish_folder_record,
+    rss_now,
+)
 from tests.test_durability import TRAIN, check_exactly_once, counts_of, summary_of
 from tests.test_folder import RUN, Collect, write_run
 
@@ -81,12 +88,8 @@ def test_sigterm_with_a_folder_full_of_large_records_stays_within_the_budget(tmp
     """docs/security.md: reading the shared folder, peak RSS <= start + --memory-mb + 64 MiB, at the stop as in the
     steady state (tests/test_byte_budget.py): 16 records of 12 MiB (each one's estimated peak 96 MiB) wait in the
     folder of a server with --memory-mb 128 when it gets SIGTERM; all are read, checked and reported."""
-    work = str(tmp_path)
-    nfs = os.path.join(work, "nfs")
-    rank_dir = os.path.join(nfs, "rank0")
-    os.makedirs(rank_dir)
-    memory = 128 * MiB
-    records = 16
+    work, nfs, rank_dir = folder_of_rank0(tmp_path)
+    memory, records = FOLDER_MEMORY, FOLDER_RECORDS
 
     srv = support.Server(work, nfs_path=nfs, args=("--memory-mb", str(memory // MiB), "--replay-in", "thread"))
     srv.start()
