@@ -81,7 +81,6 @@ def test_sigterm_right_after_the_training_reports_every_record_file_in_the_folde
     assert transport["rejected"] == 0 and transport["spool_left"] == 0, transport
     assert sum(summary["records_received"].values()) == counts["captured"], summary["records_received"]
     assert [e["rank"] for e in summary["ranks_ended"]] == [0], summary["ranks_ended"]   # its end marker too
-    assert "left in the folder at the stop were read and accepted" in srv.log()
 
 
 def test_sigterm_with_a_folder_full_of_large_records_stays_within_the_budget(tmp_path):
