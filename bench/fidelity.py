@@ -33,6 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from gpu_server import report_files  # noqa: E402
 from tests import support  # noqa: E402
 from tests.faulty_kernels import flagged, run_trainings  # noqa: E402
 
@@ -72,11 +73,11 @@ def _pooled(out: str) -> tuple[list[dict], dict]:
     import json
 
     rows: list[dict] = []
-    for path in glob.glob(os.path.join(out, "api_bias_*.csv")):
+    for path in glob.glob(report_files.api_bias_path(out, "*")):
         with open(path, encoding="utf-8-sig", newline="") as fh:
             rows.extend(csv.DictReader(fh))
     summary: dict = {}
-    for path in glob.glob(os.path.join(out, "summary_*.json")):
+    for path in glob.glob(report_files.summary_path(out, "*")):
         with open(path, encoding="utf-8") as fh:
             summary = json.load(fh).get("api_bias") or {}
     return rows, summary
@@ -116,11 +117,11 @@ def clean_runs(seeds: int) -> None:
     examples = []
     for rank, label in enumerate(labels):
         kind = "attn" if label.startswith("attn") else "main"
-        results = support.read_csv(out, "api_precision_compare_result", rank)
+        results = support.read_csv(out, report_files.PRECISION_RESULT, rank)
         calls[kind] += sum((r["Forward Test Success"] != " ") + (r["Backward Test Success"] != " ") for r in results)
-        errors[kind]["precision"] += len(flagged(out, rank, "api_precision_compare_result"))
-        errors[kind]["two-way"] += len(flagged(out, rank, "accuracy_checking_result"))
-        for kind_file, col in (("api_precision_compare_details", "比对结果"), ("accuracy_checking_details", "Status")):
+        errors[kind]["precision"] += len(flagged(out, rank, report_files.PRECISION_RESULT))
+        errors[kind]["two-way"] += len(flagged(out, rank, report_files.RESULT))
+        for kind_file, col in ((report_files.PRECISION_DETAILS, "比对结果"), (report_files.DETAILS, "Status")):
             for row in support.read_csv(out, kind_file, rank):
                 if row[col] == "pass" and any(n in row["Message"] for n in SPREAD_NOTES):
                     rescued += 1
@@ -148,7 +149,7 @@ def fault_runs() -> None:
     out = _run([CASES[c][0] + ["--case", c, "--second-device"] for c in names])
     exact = 0
     for rank, case in enumerate(names):
-        found = flagged(out, rank, "api_precision_compare_result")
+        found = flagged(out, rank, report_files.PRECISION_RESULT)
         required, allowed = CASES[case][1], CASES[case][1] | MAY_ALSO.get(case, set())
         ok = required <= found <= allowed
         exact += ok
@@ -166,7 +167,7 @@ def sweep() -> None:
                  "--fault-ulps", str(ulps), "--fault-per-mille", str(per_mille)] for ulps, per_mille in variants])
     caught = []
     for rank, (ulps, per_mille) in enumerate(variants):
-        found = flagged(out, rank, "api_precision_compare_result")
+        found = flagged(out, rank, report_files.PRECISION_RESULT)
         hit = ("Tensor.mul.0", "forward") in found and all(name.startswith("Tensor.mul.") for name, _ in found)
         print(f"  bfloat16 mul, {ulps} ULP on {per_mille / 10:g} % of the elements: "
               f"{'caught' if hit else 'missed'} ({sorted(found)})")
@@ -252,7 +253,7 @@ def gelu_sweep() -> None:
     out = _run([["--model", "tinylm", "--dtype", dtype, "--case", "gelu_forward", "--second-device",
                  "--gelu-scale-log2", str(k)] for dtype, k in variants])
     for rank, (dtype, k) in enumerate(variants):
-        found = flagged(out, rank, "api_precision_compare_result")
+        found = flagged(out, rank, report_files.PRECISION_RESULT)
         hits = sorted(name for name, d in found if name.startswith("Functional.gelu.") and d == "forward")
         others = sorted(f for f in found if not f[0].startswith("Functional.gelu."))
         print(f"  {dtype} gelu x (1 + 2^-{k}): {len(hits)} of 2 calls caught" + (f", ALSO {others}" if others else ""))
@@ -285,7 +286,7 @@ def pooled_sweep(parallel: int = 2) -> None:
         label, args, api, dtype = variant
         out = _run([args + ["--steps", "2", "--second-device"]])
         per_call = any(name.startswith(api + ".") and d == "forward"
-                       for name, d in flagged(out, 0, "api_precision_compare_result"))
+                       for name, d in flagged(out, 0, report_files.PRECISION_RESULT))
         rows, _ = _pooled(out)
         row = next((r for r in rows if (r["api"], r["direction"], r["dtype"]) == (api, "forward", dtype)), None)
         others = sorted(f"{r['api']} {r['direction']} {r['dtype']}" for r in rows if r["verdict"] != "pass"

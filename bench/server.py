@@ -38,6 +38,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from gpu_server import report_files  # noqa: E402
+
 TRAIN = r'''
 import json, os, sys, time, torch, torch.nn as nn, torch.nn.functional as F
 cfg, steps, layers, d, seq, batch, checked = sys.argv[1], *map(int, sys.argv[2:7]), sys.argv[7] == "1"
@@ -124,7 +126,7 @@ def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str 
     cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
     if proc.returncode:
         sys.exit(f"gpu-server failed:\n{proc.stderr[-3000:]}")
-    with open(glob.glob(os.path.join(out, "summary_*.json"))[0], encoding="utf-8") as fh:
+    with open(glob.glob(report_files.summary_path(glob.escape(out), "*"))[0], encoding="utf-8") as fh:
         summary = json.load(fh)
     return seconds, sum(summary["records_received"].values()), cpu
 

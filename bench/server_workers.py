@@ -22,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from gpu_server import report_files  # noqa: E402
 from tests.support import Server, agent_config, run_training  # noqa: E402
 
 TRAIN = r'''
@@ -63,7 +64,7 @@ def measure(workers: int, ranks: int, steps: int, width: int) -> dict:
     server.proc.wait(600)
     end = time.time()
     server.stop()
-    with open(glob.glob(os.path.join(server.out, "summary_*.json"))[0], encoding="utf-8") as fh:
+    with open(glob.glob(report_files.summary_path(glob.escape(server.out), "*"))[0], encoding="utf-8") as fh:
         summary = json.load(fh)
     checked = sum(summary["records_received"].values())
     start = min(r["start"] for r in results.values())

@@ -22,6 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gpu_server import report_files
+
 
 class Block(nn.Module):
     def __init__(self, d: int, heads: int, dropout: float):
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     start = text.find("gpu-server summary")
     print(text[start:] if start >= 0 else text[-4000:])
     print(f"[demo] reports are in {out}")
-    pages = sorted(glob.glob(os.path.join(glob.escape(out), "report_*.html")))
+    pages = sorted(glob.glob(report_files.html_path(glob.escape(out), "*")))
     if pages:
         print(f"[demo] HTML report (open it first: first failing call, module, source line, evidence): {pages[-1]}")
     return server.returncode or 0

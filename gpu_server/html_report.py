@@ -39,27 +39,19 @@ import pandas as pd
 
 from gpu_server import report_files as names
 from gpu_server.atomic_file import write_atomic
+from gpu_server.columns import METRIC_COLUMNS
 from gpu_server.report_frame import load
 from gpu_server.safe_open import FileRefused, read_json
+from gpu_server.standards import by_algorithm
 from gpu_server.statuses import ERROR, PASS, SKIP, WARNING, WORST_FIRST
-from gpu_server.summary import STANDARD_NAMES
 from protos.limits import call_api
 
 ORDER = {s: i for i, s in enumerate(WORST_FIRST)}   # worst first
 COLORS = {ERROR: "#d62728", WARNING: "#ff9f1c", SKIP: "#9e9e9e", PASS: "#2ca02c"}
-# per algorithm (比对算法): the ratio columns of api_precision_compare_details and their error thresholds
-RATIOS = {
-    "标杆比对法": [("相对误差平均值比值", 2.0), ("均方根误差比值", 2.0), ("小值域错误比值", 2.0),
-              ("相对误差最大值比值", 10.0)],
-    "ULP误差比对法": [("ULP误差大于阈值占比比值", 1.0)],
-    "绝对阈值法": [("相对误差错误率", 0.0), ("绝对误差错误率", 0.0), ("inf/nan错误率", 0.0)],
-    "二进制一致法": [("二进制一致错误率", 0.0)],
-    "双千指标法": [("双千指标", 0.999)],
-    "混合容差比对法": [("混合容差通过率", 0.99), ("混合容差最大误差比值", 1.0)],
-    "量化比对法": [("量化误差最大值", 1.0)],
-}   # the benchmark limits are tier L0's (docs/standards.md): an API judged at L1/L2 fails below them
-# the device-vs-bench error shown beside the ratios (accuracy_checking_details), by algorithm
-DEVICE_ERROR = {"ULP误差比对法": "ULP误差平均值", "标杆比对法": "相对误差平均值", "绝对阈值法": "相对误差最大值"}
+# Per standard (the 比对算法 cell) the registry gives its label, its ratio columns with their limits and the
+# device-vs-bench error shown beside them (gpu_server/standards/registry.py, Standard): a new standard needs no edit
+# here. The benchmark standard's limits are tier L0's (docs/standards.md): an API judged at L1/L2 fails below them.
+METRIC_TITLES = dict(METRIC_COLUMNS)   # OutputMetrics attribute -> its accuracy_checking_details column
 MAX_TABLE_ROWS = 5000      # failing/warning calls listed in the page (the CSVs have them all)
 MAX_RANK_ROWS = 64         # ranks listed in the first-anomaly and non-finite tables
 MAX_MODULE_ROWS = 40       # modules listed (worst first)
@@ -293,16 +285,16 @@ def _error_link(out_dir: str, report_dir: str, ts: str, rank: int, call: str, st
     return " ".join(links) if links else "<span class='muted'>none</span>"
 
 
-def _worst_rows(pdet: pd.DataFrame, det: pd.DataFrame) -> dict[tuple, dict]:
+def _worst_rows(pdet: pd.DataFrame, det: pd.DataFrame, ratios: dict[str, tuple]) -> dict[tuple, dict]:
     """(rank, ts, call, step) -> metrics of its worst output row (precision details joined with details)."""
     keys = ["rank", "ts", "API Name", "step"]
-    cols = ["比对结果", "比对算法"] + [c for pairs in RATIOS.values() for c, _ in pairs]
+    cols = ["比对结果", "比对算法"] + [c for pairs in ratios.values() for c, _ in pairs]
     cols = list(dict.fromkeys(c for c in cols if c in pdet.columns))
     joined = _nth(pdet[keys + ["call", "direction"] + cols], keys).merge(
-        _nth(det[keys + ["Status", "余弦相似度", "最大绝对误差", "相对误差平均值", "ULP误差平均值"]], keys)
+        _nth(det[keys + ["call", "Status", "余弦相似度", "最大绝对误差", "相对误差平均值", "ULP误差平均值"]], keys)
         .rename(columns={"相对误差平均值": "dev_mean_rel", "ULP误差平均值": "dev_ulp_mean"}),
         on=keys + ["_n"], how="outer", suffixes=("", "_d")).drop(columns="_n")
-    joined["call"] = joined["call"].fillna(joined["API Name"].str.rsplit(".", n=3).str[0])
+    joined["call"] = joined["call"].fillna(joined.pop("call_d"))
     joined["rankorder"] = [min(ORDER.get(a, 9), ORDER.get(b, 9)) for a, b in
                            zip(joined["比对结果"].fillna(" "), joined["Status"].fillna(" "))]
     joined = joined.sort_values("rankorder", kind="stable")
@@ -830,7 +822,10 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
     frames = {k: load(out_dir, k) for k in ("result", "details", "precision_result", "precision_details")}
     calls = _calls(frames)
     pdet, det = frames["precision_details"], frames["details"]
-    worst = _worst_rows(pdet, det) if len(pdet) or len(det) else {}
+    standards = by_algorithm()
+    labels = {algo: s.label for algo, s in standards.items()}
+    ratios = {algo: s.ratios for algo, s in standards.items() if s.ratios}
+    worst = _worst_rows(pdet, det, ratios) if len(pdet) or len(det) else {}
     sessions = sorted(set(calls["ts"].dropna()))
     ranks = sorted(set(int(r) for r in calls["rank"].dropna()))
     steps = sorted(set(int(s) for s in calls["step"] if s >= 0))
@@ -895,7 +890,7 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
         w = worst.get((row["rank"], row["ts"], row["call"], row["step"]), {})
         algo = str(w.get("比对算法") or " ").strip()
         ratio = ""
-        for col, _thr in RATIOS.get(algo, []):
+        for col, _thr in ratios.get(algo, ()):
             if _num(w.get(col)):
                 ratio = f"{col} {_num(w.get(col))}"
                 break
@@ -907,7 +902,7 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
             f"<td class='num'>{row['step']}</td><td>{_module_cell(row['module'])}</td>"
             f"<td><code>{_e(row['source'])}</code></td><td>{_e(row['p_fwd'])} / {_e(row['p_bwd'])}</td>"
             f"<td>{_e(row['t_fwd'])} / {_e(row['t_bwd'])}</td><td>{_e(w.get('API Name', ''))}</td>"
-            f"<td>{_e(STANDARD_NAMES.get(algo, algo))}</td><td>{_e(ratio)}</td>"
+            f"<td>{_e(labels.get(algo, algo))}</td><td>{_e(ratio)}</td>"
             + "".join(f"<td class='num'>{_num(w.get(k))}</td>" for k in ("余弦相似度", "最大绝对误差", "dev_mean_rel",
                                                                        "dev_ulp_mean"))
             + f"<td class='msg'>{_e(msg[:600])}</td>"
@@ -946,7 +941,7 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
     by_std = []
     if len(pdet):
         for algo, group in pdet.groupby(pdet["比对算法"].fillna(" ").str.strip().replace("", "none (SKIP)")):
-            by_std.append((f"{STANDARD_NAMES.get(algo, algo)} ({algo})" if algo in STANDARD_NAMES else algo,
+            by_std.append((f"{labels[algo]} ({algo})" if algo in labels else algo,
                            _status_counts(group["比对结果"].fillna(SKIP))))
     parts.append("<h3 id='by-standard'>Output rows by precision standard (比对算法)</h3>")
     parts.append(svg_stacked_bars(sorted(by_std, key=lambda x: -x[1].get(ERROR, 0))))
@@ -964,18 +959,19 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
                      "<div class='grid'>")
         for direction in failing_dirs or sorted(set(rows["direction"].dropna())):
             sub = rows[rows["direction"] == direction]
-            algos = [a for a in sub["比对算法"].dropna().str.strip().unique() if a in RATIOS]
+            algos = [a for a in sub["比对算法"].dropna().str.strip().unique() if a in ratios]
             for algo in algos[:1]:
                 arows = sub[sub["比对算法"].str.strip() == algo]
-                for col, thr in RATIOS[algo][:2]:
+                for col, thr in ratios[algo][:2]:
                     vals = [(float(v), r == ERROR) for v, r in zip(arows[col], arows["比对结果"]) if pd.notna(v)]
                     if vals:
                         parts.append(f"<div class='card'><div>{_e(direction)} &middot; {_e(algo)} &middot; "
                                      f"{len(vals)} output rows</div>"
                                      + svg_histogram(vals, thr, f"{col} (device / same-dtype), log scale")
                                      + "</div>")
-                dev_col = DEVICE_ERROR.get(algo)
-                if dev_col:
+                device_error = standards[algo].device_error
+                if device_error:
+                    dev_col = METRIC_TITLES[device_error]
                     drows = det[(det["api"] == api) & (det["direction"] == direction)]
                     merged = drows.merge(arows[["rank", "ts", "API Name", "step", "比对结果"]],
                                          on=["rank", "ts", "API Name", "step"], how="left")
@@ -998,10 +994,10 @@ def render(out_dir: str, report_dir: str | None = None) -> str:
     ratio_series = {}
     for api in failing_apis[:8]:
         rows = pdet[(pdet["api"] == api) & (pdet["比对结果"].isin([ERROR, PASS]))]
-        algo = next((a for a in rows["比对算法"].dropna().str.strip() if a in RATIOS), None)
+        algo = next((a for a in rows["比对算法"].dropna().str.strip() if a in ratios), None)
         if algo is None:
             continue
-        col = RATIOS[algo][0][0]
+        col = ratios[algo][0].column
         pts = [(float(s), float(g[col].max())) for s, g in rows.groupby("step") if pd.notna(g[col].max())]
         if pts:
             ratio_series[f"{api} ({col})"] = pts
@@ -1043,8 +1039,7 @@ def write_html(out_dir: str, path: str | None = None) -> str:
         from gpu_server.report_frame import report_files
 
         sessions = sorted({ts for _, ts, _ in report_files(out_dir, "precision_result")})
-        name = f"report_{sessions[-1]}.html" if sessions else "report.html"
-        path = os.path.join(out_dir, name)
+        path = names.html_path(out_dir, sessions[-1] if sessions else None)
     text = render(out_dir, os.path.dirname(os.path.abspath(path)))
     write_atomic(path, lambda fh: fh.write(text))
     return path

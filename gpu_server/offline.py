@@ -280,17 +280,17 @@ def _read_details(path: str) -> tuple[list[str], list[dict[str, str]]]:
         raise
 
 
-def judge_pair(npu: dict[str, str], gpu: dict[str, str]) -> tuple[str, dict[str, Any], str, str]:
-    """One output row: (status, cells, algorithm, message) from the NPU row (the device) and the GPU row (the
-    reference machine), msprobe's api_precision_compare rule (docs/standards.md)."""
+def judge_pair(npu: dict[str, str], gpu: dict[str, str], call: str) -> tuple[str, dict[str, Any], str, str]:
+    """One output row of `call`: (status, cells, algorithm, message) from the NPU row (the device) and the GPU row
+    (the reference machine), msprobe's api_precision_compare rule (docs/standards.md)."""
     from gpu_server.standards import STANDARD_REGISTRY, select_standard
     from gpu_server.standards.registry import StandardInput
+    from protos.limits import call_api
 
     dtype_text = (npu.get("DEVICE Dtype") or "").strip()
     if not dtype_text or dtype_text in _UNSUPPORTED or (npu.get("Shape") or "").strip() == "(0,)":
         return "SKIP", {}, " ", (npu.get("Message") or "").strip()
-    name = npu["API Name"].split(".")
-    api_name = name[1] if len(name) == 6 else ".".join(name[1:3])
+    api_name = call_api(call).partition(".")[2]   # the api without its category
     dtype = _dtype(dtype_text)
     key = select_standard(api_name, dtype)
     standard = STANDARD_REGISTRY[key]
@@ -335,9 +335,9 @@ def compare(npu_path: str, gpu_path: str, out_dir: str) -> tuple[str, str]:
         results.writerow(PRECISION_RESULT_HEADER + extra)
         for row in npu_rows:
             name = row["API Name"]
-            parts = name.split(".")
+            parsed = report_files.split_row_name(name)
             step = [row["Step"]] if with_step else []
-            if len(parts) not in (6, 7) or parts[-3] not in ("forward", "backward") or parts[-2] != "output":
+            if parsed is None:
                 message = f"The API name {name} is invalid."
                 details.writerow([name] + [" "] * (len(PRECISION_DETAILS_HEADER) - 4) + ["SKIP", " ", message] + step)
                 results.writerow([name, "SKIP", "SKIP", message] + step)
@@ -347,16 +347,17 @@ def compare(npu_path: str, gpu_path: str, out_dir: str) -> tuple[str, str]:
                 missing += 1
                 log.warning("compare: %s is not in %s; the row is left out", name, gpu_path)
                 continue
-            status, cells, algorithm, message = judge_pair(row, gpu)
+            call, direction = parsed
+            status, cells, algorithm, message = judge_pair(row, gpu, call)
             details.writerow([name] + [cell(cells.get(t)) for t in PRECISION_DETAILS_HEADER[1:-3]]
                              + [status, algorithm or " ", clean(message) or " "] + step)
-            entry = calls.setdefault((".".join(parts[:-3]), row["Step"] if with_step else ""),
+            entry = calls.setdefault((call, row["Step"] if with_step else ""),
                                      {"forward": [], "backward": [], "skip": "", "unsupported": False})
             if (row.get("DEVICE Dtype") or "").strip() in _UNSUPPORTED:
                 entry["unsupported"] = True
                 continue
-            entry[parts[-3]].append(status)
-            if status == "SKIP" and parts[-3] == "forward":
+            entry[direction].append(status)
+            if status == "SKIP" and direction == "forward":
                 entry["skip"] = message
         for (api, api_step), entry in calls.items():
             tail = [api_step] if with_step else []

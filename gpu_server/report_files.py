@@ -6,11 +6,15 @@ that made collectives, and the summary.
     collective_result_{ts}_rank{r}.csv             (one row per torch.distributed collective record of the rank;
                                                    only for ranks that sent collectives)
     summary_{ts}.json                              api_bias_{ts}.csv (the pooled test across calls, all ranks)
+    report_{ts}.html                               (gpu_server/html_report.py)
 
-`{ts}` is the session's start time (`%Y%m%d%H%M%S`, kept across restarts with the same --out).
+`{ts}` is the session's start time (`%Y%m%d%H%M%S`, kept across restarts with the same --out); "*" in its place gives
+the glob pattern of every session's file (`glob.glob(summary_path(out, "*"))`).
 
-The detail rows' names (the `API Name` of accuracy_checking_details and api_precision_compare_details) are built here
-too: `row_name` ("Functional.linear.0.forward.output.1"; protos.limits.split_row_name splits one back).
+The detail rows' names (the `API Name` of accuracy_checking_details and api_precision_compare_details) are built and
+split here too: `row_name` ("Functional.linear.0.forward.output.1"), `split_row_name` and `ROW_NAME` (the pattern,
+for a whole column at once). Nothing else spells a file name or takes a row name apart
+(tests/test_report_vocabulary.py).
 """
 from __future__ import annotations
 
@@ -83,6 +87,11 @@ def summary_path(out_dir: str, ts: str) -> str:
     return os.path.join(out_dir, f"summary_{ts}.json")
 
 
+def html_path(out_dir: str, ts: str | None) -> str:
+    """The HTML report of session `ts` (gpu_server/html_report.py); `report.html` for a folder with no session."""
+    return os.path.join(out_dir, f"report_{ts}.html" if ts else "report.html")
+
+
 def api_bias_path(out_dir: str, ts: str) -> str:
     """The pooled findings across calls of session `ts` (gpu_server/pooled.py): one row per API, direction, dtype."""
     return os.path.join(out_dir, f"api_bias_{ts}.csv")
@@ -97,3 +106,17 @@ def row_name(call: str, direction: str, index: int) -> str:
     """The name of the detail row of output `index` of a call's `direction` ("forward" | "backward"):
     "Functional.linear.0.forward.output.1"."""
     return f"{call}{row_infix(direction)}{int(index)}"
+
+
+# A detail row's name as row_name builds it and as `gpu-server compare` (msprobe's api_precision_compare) accepts it:
+# a call of three or four dot-separated parts (Category.api.n, Custom.namespace.op.n), the direction, "output" and
+# the output's index (six or seven parts in all).
+ROW_NAME = re.compile(r"^(?P<call>[^.]*(?:\.[^.]*){2,3})"
+                      r"\.(?P<direction>forward|backward)\.output\.(?P<index>[^.]*)\Z")
+
+
+def split_row_name(row: str) -> tuple[str, str] | None:
+    """(the call, the direction) of a detail row's name: "Functional.linear.0.forward.output.1" ->
+    ("Functional.linear.0", "forward"); None for a name that is not one (ROW_NAME)."""
+    m = ROW_NAME.match(row)
+    return (m.group("call"), m.group("direction")) if m else None

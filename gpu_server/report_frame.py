@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import glob
 import os
-import re
 
 import pandas as pd
 
@@ -46,8 +45,6 @@ KINDS = {
 }
 HEADERS = {"result": RESULT_HEADER, "details": DETAILS_HEADER, "precision_result": PRECISION_RESULT_HEADER,
            "precision_details": PRECISION_DETAILS_HEADER}
-_FILE = re.compile(r"^(?P<kind>[a-z_]+?)_(?P<ts>\d{14})_rank(?P<rank>\d+)\.csv$")
-_ROW = re.compile(r"^(?P<call>.+)\.(?P<direction>forward|backward)\.output\.(?P<output>\d+)$")
 
 # English aliases of msprobe's columns (the metric ones by gpu_server.metrics.OutputMetrics attribute).
 _PRECISION_ALIASES = [
@@ -87,10 +84,10 @@ def report_files(out_dir: str, kind: str) -> list[tuple[str, str, int]]:
     """(path, ts, rank) of every `kind` report in `out_dir`, by session then rank."""
     prefix = KINDS[kind_of(kind)]
     found = []
-    for path in glob.glob(os.path.join(glob.escape(out_dir), prefix + "_*_rank*.csv")):
-        m = _FILE.match(os.path.basename(path))
-        if m and m.group("kind") == prefix:
-            found.append((path, m.group("ts"), int(m.group("rank"))))
+    for path in glob.glob(os.path.join(glob.escape(out_dir), report_names.rank_glob(prefix))):
+        parsed = report_names.parse(os.path.basename(path))
+        if parsed and parsed[0] == prefix:
+            found.append((path, parsed[1], parsed[2]))
     return sorted(found, key=lambda f: (f[1], f[2]))
 
 
@@ -110,10 +107,10 @@ def _typed(frame: pd.DataFrame, kind: str) -> pd.DataFrame:
             frame[ours.lower()] = frame[ours]
     name = frame.columns[0]
     if kind in ("details", "precision_details"):
-        parts = frame[name].str.extract(_ROW)
+        parts = frame[name].str.extract(report_names.ROW_NAME)
         frame["call"] = parts["call"]
         frame["direction"] = parts["direction"]
-        frame["output"] = pd.to_numeric(parts["output"], errors="coerce").astype("Int64")
+        frame["output"] = pd.to_numeric(parts["index"], errors="coerce").astype("Int64")
     else:
         frame["call"] = frame[name]
     frame["api"] = frame["call"].map(call_api)

@@ -84,9 +84,9 @@ def rebuild_from_reports(out_dir: str, ts: str, entries: list[Entry], state: Jou
     forwards: dict[int, set[tuple[str, str]]] = {}
     for rank in {e.key[1] for e in entries}:
         results[rank] = set(_calls(report_files.path(out_dir, report_files.RESULT, ts, rank)))
-        forward = report_files.row_infix("forward")
-        forwards[rank] = {(name.split(forward)[0], step) for name, step in
-                          _calls(report_files.path(out_dir, report_files.DETAILS, ts, rank)) if forward in name}
+        forwards[rank] = {(parts[0], step) for name, step in
+                          _calls(report_files.path(out_dir, report_files.DETAILS, ts, rank))
+                          if (parts := report_files.split_row_name(name)) and parts[1] == "forward"}
     found = 0
     for e in entries:
         call = (e.name, str(e.step))

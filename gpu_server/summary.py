@@ -15,7 +15,7 @@ from gpu_server.drain_rate import DrainRate
 from gpu_server.safe_open import FileRefused, csv_rows
 from gpu_server.standards import standard_labels
 from gpu_server.statuses import ERROR, SKIP, STATUSES, WARNING
-from protos.limits import call_api, split_row_name
+from protos.limits import call_api
 
 log = logging.getLogger("gpu_server")
 
@@ -103,7 +103,7 @@ class Summary:
             if first is not None and (first["seq"], first["report"] != "accuracy_checking") <= (
                     seq, report != "accuracy_checking"):
                 return
-            call, direction = split_row_name(row)
+            call, direction = report_files.split_row_name(row) or (row, "")
             self.first_anomaly[rank] = {
                 "rank": rank, "call": call, "row": row, "step": step, "seq": seq,
                 "direction": direction, "module": module, "source": source,

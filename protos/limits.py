@@ -93,10 +93,3 @@ def call_api(name: str) -> str:
     """`Category.api` of a call or report-row name: "Functional.linear.0.forward.output.1" -> "Functional.linear",
     "Custom.mylib.fused_gelu.0" -> "Custom.mylib.fused_gelu"."""
     return ".".join(name.split(".")[:_api_parts(name)])
-
-
-def split_row_name(row: str) -> tuple[str, str]:
-    """(the call, the direction) of a report-row name: "Functional.linear.0.forward.output.1" ->
-    ("Functional.linear.0", "forward"); a call name alone -> (it, "")."""
-    parts, n = row.split("."), _api_parts(row) + 1
-    return ".".join(parts[:n]), parts[n] if len(parts) > n else ""

@@ -1,10 +1,10 @@
 """Precision standards (api_precision_compare `比对结果`, docs/standards.md): pure functions of metrics, no I/O.
 
 Each standard is a small module (binary.py, absolute.py, ulp.py, thousandth.py, benchmark.py,
-mixed_tolerance.py, quantisation.py) that registers its
-judging function in registry.py; selection.py picks one from the output dtype and the API name; every threshold is
-in thresholds.py. judging.py applies them to one output (`judge_pair`); it is not imported here, because it needs
-gpu_server.metrics, which reads thresholds.py.
+mixed_tolerance.py, quantisation.py), imported below, that registers its judging function in registry.py, with the
+ratio columns and limits the HTML report shows for it; selection.py picks one from the output dtype and the API name;
+every threshold is in thresholds.py. judging.py applies them to one output (`judge_pair`); it is not imported here,
+because it needs gpu_server.metrics, which reads thresholds.py.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from gpu_server.standards import (  # noqa: F401  (they register)
     thousandth,
     ulp,
 )
-from gpu_server.standards.registry import STANDARD_REGISTRY, register_standard, standard_labels
+from gpu_server.standards.registry import STANDARD_REGISTRY, Ratio, by_algorithm, register_standard, standard_labels
 from gpu_server.standards.selection import (
     ApiJudging,
     api_judging,
@@ -30,5 +30,5 @@ from gpu_server.standards.selection import (
 from gpu_server.standards.thresholds import THRESHOLDS
 
 __all__ = ["ApiJudging", "configure", "known_standards", "threshold_names", "api_judging",
-           "select_standard", "canonical_name", "register_standard", "standard_labels", "STANDARD_REGISTRY",
-           "THRESHOLDS"]
+           "select_standard", "canonical_name", "register_standard", "Ratio", "by_algorithm", "standard_labels",
+           "STANDARD_REGISTRY", "THRESHOLDS"]

@@ -7,7 +7,7 @@ absolute error rate (small elements with abs_err > small_atol).
 """
 from __future__ import annotations
 
-from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard
+from gpu_server.standards.registry import Ratio, StandardInput, StandardResult, fmt, register_standard
 from gpu_server.standards.selection import ABSOLUTE
 from gpu_server.statuses import ERROR, PASS, status_of
 
@@ -19,7 +19,9 @@ _RATES = (
 )
 
 
-@register_standard(ABSOLUTE, "绝对阈值法", "absolute threshold")
+# every rate must be 0 (no limit line); the reports show the relative and absolute error rates first
+@register_standard(ABSOLUTE, "绝对阈值法", "absolute threshold", device_error="max_rel_err",
+                   ratios=tuple(Ratio(column, 0.0) for _, column, _ in (_RATES[1], _RATES[2], _RATES[0])))
 def absolute_threshold(inp: StandardInput) -> StandardResult:
     result = StandardResult(PASS)
     for attr, column, status_column in _RATES:

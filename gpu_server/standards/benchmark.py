@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from gpu_server.standards.registry import (
+    Ratio,
     StandardInput,
     StandardResult,
     fmt,
@@ -33,9 +34,13 @@ _JUDGED = (
     ("mean_rel_err", "相对误差平均值比值", "相对误差平均值判定结果", "mean_rel"),
 )
 _REPORTED = ("error_balance", "误差均衡性比值")
+_RATIO_COLUMNS = {limit_key: ratio_column for _, ratio_column, _, limit_key in _JUDGED}
 
 
-@register_standard(BENCHMARK, "标杆比对法", "benchmark")
+# the reports show the mean relative error's ratio first, the limits of tier L0
+@register_standard(BENCHMARK, "标杆比对法", "benchmark", device_error="mean_rel_err", ratios=tuple(
+    Ratio(_RATIO_COLUMNS[k], THRESHOLDS.benchmark_ratio_limits[k]) for k in ("mean_rel", "rmse", "small_value",
+                                                                             "max_rel")))
 def benchmark(inp: StandardInput) -> StandardResult:
     if inp.same is None:
         return StandardResult(SKIP, messages=["the benchmark standard needs the same-dtype run, which is not "

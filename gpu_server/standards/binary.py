@@ -5,15 +5,17 @@ Passes iff the binary error rate (share of elements with device != bench; both N
 """
 from __future__ import annotations
 
-from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard
+from gpu_server.standards.registry import Ratio, StandardInput, StandardResult, fmt, register_standard
 from gpu_server.standards.selection import BINARY
 from gpu_server.statuses import status_of
 
+RATE, STATUS = "二进制一致错误率", "二进制一致错误率判定结果"
 
-@register_standard(BINARY, "二进制一致法", "binary consistency")
+
+@register_standard(BINARY, "二进制一致法", "binary consistency", ratios=(Ratio(RATE, 0.0),))
 def binary_consistency(inp: StandardInput) -> StandardResult:
     rate = inp.device.binary_error_rate
     ok = rate == 0
     status = status_of(ok)
     messages = [] if ok else [f"ERROR: 二进制一致错误率超过阈值 (binary error rate {fmt(rate)} > 0)"]
-    return StandardResult(status, {"二进制一致错误率": rate, "二进制一致错误率判定结果": status}, messages)
+    return StandardResult(status, {RATE: rate, STATUS: status}, messages)

@@ -14,12 +14,13 @@ import math
 
 import torch
 
-from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard
+from gpu_server.standards.registry import Ratio, StandardInput, StandardResult, fmt, register_standard
 from gpu_server.standards.selection import MIXED_TOLERANCE
 from gpu_server.standards.thresholds import THRESHOLDS
 from gpu_server.statuses import ERROR, PASS, SKIP
 
 RATE, MAX_RATIO, STATUS = "混合容差通过率", "混合容差最大误差比值", "混合容差判定结果"
+MAX_RATIO_LIMIT = 1.0   # the largest error over its allowance max(floor, max_ulp ULP)
 
 
 def mixed_counts(bench: torch.Tensor, device: torch.Tensor, atol: float, rtol: float, floor: float, max_ulp: float,
@@ -58,7 +59,8 @@ def mixed_counts(bench: torch.Tensor, device: torch.Tensor, atol: float, rtol: f
             "where_max": where}
 
 
-@register_standard(MIXED_TOLERANCE, "混合容差比对法", "mixed tolerance")
+@register_standard(MIXED_TOLERANCE, "混合容差比对法", "mixed tolerance",
+                   ratios=(Ratio(RATE, THRESHOLDS.mixed_pass_rate), Ratio(MAX_RATIO, MAX_RATIO_LIMIT)))
 def mixed_tolerance(inp: StandardInput) -> StandardResult:
     if inp.bench is None or inp.output is None or inp.dtype not in THRESHOLDS.mixed_tolerance:
         why = ("the mixed-tolerance standard needs the output tensors" if inp.bench is None or inp.output is None
@@ -80,7 +82,7 @@ def mixed_tolerance(inp: StandardInput) -> StandardResult:
         result.messages.append(f"ERROR: 混合容差通过率不达标 (pass rate {fmt(rate)} < {need}: "
                                f"{c['numel'] - c['passed']} of {c['numel']} elements with |device - bench| > "
                                f"{fmt(atol)} + {fmt(rtol)} |bench|)")
-    if c["max_ratio"] > 1:
+    if c["max_ratio"] > MAX_RATIO_LIMIT:
         result.status = ERROR
         result.messages.append(f"ERROR: 混合容差最大误差超过阈值 (error {fmt(c['max_err'])} at bench "
                                f"{fmt(c['where_max'])} is {fmt(c['max_ratio'])} times max({fmt(floor)}, "

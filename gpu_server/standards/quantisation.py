@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard
+from gpu_server.standards.registry import Ratio, StandardInput, StandardResult, fmt, register_standard
 from gpu_server.standards.selection import QUANTISATION
 from gpu_server.standards.thresholds import THRESHOLDS
 from gpu_server.statuses import ERROR, PASS, SKIP
@@ -17,7 +17,8 @@ from gpu_server.statuses import ERROR, PASS, SKIP
 MAX_DIFF, STATUS = "量化误差最大值", "量化误差判定结果"
 
 
-@register_standard(QUANTISATION, "量化比对法", "quantisation")
+@register_standard(QUANTISATION, "量化比对法", "quantisation",
+                   ratios=(Ratio(MAX_DIFF, THRESHOLDS.quantisation_max_diff),))
 def quantisation(inp: StandardInput) -> StandardResult:
     if not isinstance(inp.bench, torch.Tensor) or not isinstance(inp.output, torch.Tensor):
         return StandardResult(SKIP, messages=["the quantisation standard needs the output tensors"])

@@ -1,15 +1,17 @@
 """The registry of precision standards (in the shape of torch/utils/flop_counter.py's flop_registry).
 
-Each standard is a small pure module that registers one judging function with `@register_standard(key, algorithm)`.
-A judging function takes a `StandardInput` (the device dtype, the device output's metrics against the bench and the
-same-dtype run's metrics against the bench) and returns a `StandardResult` (its status, its cells of
-api_precision_compare_details keyed by column title, and its messages).
+Each standard is a small pure module that registers one judging function with `@register_standard(key, algorithm,
+label, ratios=..., device_error=...)`. A judging function takes a `StandardInput` (the device dtype, the device
+output's metrics against the bench and the same-dtype run's metrics against the bench) and returns a `StandardResult`
+(its status, its cells of api_precision_compare_details keyed by column title, and its messages). The standard also
+declares how the reports show it: its ratio columns with their limits and the device-vs-bench error column beside
+them (gpu_server/html_report.py reads them here, by algorithm name: `by_algorithm`).
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
 
 import torch
 
@@ -48,33 +50,51 @@ class StandardResult:
     messages: list[str] = field(default_factory=list)
 
 
+class Ratio(NamedTuple):
+    """One column of api_precision_compare_details that the HTML report plots for a standard, and its limit."""
+
+    column: str     # its title (gpu_server.columns: PRECISION_DETAILS_HEADER or PRECISION_EXTRA_COLUMNS)
+    limit: float    # the error threshold drawn on its distribution (0: none drawn)
+
+
 @dataclass(frozen=True)
 class Standard:
     key: str
     algorithm: str                                       # msprobe's 比对算法 name
     judge: Callable[[StandardInput], StandardResult]
     label: str                                           # its name in the summaries (summary.json, the HTML)
+    # its ratio columns, the most telling first (the HTML report: the failing calls' ratio, the distributions of the
+    # first two, the worst ratio per step of the first)
+    ratios: tuple[Ratio, ...] = ()
+    # the accuracy_checking_details column of the device's error against the bench shown beside them (None: none)
+    device_error: str | None = None
 
 
 STANDARD_REGISTRY: dict[str, Standard] = {}
 
 
-def register_standard(key: str, algorithm: str, label: str | None = None) -> Callable:
+def register_standard(key: str, algorithm: str, label: str | None = None, *, ratios: tuple[Ratio, ...] = (),
+                      device_error: str | None = None) -> Callable:
     """Decorator: register `fn(StandardInput) -> StandardResult` as the standard `key` (msprobe's name `algorithm`,
-    `label` in the summaries, `key` by default)."""
+    `label` in the summaries, `key` by default; `ratios` and `device_error` for the HTML report, see Standard)."""
 
     def decorator(fn: Callable[[StandardInput], StandardResult]) -> Callable[[StandardInput], StandardResult]:
         if key in STANDARD_REGISTRY:
             raise ValueError(f"precision standard {key!r} registered twice")
-        STANDARD_REGISTRY[key] = Standard(key, algorithm, fn, label or key)
+        STANDARD_REGISTRY[key] = Standard(key, algorithm, fn, label or key, tuple(ratios), device_error)
         return fn
 
     return decorator
 
 
+def by_algorithm() -> dict[str, Standard]:
+    """msprobe's algorithm name (the 比对算法 cell) -> its standard."""
+    return {s.algorithm: s for s in STANDARD_REGISTRY.values()}
+
+
 def standard_labels() -> dict[str, str]:
     """msprobe's algorithm name (the 比对算法 cell) -> the standard's label in the summaries."""
-    return {s.algorithm: s.label for s in STANDARD_REGISTRY.values()}
+    return {algorithm: s.label for algorithm, s in by_algorithm().items()}
 
 
 def fmt(value: float | None) -> str:

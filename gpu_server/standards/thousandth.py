@@ -8,15 +8,17 @@ half of the elements outside.
 """
 from __future__ import annotations
 
-from gpu_server.standards.registry import StandardInput, StandardResult, fmt, register_standard, wilson
+from gpu_server.standards.registry import Ratio, StandardInput, StandardResult, fmt, register_standard, wilson
 from gpu_server.standards.selection import THOUSANDTH
 from gpu_server.standards.thresholds import THRESHOLDS
 from gpu_server.statuses import status_of
 
 GROSS = 4.0
+SHARE, STATUS = "双千指标", "双千指标判定结果"
 
 
-@register_standard(THOUSANDTH, "双千指标法", "double-thousandth")
+@register_standard(THOUSANDTH, "双千指标法", "double-thousandth",
+                   ratios=(Ratio(SHARE, THRESHOLDS.thousandth_standard_pass),))
 def double_thousandth(inp: StandardInput) -> StandardResult:
     share = inp.device.thousandth
     limit = inp.param("pass_share", THRESHOLDS.thousandth_standard_pass)
@@ -45,4 +47,4 @@ def double_thousandth(inp: StandardInput) -> StandardResult:
     status = status_of(ok)
     if not ok:
         messages.append(f"ERROR: 双千指标不达标 (double-thousandth {fmt(share)} < {limit})")
-    return StandardResult(status, {"双千指标": share, "双千指标判定结果": status}, messages)
+    return StandardResult(status, {SHARE: share, STATUS: status}, messages)

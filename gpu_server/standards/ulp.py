@@ -14,6 +14,7 @@ import math
 from dataclasses import replace
 
 from gpu_server.standards.registry import (
+    Ratio,
     StandardInput,
     StandardResult,
     fmt,
@@ -31,7 +32,8 @@ GROSS_ULP = 4.0   # max ULP error above this many times the spread's (or the thr
 _MEAN, _SHARE, _RATIO, _STATUS = "ULP误差平均值", "ULP误差大于阈值占比", "ULP误差大于阈值占比比值", "ULP误差判定结果"
 
 
-@register_standard(ULP, "ULP误差比对法", "ULP")
+@register_standard(ULP, "ULP误差比对法", "ULP", ratios=(Ratio(_RATIO, THRESHOLDS.ulp_ratio_limit),),
+                   device_error="ulp_mean")
 def ulp_error(inp: StandardInput) -> StandardResult:
     base = THRESHOLDS.for_dtype(inp.dtype)
     mean_limit = inp.overrides.get("ulp_mean_limit", base.ulp_mean_limit)
