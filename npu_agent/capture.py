@@ -26,7 +26,6 @@ from torch.overrides import TorchFunctionMode
 
 from npu_agent import collectives, location, naming
 from npu_agent.records import PendingRecord
-from npu_agent.sampling import call_site
 from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
 from npu_agent.snapshot import install as snapshot_install
 from protos import apis
@@ -173,6 +172,18 @@ def protect_unseen(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 # categories whose writes are looked up (written_tensors): a custom operator's `Tensor(a!)` arguments too
 _BY_TABLE = frozenset({"Aten", "NPU", "Distributed", "Custom"})
 
+# What a call's (category, api) tells before its arguments are looked at, per API: (in place by name, its writes
+# looked up by table, a collective checked across ranks). The mode asks for every call.
+_KINDS: dict[tuple[str, str], tuple[bool, bool, bool]] = {}
+_CLASSIFIED = naming.CLASSIFIED
+_is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+
+
+def _kind(category: str, api: str) -> tuple[bool, bool, bool]:
+    return (naming.inplace_by_name(api), category in _BY_TABLE,
+            category == "Distributed" and (api in collectives.CAPTURED or api == collectives.WAIT))
+
 
 _ON: list["CaptureMode"] = []   # capture modes pushed now, on any thread (for the custom backwards below)
 _backward_installed = False
@@ -228,14 +239,17 @@ class CaptureMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # must stay the first statement: compiled regions are opaque
+        if _is_compiling():  # must stay the first statement: compiled regions are opaque
             return func(*args, **kwargs)
         cap = self.capturer
         try:
-            info = naming.classify(func)
-        except Exception as exc:  # noqa: BLE001 - an unknown kind of callable: run it, uncaptured
-            cap.internal_error(f"naming {getattr(func, '__name__', type(func).__name__)}", exc)
-            info = None
+            info = _CLASSIFIED[func]   # naming.classify's cache, looked up without the call
+        except Exception:  # noqa: BLE001 - not cached yet, or unhashable: the full path
+            try:
+                info = naming.classify(func)
+            except Exception as exc:  # noqa: BLE001 - an unknown kind of callable: run it, uncaptured
+                cap.internal_error(f"naming {getattr(func, '__name__', type(func).__name__)}", exc)
+                info = None
         if info is None:
             if HELD.pending:   # not an API, yet it may write a tensor a record holds (a custom op, `out=`)
                 try:
@@ -313,6 +327,7 @@ class Capturer:
         self.sampler = sampler            # npu_agent.sampling.Sampler, or None: every call
         self.locate = locate              # records carry their module path and source line (npu_agent.location)
         self.counters = naming.Counters()
+        self._counts = self.counters.counts   # the same dict, counted in place by before_call
         self.step = 0
         self.captured = 0
         self.errors = 0
@@ -367,30 +382,33 @@ class Capturer:
     def before_call(self, func: Any, info: tuple[str, str], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> CallContext | None:
         category, api = info
-        inplace = naming.is_inplace(api, kwargs) if kwargs else naming.inplace_by_name(api)
-        writes = inplace or info in self._writes_inputs
-        if writes:
-            if HELD.pending:
-                # This call writes (some of) its tensor arguments: records still holding them get their copy first.
-                HELD.protect_tree((args, kwargs))
-        elif category in _BY_TABLE:
-            written = written_tensors(func, category, api, args, kwargs)
-            if written:   # an operator's `Tensor(a!)` arguments, a collective's buffers
-                writes = True
-                if HELD.pending:
-                    HELD.protect(written)
-        if category == "Distributed" and (api in collectives.CAPTURED or api == collectives.WAIT):
+        try:
+            by_name, by_table, collective = _KINDS[info]
+        except KeyError:
+            by_name, by_table, collective = _KINDS[info] = _kind(category, api)
+        inplace = naming.is_inplace(api, kwargs) if kwargs else by_name
+        # Whether the call writes its arguments: looked up now when records hold tensors (they get their copies
+        # first), else only for a call that is recorded (its inputs are then copied); a skipped call costs nothing.
+        writes = self._writes(func, info, inplace, by_table, args, kwargs) if HELD.pending else None
+        if collective:
             # every collective, in forward, in a custom backward or a checkpoint recompute: checked across ranks
             return self._collective_call(func, api, args, kwargs)
         if in_backward_pass():
             # Inside a backward pass: a checkpoint recompute or a custom backward. Its forward was recorded already.
             return self._recompute_call(info, args, kwargs)
-        name = self.counters.next_name(category, api)
-        if not self._selected(name):
+        # The call's index is counted now; its name is spelled only for a call that is selected and sampled (a call
+        # the sampling skips costs no string).
+        counts = self._counts
+        index = counts.get(info, 0)
+        counts[info] = index + 1
+        if self.scope or self.api_list:
+            if not self._selected(f"{category}.{api}.{index}"):
+                return None
+        grad_enabled = _grad_enabled()
+        sampler = self.sampler
+        if sampler is not None and not sampler.take_call(category, api, args, kwargs, grad_enabled):
             return None
-        grad_enabled = torch.is_grad_enabled()
-        if self.sampler is not None and not self.sampler.take(call_site(category, api, args, kwargs, grad_enabled)):
-            return None
+        name = f"{category}.{api}.{index}"
         rec = PendingRecord(name=name, step=self.step, grad_enabled=grad_enabled,
                             inplace=inplace, autocast=autocast_state(args, kwargs))
         if self.locate:   # from the frame below CaptureMode.__torch_function__ (ours: this one, then that one)
@@ -403,6 +421,8 @@ class Capturer:
             # The server would refuse it by name (protos/apis.py): sent without tensors, reported SKIP with `why`.
             rec.skip_reason = why
             return CallContext(rec, category, api, args, kwargs)
+        if writes is None:
+            writes = self._writes(func, info, inplace, by_table, args, kwargs)
         rec.inputs = snapshot((args, kwargs), copy=writes)   # inputs the call writes: their value before it
         ctx = CallContext(rec, category, api, args, kwargs)
         ctx.copied = writes
@@ -411,6 +431,21 @@ class Capturer:
         if grad_enabled and self.backward is not None:
             self.backward.tap_inputs(ctx)
         return ctx
+
+    def _writes(self, func: Any, info: tuple[str, str], inplace: bool, by_table: bool, args: tuple[Any, ...],
+                kwargs: dict[str, Any]) -> bool:
+        """Does this call write (some of) its tensor arguments? Records still holding them get their copy first."""
+        if inplace or info in self._writes_inputs:
+            if HELD.pending:
+                HELD.protect_tree((args, kwargs))
+            return True
+        if by_table:
+            written = written_tensors(func, info[0], info[1], args, kwargs)
+            if written:   # an operator's `Tensor(a!)` arguments, a collective's buffers
+                if HELD.pending:
+                    HELD.protect(written)
+                return True
+        return False
 
     def _collective_call(self, func: Any, api: str, args: tuple[Any, ...],
                          kwargs: dict[str, Any]) -> CallContext | None:

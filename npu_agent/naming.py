@@ -138,6 +138,7 @@ def _custom_name_ok(ns: str, op: str) -> bool:
 
 
 _CACHE: dict[Any, tuple[str, str] | None] = {}
+CLASSIFIED = _CACHE   # read-only view for the capture mode's fast path (cleared in place, never rebound)
 
 
 def classify(func: Any) -> tuple[str, str] | None:
@@ -200,6 +201,7 @@ class Counters:
 
     def __init__(self) -> None:
         self._n: dict[tuple[str, str], int] = {}
+        self.counts = self._n   # (category, api) -> calls so far this step; `reset` empties it in place
 
     def next_name(self, category: str, api: str) -> str:
         key = (category, api)

@@ -76,6 +76,8 @@ class Sampler:
         self._on: collections.deque[float] = collections.deque(maxlen=9)
         self._off: collections.deque[float] = collections.deque(maxlen=9)
         self._budget_credit = 0.0
+        self._reason = "skipped_steps"
+        self._coverage = policy.coverage_steps
 
     # -- step boundary ---------------------------------------------------------------------------------------
     def take_step(self, step: int) -> bool:
@@ -146,7 +148,45 @@ class Sampler:
         if not self.step_taken:
             c[self._reason] += 1
             return False
-        k = self.policy.coverage_steps
+        k = self._coverage
+        if k and self.step - last < k:
+            c["skipped_repeats"] += 1
+            return False
+        self.last[site] = self.step
+        c["captured"] += 1
+        return True
+
+    def take_call(self, category: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+                  grad_enabled: bool) -> bool:
+        """`take(call_site(...))` in one call: the capture mode asks it for every call it may record."""
+        sig: list[tuple[torch.Size, torch.dtype]] = []   # _signature, inline: this runs for every call
+        kinds = _KIND_OF
+        for v in args:
+            kind = kinds.get(type(v))
+            if kind is None:
+                kind = _kind(type(v))
+            if kind == 1:
+                sig.append((v.shape, v.dtype))
+            elif kind == 2:
+                sig.extend([(t.shape, t.dtype) for t in v if isinstance(t, _Tensor)])
+        if kwargs:
+            for v in kwargs.values():
+                if isinstance(v, _Tensor):
+                    sig.append((v.shape, v.dtype))
+        site = (category, api, tuple(sig), grad_enabled)
+        c = self.counts
+        c["calls"] += 1
+        last = self.last.get(site)
+        if last is None:
+            self.seen.add(site)
+            self.last[site] = self.step
+            c["new_call_sites"] += 1
+            c["captured"] += 1
+            return True
+        if not self.step_taken:
+            c[self._reason] += 1
+            return False
+        k = self._coverage
         if k and self.step - last < k:
             c["skipped_repeats"] += 1
             return False
@@ -188,14 +228,37 @@ class Sampler:
 def call_site(category: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
               grad_enabled: bool) -> CallSite:
     """(API, input shapes and dtypes, direction) of a call; tensors in nested lists count too."""
+    return (category, api, _signature(args, kwargs), grad_enabled)
+
+
+_Tensor = torch.Tensor
+# type -> 1: a tensor, 2: a list or tuple, 0: anything else. `isinstance(v, torch.Tensor)` is fast for a tensor but
+# slow (~0.1 us) for an int or a float (torch.Tensor's metaclass): the kind is looked up by the argument's type.
+_KIND_OF: dict[type, int] = {}
+
+
+def _kind(tp: type) -> int:
+    if len(_KIND_OF) > 1024:   # types made at run time: keep the table bounded
+        _KIND_OF.clear()
+    kind = _KIND_OF[tp] = 1 if issubclass(tp, _Tensor) else 2 if issubclass(tp, (list, tuple)) else 0
+    return kind
+
+
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[tuple[torch.Size, torch.dtype], ...]:
+    """(shape, dtype) of each tensor argument in order, of the tensors in a list or tuple argument, and of tensor
+    keyword arguments."""
     sig: list[tuple[torch.Size, torch.dtype]] = []
+    kinds = _KIND_OF
     for v in args:
-        if isinstance(v, torch.Tensor):
+        kind = kinds.get(type(v))
+        if kind is None:
+            kind = _kind(type(v))
+        if kind == 1:
             sig.append((v.shape, v.dtype))
-        elif isinstance(v, (list, tuple)):
-            sig.extend((t.shape, t.dtype) for t in v if isinstance(t, torch.Tensor))
+        elif kind == 2:
+            sig.extend([(t.shape, t.dtype) for t in v if isinstance(t, _Tensor)])
     if kwargs:
         for v in kwargs.values():
-            if isinstance(v, torch.Tensor):
+            if isinstance(v, _Tensor):
                 sig.append((v.shape, v.dtype))
-    return (category, api, tuple(sig), grad_enabled)
+    return tuple(sig)
