@@ -21,6 +21,7 @@ from gpu_server.intake import ByteBudget, Intake, check_peak
 from gpu_server.job import Job
 from gpu_server.pending import PendingCalls
 from gpu_server.pooled import DEFAULT_FAIL_ABOVE_ULP, PooledErrors
+from gpu_server.record_stream import RecordSource
 from gpu_server.registry import known
 from gpu_server.reports import OPEN_FILES
 from gpu_server.sandbox import SandboxLimits, host_memory
@@ -90,8 +91,7 @@ class ServerApp:
         self.intake.on_closed = self._check_done
         for run_id, rank, seq in self.spool.seen():
             self.intake.mark_seen(run_id, rank, seq)
-        self.server = None
-        self.folder = None
+        self.source: RecordSource | None = None
         self.bind_target = ""
         self.replayed = 0
         self.quarantined = 0
@@ -155,18 +155,19 @@ class ServerApp:
 
     def start(self) -> None:
         self.resume()
+        self.source = self._source()
+        self.bind_target = self.source.start()
+
+    def _source(self) -> RecordSource:
+        """The transport: the shared-folder reader with run_ut.nfs_path, else the gRPC service."""
         if self.config.nfs_path:
             from gpu_server.folder import FolderReader
 
-            self.folder = FolderReader(self.config.nfs_path, self.intake, self.limits, self.on_end)
-            self.folder.start()
-            return
+            return FolderReader(self.config.nfs_path, self.intake, self.limits, self.on_end)
         from gpu_server.service import StreamHandler, make_server
 
         handler = StreamHandler(self.intake, self.limits, self.on_end, self.budget)
-        self.server, port = make_server(handler, self.config.bind_target, self.limits, self.config.tls_path)
-        self.bind_target = self.config.bind_target.rsplit(":", 1)[0] + f":{port}"
-        self.server.start()
+        return make_server(handler, self.config.bind_target, self.limits, self.config.tls_path)
 
     def on_end(self, end: pb.End) -> None:
         counts = {"run_id": end.run_id, "rank": end.rank, "captured": end.captured, "sent": end.sent,
@@ -220,18 +221,16 @@ class ServerApp:
         """Stop accepting: no new streams or records; what was acknowledged is still checked. The shared folder's
         reader first reads every complete record file already there (the agent counted them delivered:
         FolderReader.sweep), so they are reported in this run."""
-        if self.server is not None:
-            self.server.stop(grace=2.0).wait()
-        if self.folder is not None:
-            self.folder.stop()
+        if self.source is not None:
+            self.source.shutdown()
 
     def finish(self) -> list[str]:
         for name in ("duplicates", "rejected", "not_replayable", "filtered", "refused_ranks"):
             self.summary.count(name, getattr(self.intake, name))
         if self.budget.overdrawn:   # half-received records alone filled the budget: the oldest went on beyond it
             self.summary.count("memory_budget_overdrawn", self.budget.overdrawn)
-        if self.folder is not None:   # record files the stop's sweep read from the shared folder (FolderReader.sweep)
-            self.summary.count("folder_files_read_at_stop", self.folder.swept)
+        for name, n in (self.source.counts() if self.source is not None else {}).items():
+            self.summary.count(name, n)
         self.summary.count("spool_replayed", self.replayed)
         self.summary.count("spool_quarantined", self.quarantined)
         if self.done.is_set():

@@ -18,8 +18,9 @@ Rules:
 * Sizes are checked against the limits before anything is allocated: a frame is at most `max_frame_bytes`, a
   record's payload at most `max_record_bytes` and never more than the file holds.
 * Every byte is reserved in the server's memory budget (`--memory-mb`) before it is read, by the same
-  `FrameAssembler` as the gRPC transport: each frame's bytes, then each complete record's estimated peak (held until
-  the workers checked it). A record whose check would need more than the whole budget is moved aside.
+  `RecordStream` (gpu_server/record_stream.py) as the gRPC transport: each frame's bytes, then each complete
+  record's estimated peak (held until the workers checked it). A record whose check would need more than the whole
+  budget is moved aside.
 * Symbolic links are never followed, anywhere below `nfs_path` (docs/security.md): each `rank{r}/` is opened once
   per pass with O_NOFOLLOW | O_DIRECTORY and every later open, unlink and rename is relative to that descriptor, so
   a folder swapped for a link meanwhile is not entered; record files are opened with O_NOFOLLOW | O_NONBLOCK and
@@ -51,8 +52,8 @@ from typing import Callable
 from google.protobuf.message import DecodeError
 
 from gpu_server.intake import ByteBudget, FrameAssembler, Intake
+from gpu_server.record_stream import Arrival, RecordStream, Stopped
 from protos import online_check_pb2 as pb
-from protos.codec import WireError
 from protos.folder_format import END_FILE, FOLDER_MAGIC, FRAME_LENGTH, RANK_DIR, RECORD_FILE
 from protos.framing import parse_frame
 from protos.limits import DEFAULT_LIMITS, Limits, log_text
@@ -83,11 +84,6 @@ class BadFile(Exception):
     """A file that is not what its name promises; the message says why."""
 
 
-class _Stopped(Exception):
-    """The reader is halted (the stop's time limit is over) while a file waits for memory: it is read again at the
-    next start."""
-
-
 @dataclasses.dataclass
 class _Stream:
     """Progress of one run and rank in this process."""
@@ -100,6 +96,9 @@ class _Stream:
 
 
 class FolderReader:
+    """Reads the shared folder's record files on a thread and hands their frames to a `RecordStream` each (a
+    `RecordSource`)."""
+
     def __init__(self, nfs_path: str, intake: Intake, limits: Limits = DEFAULT_LIMITS,
                  on_end: Callable[[pb.End], None] | None = None, min_poll_s: float = 0.02, max_poll_s: float = 1.0,
                  gap_grace_s: float = 3.0, budget: ByteBudget | None = None, sweep_on_stop: bool = True):
@@ -122,11 +121,18 @@ class FolderReader:
         self.swept = 0   # record files the stop's sweep processed
 
     # -- lifecycle -----------------------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self) -> str:
         if not os.path.isdir(self.nfs_path):
             raise OSError(f"run_ut.nfs_path {self.nfs_path!r} is not a directory")
         self._thread = threading.Thread(target=self._run, name="gpu-server-folder", daemon=True)
         self._thread.start()
+        return ""
+
+    def shutdown(self) -> None:
+        self.stop()
+
+    def counts(self) -> dict[str, int]:
+        return {"folder_files_read_at_stop": self.swept}   # record files the stop's sweep read (`sweep`)
 
     def stop(self, timeout: float = 600.0) -> None:
         """Stop polling; the file being processed is finished first (never half-accepted). Then, with
@@ -332,7 +338,7 @@ class FolderReader:
                 if pos + n > size:
                     raise BadFile(f"a {n}-byte frame at byte {pos} runs past the end of the {size}-byte file")
                 if asm is not None and not asm.reserve(n):
-                    raise _Stopped()
+                    raise Stopped()   # halted (the stop's time limit is over): the file is read at the next start
                 raw = fh.read(n)
                 if len(raw) != n:
                     raise BadFile(f"truncated frame at byte {pos}")
@@ -345,115 +351,94 @@ class FolderReader:
                 yield frame, data, size - pos
 
     def _load_records(self, folder: _Dir, name: str, run_id: str, rank: int, seq: int,
-                      asm: FrameAssembler) -> list[tuple[pb.Record, bytes | memoryview, int, str]]:
+                      stream: RecordStream) -> list[Arrival]:
         """The records of one file, each with the budget bytes it holds (its estimated peak) and '', or with why it
         is refused: one record (its frames), or a batch of consecutive records starting at the name's sequence
         number (one Batch frame). Raises BadFile when the content is not what the name says; what was reserved is
-        then still in `asm` (the caller closes it)."""
-        done = None
-        for frame, data, remaining in self._read_frames(folder, name, asm):
-            if done is not None:
+        then still in `stream` (the caller closes it)."""
+        done: list = []
+        for frame, data, remaining in self._read_frames(folder, name, stream.asm):
+            if done:
                 raise BadFile("more frames follow the complete record")
             body = frame.WhichOneof("body")
-            if body == "batch":
-                if remaining:
-                    raise BadFile("more frames follow the batch")
-                return self._batch_records(frame, data, run_id, rank, seq, asm)
-            if body == "record":
-                h = frame.record.header
-                if (h.run_id, h.rank, h.seq) != (run_id, rank, seq):
-                    raise BadFile(f"it holds record run {h.run_id[:64]!r} rank {h.rank} seq {h.seq}, not what its name "
-                                  f"says")
-                announced = frame.record.payload_bytes
-                if announced > self.limits.max_record_bytes:
-                    raise BadFile(f"it announces {announced} payload bytes, above the limit of "
-                                  f"{self.limits.max_record_bytes}")
-                if announced > len(data) + remaining:
-                    raise BadFile(f"it announces {announced} payload bytes but the file holds at most "
-                                  f"{len(data) + remaining}")
+            if body == "batch" and remaining:
+                raise BadFile("more frames follow the batch")
             try:
-                self._acquire(asm, asm.before(frame, data))
-                done = asm.feed(frame, data=data)
-            except WireError as exc:
-                raise BadFile(str(exc)) from None
+                check = self._names_check(body, run_id, rank, seq, len(data) + remaining)
+                done = stream.run(stream.records(frame, data, check))
             finally:
-                asm.drop_loose()
-        if done is None:
+                stream.asm.drop_loose()
+            refused = next((item for item in done if isinstance(item, pb.Ack)), None)
+            if refused is not None:
+                raise BadFile(refused.reason)
+        if not done:
             raise BadFile("the file ends before the record is complete")
-        return [(done[0], done[1], asm.take_reserved(), "")]
+        return done
 
-    def _acquire(self, asm: FrameAssembler, n: int) -> None:
-        """Reserve the rest of a record's peak in the budget (waits for the workers to free it)."""
-        if n and self.budget is not None:
-            if not self.budget.acquire(n, self._halt.is_set, own=asm.holding):
-                raise _Stopped()
-            asm.granted(n)
-
-    def _batch_records(self, frame: pb.Frame, data: bytes | memoryview, run_id: str, rank: int, seq: int,
-                       asm: FrameAssembler) -> list[tuple[pb.Record, bytes | memoryview, int, str]]:
-        try:
-            parts = asm.batch(frame, data)
-        except WireError as exc:
-            raise BadFile(str(exc)) from None
-        for i, (rec, _, _, _) in enumerate(parts):
-            h = rec.header
-            if (h.run_id, h.rank, h.seq) != (run_id, rank, seq + i):
-                raise BadFile(f"its record {i} is run {h.run_id[:64]!r} rank {h.rank} seq {h.seq}, not record "
-                              f"{seq + i} of the run and rank its name says")
-        del frame, data
-        self._acquire(asm, sum(need for _, _, need, _ in parts))
-        out: list[tuple[pb.Record, bytes | memoryview, int, str]] = list(asm.unbatch(parts))
-        return out
+    def _names_check(self, body: str, run_id: str, rank: int, seq: int,
+                     held: int) -> Callable[[list[pb.Record]], None]:
+        """What the records of a file's frame must be (RecordStream.records `check`): the run, rank and sequence
+        numbers its name says, a record announcing a payload within the limit and the `held` bytes left in the
+        file."""
+        def check(records: list[pb.Record]) -> None:
+            for i, rec in enumerate(records):
+                h = rec.header
+                if (h.run_id, h.rank, h.seq) == (run_id, rank, seq + i):
+                    continue
+                if body == "batch":
+                    raise BadFile(f"its record {i} is run {h.run_id[:64]!r} rank {h.rank} seq {h.seq}, not record "
+                                  f"{seq + i} of the run and rank its name says")
+                raise BadFile(f"it holds record run {h.run_id[:64]!r} rank {h.rank} seq {h.seq}, not what its name "
+                              "says")
+            announced = records[0].payload_bytes if body == "record" else 0
+            if announced > self.limits.max_record_bytes:
+                raise BadFile(f"it announces {announced} payload bytes, above the limit of "
+                              f"{self.limits.max_record_bytes}")
+            if announced > held:
+                raise BadFile(f"it announces {announced} payload bytes but the file holds at most {held}")
+        return check
 
     def _process_record(self, folder: _Dir, name: str, run_id: str, rank: int, seq: int) -> int:
         """Handle one record file: the number of sequence numbers it covered (a batch file covers several), or 0
         when it could not be read now (retry later, keep the order)."""
         path = folder.join(name)
-        asm = FrameAssembler(self.limits, self.budget, cancelled=self._halt.is_set)
+        stream = RecordStream(self.intake, self.limits, self.budget, ORIGIN, self.on_end, cancelled=self._halt.is_set)
         try:
-            records = self._load_records(folder, name, run_id, rank, seq, asm)
+            records = self._load_records(folder, name, run_id, rank, seq, stream)
         except FileNotFoundError:
             return 1  # removed meanwhile (another reader of the same folder); nothing to do
-        except _Stopped:
+        except Stopped:
             return 0
         except OSError as exc:
             if exc.errno != errno.ELOOP:  # a read error (NFS hiccup, permissions): try again on a later poll
                 self._report_once(path, "shared folder: cannot read %s (%s); retrying", path, exc)
                 return 0
-            exc = BadFile("it is a symbolic link")
-            self.intake.rejected += 1
-            self._move_aside(folder, name, str(exc))
+            stream.refuse_file()
+            self._move_aside(folder, name, "it is a symbolic link")
             return 1
         except BadFile as exc:
-            self.intake.rejected += 1
+            stream.refuse_file()
             self._move_aside(folder, name, str(exc))
             return 1
         finally:
-            asm.close()   # what no record took (a file refused half-way)
+            stream.asm.close()   # what no record took (a file refused half-way)
         n = len(records)
         records.reverse()
         try:
             while records:
-                record, payload, reserved, why = records.pop()
-                status: int
-                if why:
-                    self.intake.rejected += 1
-                    status, reason = int(pb.Ack.REJECTED), why
-                    valid = False
-                else:
-                    before = self.intake.not_replayable
-                    status, reason = self.intake.accept(record, payload, reserved, ORIGIN)
-                    valid = self.intake.not_replayable > before   # valid, but not replayable here: not "rejected"
-                del payload
+                item = records.pop()
+                before = self.intake.not_replayable
+                status, reason = stream.accept(item)
+                valid = self.intake.not_replayable > before   # valid, but not replayable here: not "rejected"
+                rec_seq = item.record.header.seq
+                del item
                 if status == pb.Ack.REJECTED and valid:
                     log.info("shared folder: %s (record %d) is not replayable here (a SKIP row says why): %s",
-                             log_text(name, 300), record.header.seq, reason)
+                             log_text(name, 300), rec_seq, reason)
                 elif status == pb.Ack.REJECTED:
-                    log.warning("shared folder: %s (record %d) rejected: %s", log_text(name, 300), record.header.seq,
-                                reason)
+                    log.warning("shared folder: %s (record %d) rejected: %s", log_text(name, 300), rec_seq, reason)
         finally:
-            if self.budget is not None:   # records not handed to the intake (an error above): their bytes go back
-                self.budget.release(sum(r[2] for r in records))
+            stream.release(records)   # records not handed to the intake (an error above): their bytes go back
         self._remove(folder, name)
         if self._sweeping:
             self.swept += 1
@@ -481,11 +466,9 @@ class FolderReader:
             return
         if not st.ended:
             st.ended = True
-            why = self.intake.end_backed(end, ORIGIN)
-            if why:
-                log.warning("shared folder: %s: %s", log_text(path, 300), why)
-            else:
-                self.on_end(end)
+            stream = RecordStream(self.intake, self.limits, self.budget, ORIGIN, self.on_end,
+                                  where=f"shared folder: {log_text(path, 300)}")
+            stream.run(stream.end(end))
         self._remove(folder, name)
         st.end_seen_at = None
 

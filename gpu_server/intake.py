@@ -18,6 +18,7 @@ import bisect
 import logging
 import mmap
 import queue
+import re
 import threading
 import time
 from typing import TYPE_CHECKING, Callable
@@ -373,6 +374,7 @@ class FrameAssembler:
         self._first: bytes | memoryview = b""     # the first frame's data, until the second frame comes
         self.filled = 0
         self.refused_seq: int | None = None
+        self._admitted: pb.Frame | None = None   # the record frame `before` admitted, until it is fed
         self.held = 0          # budget bytes of the record being assembled (the messages its bytes came in, and
         self._held_recv = 0    # its peak once complete); of them, received (what its connection holds)
         self.loose = 0         # budget bytes of the message in hand, not yet part of a record
@@ -441,10 +443,9 @@ class FrameAssembler:
     # -- records -------------------------------------------------------------------------------------------------
     def admit(self, frame: pb.Frame) -> int:
         """Check a record header against the limits before anything is held for it; returns its payload size."""
-        if self.record is not None:
-            seq, filled = self.record.header.seq, self.filled
-            self.reset()
-            raise WireError(f"record {seq} was cut off by the next record after {filled} bytes")
+        cut = self.cut_off()
+        if cut is not None:
+            raise WireError(cut[1])
         rec = frame.record
         self.refused_seq = None
         if rec.payload_bytes > self.limits.max_record_bytes:
@@ -455,6 +456,20 @@ class FrameAssembler:
                             f"--max-record-mb, by default half of --memory-mb: raise them on the server, or capture "
                             f"fewer or smaller tensors with tensor.list / tensor.scope)")
         return rec.payload_bytes
+
+    def cut_off(self) -> tuple[int, str] | None:
+        """Drop the half-received record that the next record cuts off: (its seq, why it is refused), or None."""
+        if self.record is None:
+            return None
+        seq, filled = self.record.header.seq, self.filled
+        self.reset()
+        return seq, f"record {seq} was cut off by the next record after {filled} bytes"
+
+    def _admit_once(self, frame: pb.Frame) -> None:
+        """`admit`, unless `before` admitted this very frame already."""
+        if frame is not self._admitted:
+            self.admit(frame)
+        self._admitted = None
 
     def _check_need(self, rec: pb.Record, need: int) -> None:
         if self.budget is not None and need > self.budget.limit:
@@ -474,10 +489,12 @@ class FrameAssembler:
             data = frame.data
         if body == "record":
             rec = frame.record
+            self._admitted = None
             self.admit(frame)
             single = len(data) == rec.payload_bytes
             need = check_peak(rec, self.loose + rec.payload_bytes - len(data))
             self._check_need(rec, need)
+            self._admitted = frame
             return max(0, need - self.loose) if single and self.budget is not None else 0
         if body == "chunk" and self.completes(frame, data) and self.budget is not None:
             return max(0, self.need - self.held - len(data))
@@ -500,7 +517,7 @@ class FrameAssembler:
             data = frame.data
         if body == "record":
             rec = frame.record
-            self.admit(frame)
+            self._admit_once(frame)
             self._keep()
             if len(data) == rec.payload_bytes:
                 # The whole payload rode on this frame (records up to one chunk: the common case): use its bytes
@@ -651,6 +668,7 @@ class FrameAssembler:
         if self.payload is not None:
             self.payload.close()
         self._first = b""
+        self._admitted = None
         if self.record is not None and self.share is not None:
             self.share.ended(id(self))
         self.record, self.payload, self.filled = None, None, 0
@@ -802,29 +820,42 @@ class Intake:
             earlier = self.spool.pending((h.run_id, h.rank, h.seq)) if self.spool is not None else None
             # The first copy may not be durable yet: answer once it is.
             return Ticket(h.seq, DUPLICATE, after=earlier if earlier is not None and not earlier.ready() else None)
+        status, reason, job = self._classify(record, payload, reserved)
+        if job is None:
+            return Ticket(h.seq, status, reason)
+        ticket = self.spool.append(record, payload) if self.spool is not None else None
+        if ticket is not None and self.budget is not None and reserved:
+            self._spool_hold(ticket, len(payload))
+        self.dispatch(job)
+        return ticket if ticket is not None else Ticket(h.seq, ACCEPTED)
+
+    def _classify(self, record: pb.Record, payload: bytes | bytearray | memoryview,
+                  reserved: int) -> tuple[int, str, Job | None]:
+        """The rank and API filters, then `validate`, once per record (its call name checked once): (ACCEPTED, '',
+        job) for a record to check (holding `reserved`); (ACCEPTED, '', None) for one the filters leave out (counted
+        `filtered`), (REJECTED, why, None) once its SKIP row is dispatched: `reserved` released."""
+        h = record.header
         match = valid_call_name(h.name)
         if match is not None and (not self.config.wants_rank(h.rank) or not self.config.wants(match.group(2))):
             self.filtered += 1
             self._release(reserved)
-            return Ticket(h.seq, ACCEPTED)
-        job, reason = self.validate(record, payload)
+            return ACCEPTED, "", None
+        job, reason = self.validate(record, payload, match)
         if reason:
-            self._reject_row(h, h.name if match else f"invalid.record.{h.seq}", reason, job, reserved=reserved)
-            return Ticket(h.seq, REJECTED, reason)
-        ticket = self.spool.append(record, payload) if self.spool is not None else None
-        if ticket is not None and self.budget is not None and reserved:
-            self._spool_hold(ticket, len(payload))
+            self._reject_row(h, h.name if match else f"invalid.record.{h.seq}", match, reason, job, reserved)
+            return REJECTED, reason, None
+        assert job is not None
         job.reserved = reserved
-        self.dispatch(job)
-        return ticket if ticket is not None else Ticket(h.seq, ACCEPTED)
+        return ACCEPTED, "", job
 
-    def validate(self, record: pb.Record, payload: bytes | bytearray | memoryview) -> tuple[Job | None, str]:
+    def validate(self, record: pb.Record, payload: bytes | bytearray | memoryview,
+                 match: re.Match[str] | None) -> tuple[Job | None, str]:
         """(the decoded job, "") for a valid record; else (the job when it decoded, or None, why it is rejected).
+        `match`: `valid_call_name` of its name.
 
         Never raises: a record that breaks the decoder in a way the wire checks did not foresee is rejected too.
         """
         h = record.header
-        match = valid_call_name(h.name)
         if match is None:
             self.rejected += 1
             return None, f"record {h.seq}: API name '{log_text(h.name)}' is not Category.api.n with a known category"
@@ -832,7 +863,7 @@ class Intake:
             self.rejected += 1
             return None, f"{h.name}: direction {h.direction} is neither forward nor backward"
         try:
-            job = decode_job(record, payload, self.limits, self._max_ranks())
+            job = decode_job(record, payload, self.limits, self._max_ranks(), match)
         except CollectiveError as exc:
             self.rejected += 1
             return None, f"{h.name}: malformed collective: {exc}"
@@ -871,19 +902,12 @@ class Intake:
 
         A spooled record that no longer validates is quarantined: a SKIP row, never fatal.
         """
-        h = record.header
-        match = valid_call_name(h.name)
-        if match is not None and (not self.config.wants_rank(h.rank) or not self.config.wants(match.group(2))):
-            self.filtered += 1
-            self._reject_row(h, h.name, "", reserved=reserved, filtered=True)
-            return ACCEPTED, ""
-        job, reason = self.validate(record, payload)
-        if reason:
-            self._reject_row(h, h.name if match else f"invalid.record.{h.seq}", reason, job, reserved=reserved)
-            return REJECTED, reason
-        job.reserved = reserved
-        self.dispatch(job)
-        return ACCEPTED, ""
+        status, reason, job = self._classify(record, payload, reserved)
+        if job is not None:
+            self.dispatch(job)
+        elif status == ACCEPTED:   # filtered (spooled under an earlier config that wanted it)
+            self._unreported(record.header)
+        return status, reason
 
     def _max_ranks(self) -> int:
         """The most member ranks a collective may name: --world-size when given, else --max-run-ranks."""
@@ -934,15 +958,18 @@ class Intake:
                 ticket.wait(1.0)
             self.budget.release(n)
 
-    def _reject_row(self, h: pb.RecordHeader, name: str, reason: str, job: Job | None = None, reserved: int = 0,
-                    filtered: bool = False) -> None:
+    def _unreported(self, h: pb.RecordHeader) -> None:
+        """Nothing to report of a record (spooled under an earlier config that wanted it): its spool entry is done."""
+        if self.spool is not None:
+            self.spool.complete([(h.run_id, h.rank, h.seq)], [], {})
+
+    def _reject_row(self, h: pb.RecordHeader, name: str, match: re.Match[str] | None, reason: str, job: Job | None,
+                    reserved: int) -> None:
+        """Dispatch the SKIP row of a rejected record (`match`: `valid_call_name(name)`)."""
         self._release(reserved)
-        if filtered or not self.config.wants_rank(h.rank):
-            # Nothing to report (spooled under an earlier config that wanted it): the spool entry is done.
-            if self.spool is not None:
-                self.spool.complete([(h.run_id, h.rank, h.seq)], [], {})
+        if not self.config.wants_rank(h.rank):
+            self._unreported(h)
             return
-        match = valid_call_name(name)
         category, api = (match.group(1), match.group(2)) if match else ("", "")
         job = job or Job(run_id=h.run_id if RUN_ID.match(h.run_id) else "invalid", rank=h.rank, step=h.step,
                          seq=h.seq, name=name, category=category, api=api, direction=h.direction or pb.FORWARD,
@@ -962,11 +989,12 @@ def is_collective(record: pb.Record, category: str, api: str) -> bool:
 
 
 def decode_job(record: pb.Record, payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS,
-               max_ranks: int | None = None) -> Job:
+               max_ranks: int | None = None, match: re.Match[str] | None = None) -> Job:
     """The record's Job; a collective's Collective field validated into `Job.collective` (raises CollectiveError,
-    member ranks at most `max_ranks`, default `limits.max_run_ranks`)."""
+    member ranks at most `max_ranks`, default `limits.max_run_ranks`). `match`: `valid_call_name` of its name, where
+    the caller has it."""
     h = record.header
-    match = valid_call_name(h.name)
+    match = match or valid_call_name(h.name)
     dec = RecordDecoder(record, payload, limits)
     requires_grad: set[int] = set()
 

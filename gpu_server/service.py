@@ -14,8 +14,9 @@ flow-control window (64 KiB: the window is not grown by bandwidth probing) for i
 (its stream closed, its bytes released, the reason logged and sent) when nothing arrives for `--record-timeout-s`,
 when after that long it arrives slower than `--min-record-rate-mb` (time spent waiting for the budget does not
 count), or when it has been half received for `--record-max-s`, whatever its size. Frames come in as raw bytes and
-are parsed here (never unpickled); records are validated completely and handed to the intake off the event loop;
-every record gets an acknowledgement, bad ones a REJECTED with the reason, and the stream goes on.
+go through the stream's `RecordStream` (gpu_server/record_stream.py: parsed, never unpickled; large records validated
+off the event loop); every record gets an acknowledgement, bad ones a REJECTED with the reason, and the stream goes
+on. This module is the I/O: reading, waiting for room, cutting a stalled record, sending the answers.
 
 End messages count only for a (run, rank) whose records came over the same connection (under mutual TLS: with the
 same client certificate). Every wire string that reaches the log is escaped (`protos.limits.log_text`). With mutual
@@ -35,21 +36,17 @@ from concurrent import futures
 from typing import Callable
 
 import grpc
-from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gpu_server.intake import HEADER_FACTOR, ByteBudget, ConnectionShare, FrameAssembler, Intake
+from gpu_server.record_stream import RecordStream
 from protos import online_check_pb2 as pb
-from protos.codec import WireError
 from protos.contract import SERVICE_NAME
-from protos.framing import parse_frame
-from protos.limits import CHUNK_BYTES, RUN_ID, Limits, MiB, log_text
+from protos.limits import CHUNK_BYTES, Limits, MiB, log_text
 
 log = logging.getLogger("gpu_server")
 SERVICE = SERVICE_NAME
-_ACK_QUEUE = 256          # acknowledgements waiting to be sent on one stream; then the stream stops reading
-_INLINE_BYTES = 256 << 10  # records in one message up to this size are validated on the event loop, larger ones
-#                            on the intake threads (decoding is bounded by the size: at most ~0.1 s of loop time)
+_ACK_QUEUE = 256          # messages whose answers wait to be sent on one stream; then the stream stops reading
 _TICKET_SLICE_S = 0.25    # a thread waits this long at most for one ticket before giving its place to another
 
 
@@ -135,15 +132,8 @@ class StreamHandler:
                     return
                 if isinstance(item, _Cut):
                     await context.abort(item.code, item.reason)
-                if isinstance(item, pb.Ack):
-                    yield item
-                    continue
-                if isinstance(item, _Batch):
-                    for ack in await self._batch_acks(item):
-                        yield ack
-                    continue
-                status, reason = await self._ticket(item)
-                yield pb.Ack(seq=item.seq, status=status, reason=reason)
+                for ack in await self._acks(item):
+                    yield ack
         finally:
             self.active -= 1
             reader.cancel()
@@ -169,11 +159,11 @@ class StreamHandler:
             await loop.run_in_executor(self._waits, ticket.wait, _TICKET_SLICE_S)
         return ticket.status, ticket.reason
 
-    async def _batch_acks(self, batch: "_Batch") -> list[pb.Ack]:
-        """The answers to one batch, once each record is durable: a run of consecutive records with the same
-        answer and no reason in one Ack (`count`), any other record in its own."""
+    async def _acks(self, answers: list) -> list[pb.Ack]:
+        """The answers to one message, once each record is durable: a run of consecutive records with the same
+        answer and no reason in one Ack (`count`: a batch's), any other record in its own."""
         out: list[pb.Ack] = []
-        for item in batch.items:
+        for item in answers:
             if isinstance(item, pb.Ack):
                 status, reason, seq = item.status, item.reason, item.seq
             else:
@@ -188,7 +178,9 @@ class StreamHandler:
         return out
 
     async def _read(self, request_iterator, acks: asyncio.Queue, peer: str, conn: _Connection) -> None:
-        asm = FrameAssembler(self.limits, self.budget, share=conn.share)
+        door = RecordStream(self.intake, self.limits, self.budget, conn.origin, self.on_end,
+                            peer=peer, share=conn.share)
+        asm = door.asm
         messages = request_iterator.__aiter__()
         cut = False
         try:
@@ -211,17 +203,23 @@ class StreamHandler:
                     self._cut(asm, acks, peer, asm.late())
                     return
                 asm.arrived(len(raw))   # counted before anything waits
-                for ack in await self._frame(raw, asm, peer, conn.origin):
-                    deadline = asm.deadline()
-                    if deadline is None:
-                        await acks.put(ack)
-                        continue
-                    try:   # a client that reads no answers must not keep a half-received record forever either
-                        await asyncio.wait_for(acks.put(ack), max(0.0, deadline - time.monotonic()))
-                    except asyncio.TimeoutError:
-                        cut = True
-                        self._cut(asm, acks, peer, f"{asm.late()}, while the client read no answers")
-                        return
+                try:
+                    answers = await door.run_async(door.message(raw), self._work)
+                finally:
+                    asm.drop_loose()   # what no record keeps of the message
+                del raw
+                if not answers:
+                    continue
+                deadline = asm.deadline()
+                if deadline is None:
+                    await acks.put(answers)
+                    continue
+                try:   # a client that reads no answers must not keep a half-received record forever either
+                    await asyncio.wait_for(acks.put(answers), max(0.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    cut = True
+                    self._cut(asm, acks, peer, f"{asm.late()}, while the client read no answers")
+                    return
         except asyncio.CancelledError:
             raise
         except grpc.RpcError:
@@ -277,115 +275,6 @@ class StreamHandler:
         log.warning("stream from %s: %s", peer, reason)
         asm.close()
         _put_last(acks, _Cut(grpc.StatusCode.DEADLINE_EXCEEDED, reason))
-
-    async def _frame(self, raw: bytes, asm: FrameAssembler, peer: str, origin: str) -> list:
-        """The answers to one message: acknowledgements and tickets, in order (usually one or none). The message's
-        bytes are counted (`asm.arrived`); what no record keeps is given back here."""
-        try:
-            return await self._handle(raw, asm, peer, origin)
-        finally:
-            asm.drop_loose()
-
-    async def _handle(self, raw: bytes, asm: FrameAssembler, peer: str, origin: str) -> list:
-        loop = asyncio.get_running_loop()
-        try:
-            frame, data = parse_frame(raw)   # data: a view into raw
-        except DecodeError:
-            asm.reset()
-            self.intake.rejected += 1
-            return [pb.Ack(status=pb.Ack.REJECTED, reason=f"a {len(raw)}-byte message is not a valid Frame; "
-                                                          "this server speaks online_check.v1 protobuf only")]
-        size = len(raw)
-        del raw
-        body = frame.WhichOneof("body")
-        if body == "hello":
-            h = frame.hello
-            log.info("agent connected from %s: run %s rank %d of %d (agent %s)", peer, log_text(h.run_id, 64), h.rank,
-                     h.world_size, log_text(h.agent_version, 32))
-            self.intake.adopt(h.run_id, h.rank, origin)
-            return []
-        if body == "end":
-            end = frame.end
-            if not RUN_ID.match(end.run_id):
-                return [pb.Ack(status=pb.Ack.REJECTED, reason="end message with an invalid run id")]
-            why = self.intake.end_backed(end, origin)
-            if why:
-                log.warning("stream from %s: end message of run %s rank %d not counted: %s", peer,
-                            log_text(end.run_id, 64), end.rank, why)
-                return [pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED, reason=why)]
-            await loop.run_in_executor(self._work, self.on_end, end)   # durable before END_ACCEPTED
-            return [pb.Ack(seq=end.last_seq, status=pb.Ack.END_ACCEPTED)]
-        out: list = []
-        if body in ("record", "batch") and asm.record is not None:   # the record before was cut off: refuse it
-            cut, filled = asm.record.header.seq, asm.filled
-            asm.reset()
-            self.intake.rejected += 1
-            out.append(pb.Ack(seq=cut, status=pb.Ack.REJECTED,
-                              reason=f"record {cut} was cut off by the next record after {filled} bytes"))
-        if body == "batch":
-            return out + [await self._batch(frame, data, size, asm, origin)]
-        seq = frame.record.header.seq if body == "record" else frame.chunk.seq if body == "chunk" else 0
-        try:
-            extra = asm.before(frame, data)
-            if extra and self.budget is not None:
-                # the rest of the record's peak: a stream waiting here reads nothing (back-pressure)
-                await self.budget.acquire_async(extra, own=asm.holding, order=asm.started or None)
-                asm.granted(extra)
-            if asm.completes(frame, data):
-                done = await loop.run_in_executor(self._work, asm.feed, frame, data)   # the join copies
-            else:
-                done = asm.feed(frame, data=data)
-        except WireError as exc:
-            self.intake.rejected += 1
-            return out + [pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc))]
-        del frame, data
-        if done is None:
-            return out
-        record, payload = done
-        reserved = asm.take_reserved()
-        if size <= _INLINE_BYTES:   # a small record: validating it costs less than a thread hop
-            return out + [self.intake.submit(record, payload, reserved, origin)]
-        return out + [await loop.run_in_executor(self._work, self.intake.submit, record, payload, reserved, origin)]
-
-    async def _batch(self, frame: pb.Frame, data: bytes | memoryview, size: int, asm: FrameAssembler,
-                     origin: str) -> "_Batch":
-        """Several complete records in one message: their peaks reserved together, then each validated and stored
-        with its own copy of its payload, answered as if it had come alone."""
-        try:
-            parts = asm.batch(frame, data)
-        except WireError as exc:
-            seqs = [r.header.seq for r in frame.batch.records[:self.limits.max_batch_records]]
-            self.intake.rejected += max(1, len(seqs))
-            return _Batch([pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc)) for seq in seqs] or
-                          [pb.Ack(status=pb.Ack.REJECTED, reason=str(exc))])
-        del frame, data
-        total = sum(need for _, _, need, _ in parts)
-        if self.budget is not None and total:
-            await self.budget.acquire_async(total, own=asm.holding)   # a stream waiting here reads nothing
-            asm.granted(total)
-        records = asm.unbatch(parts)
-        del parts
-
-        def submit_all() -> list:
-            out: list = []
-            for record, payload, need, why in records:
-                if why:
-                    self.intake.rejected += 1
-                    out.append(pb.Ack(seq=record.header.seq, status=pb.Ack.REJECTED, reason=why))
-                else:
-                    out.append(self.intake.submit(record, payload, need if self.budget is not None else 0, origin))
-            return out
-
-        if size <= _INLINE_BYTES:
-            return _Batch(submit_all())
-        return _Batch(await asyncio.get_running_loop().run_in_executor(self._work, submit_all))
-
-
-class _Batch:
-    """The answers to one Batch frame, in record order: tickets, and Acks for records refused at once."""
-
-    def __init__(self, items: list):
-        self.items = items
 
 
 def _put_last(acks: asyncio.Queue, item) -> None:
@@ -446,11 +335,12 @@ class _RevocationCheck(grpc.aio.ServerInterceptor):
 
 
 class GrpcServer:
-    """The `grpc.aio` server on its own event-loop thread, driven from ordinary threads: `start()`, and
-    `stop(grace)` returning an event that is set once every stream is closed."""
+    """The `grpc.aio` server on its own event-loop thread, driven from ordinary threads (a `RecordSource`):
+    `start()`, and `stop(grace)` returning an event that is set once every stream is closed."""
 
     def __init__(self, handler: StreamHandler, bind: str, limits: Limits, tls_path: str = ""):
         self.handler = handler
+        self._bind = bind
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="gpu-server-grpc", daemon=True)
         self._thread.start()
@@ -499,8 +389,15 @@ class GrpcServer:
             raise OSError(f"cannot bind {bind}: the address is in use or not available on this host")
         return port
 
-    def start(self) -> None:
+    def start(self) -> str:
         self._call(self._server.start())
+        return f"{self._bind.rsplit(':', 1)[0]}:{self.port}"
+
+    def shutdown(self) -> None:
+        self.stop(grace=2.0).wait()
+
+    def counts(self) -> dict[str, int]:
+        return {}
 
     def stop(self, grace: float | None = None) -> threading.Event:
         if not self._stopped.is_set():
@@ -550,8 +447,8 @@ def largest_message(limits: Limits, budget: ByteBudget | None) -> int:
     return min(limits.max_frame_bytes, CHUNK_BYTES + max(1 << 20, budget.limit // HEADER_FACTOR))
 
 
-def make_server(handler: StreamHandler, bind: str, limits: Limits, tls_path: str = "") -> tuple[GrpcServer, int]:
-    """A gRPC server bound to `bind` only, with the health service. Returns (server, port); `server.start()`."""
+def make_server(handler: StreamHandler, bind: str, limits: Limits, tls_path: str = "") -> GrpcServer:
+    """A gRPC server bound to `bind` only, with the health service; `server.start()`."""
     raise_open_file_limit(limits.max_streams)
     server = GrpcServer(handler, bind, limits, tls_path)
     if handler.budget is not None:
@@ -559,4 +456,4 @@ def make_server(handler: StreamHandler, bind: str, limits: Limits, tls_path: str
         log.info("memory: a budget of %.0f MiB (--memory-mb) for everything received; each stream reading may "
                  "also have one message of at most %.1f MiB in gRPC's hands (%d streams at most, --max-streams)",
                  handler.budget.limit / MiB, largest / MiB, limits.max_streams)
-    return server, server.port
+    return server
