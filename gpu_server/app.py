@@ -78,16 +78,17 @@ class ServerApp:
         # error_data_path: relative paths (msprobe's default "./") are taken inside --out
         error_base = os.path.join(out_dir, config.error_data_path) if config.error_data_path else None
         self.evidence = Evidence(error_base, self.ts, error_data_max_bytes) if error_base else None
-        # the one owner of each call's lifecycle: what waits, what is restored, what the journal says
-        self.pending = PendingCalls(backward_budget, restored=self.recovery.half)
+        # the one owner of each call's lifecycle: what waits (and what it holds: forward jobs, kept graphs),
+        # what is restored, what the journal says
+        self.pending = PendingCalls(backward_budget, restored=self.recovery.half, graph_budget=graph_budget)
         self.pool = WorkerPool(self.devices, out_dir, self.ts, self.summary, self.pending,
                                on_complete=self.spool.complete, release=self.budget.release, evidence=self.evidence,
-                               graph_budget=graph_budget, pooled=self.pooled,
+                               pooled=self.pooled,
                                sandbox=SandboxLimits(replay_in, replay_timeout_s, replay_memory),
                                on_quarantine=self.spool.quarantine, max_record_bytes=limits.max_record_bytes,
                                collective_budget=collective_budget)
         self.intake = Intake(config, self.pool.submit, limits, spool=self.spool, budget=self.budget,
-                             world_size=world_size)
+                             world_size=world_size, not_reported=self.pool.not_reported)
         self.intake.on_closed = self._check_done
         for run_id, rank, seq in self.spool.seen():
             self.intake.mark_seen(run_id, rank, seq)

@@ -1,31 +1,38 @@
-"""Checking one job end to end: replay, compare every output, write the report rows (docs/design.md §6.4-§6.6).
+"""Checking one job: replay, compare every output, compute the report rows (docs/design.md §6.4-§6.6).
 
-A forward job gives `.forward.output.i` rows; a backward job gives `.backward.output.i` rows. The result rows
-(one per API call, with both Forward and Backward Test Success) are written when the call is complete: at once
-when no backward is expected, else when its backward job has been checked (or when the rank ended without one).
-What waits, what is restored after a restart and what the journal may say is decided by gpu_server/pending.py;
-`check` returns that decision as a `Completion`.
+A forward job gives `.forward.output.i` rows; a backward job gives `.backward.output.i` rows; a complete call gives
+its result rows (one per API call, with both Forward and Backward Test Success). The checker computes: each method
+returns the rows as values (`Checked`: `reports.Row`s, in order, and what the summary learns once they are
+written), and never writes them. When a call is complete, what waits for its backward record, what is restored after
+a restart and what the journal may say are decided by gpu_server/pending.py; gpu_server/workers.py writes the rows.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
-import weakref
-from collections import OrderedDict
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from gpu_server import error_data, extensions, metrics, spread
 from gpu_server.columns import BLANK
-from gpu_server.job import CallKey, Job, call_key
+from gpu_server.job import CallKey, Job
 from gpu_server.nonfinite import CallFiniteness
 from gpu_server.output_kind import TENSORS, classify
-from gpu_server.pending import Completion, PendingCalls, Waiting
+from gpu_server.pending import Graphs, Waiting
 from gpu_server.pooled import PooledErrors
 from gpu_server.replay import ReplayError, flatten_outputs
 from gpu_server.report_files import row_name
-from gpu_server.reports import NULL_REPORTS, RankReports, ReportWriteError, Where
+from gpu_server.reports import (
+    Row,
+    Where,
+    collective_row,
+    detail_row,
+    precision_detail_row,
+    precision_result_row,
+    result_row,
+)
 from gpu_server.sandbox import InlineReplayer, OnLost, Replayer, WorkerLost
 from gpu_server.standards.judging import judge_pair
 from gpu_server.statuses import ERROR, PASS, SKIP, WARNING, aggregate
@@ -67,169 +74,121 @@ def _to_bench(device_output: Any, bench: Any) -> Any:
 
 
 @dataclasses.dataclass
-class _Graphs:
-    """The forward replays of a call waiting for its backward record, with their autograd graphs (held by the
-    replayer, gpu_server/sandbox.py: in this process or in its worker process)."""
+class Checked:
+    """What checking computed for one rank: its report rows, in order, and what the summary (and the pooled
+    statistics, the error data) learn once they are written. gpu_server/workers.py writes them."""
 
-    job: weakref.ref          # the forward job (weakly: an eviction from gpu_server/pending.py frees its inputs)
-    kept: Any
-    nbytes: int
+    rank: int
+    rows: list[Row] = dataclasses.field(default_factory=list)
+    notes: list[Callable[[], Any]] = dataclasses.field(default_factory=list)
+
+    def __iadd__(self, other: Checked) -> Checked:
+        self.rows += other.rows
+        self.notes += other.notes
+        return self
+
+
+@dataclasses.dataclass
+class Forward:
+    """A checked forward job: its outcome (the call's result row waits for it or is made from it), its detail rows
+    and the autograd graphs its replays kept for the backward replay (None: none kept)."""
+
+    outcome: Outcome
+    checked: Checked
+    graphs: Graphs | None = None
 
 
 class Checker:
-    """Owns the report files of the ranks routed to it; called from one worker thread.
+    """Computes the rows of the ranks routed to its worker; called from that one worker thread. Its replayer
+    (gpu_server/sandbox.py) runs the replays; the forward replays of a call whose backward record will come keep
+    their autograd graphs when asked (gpu_server/pending.py holds them with the waiting call): its backward replay
+    then runs on them instead of replaying the forward again (a call whose graphs were dropped is replayed in full,
+    with the same rows)."""
 
-    The forward replays of a call whose backward record will come keep their autograd graphs (up to `graph_budget`
-    bytes, the oldest dropped first): its backward replay then runs on them instead of replaying the forward again
-    (a call whose graph was dropped is replayed in full, with the same rows)."""
-
-    def __init__(self, out_dir: str, ts: str, device: torch.device, summary: Summary, backward_budget: int = 4 << 30,
-                 error_data_base: str | None = None, pending: PendingCalls | None = None,
-                 evidence: error_data.Evidence | None = None, graph_budget: int = 2 << 30,
+    def __init__(self, device: torch.device, summary: Summary, evidence: error_data.Evidence | None = None,
                  pooled: PooledErrors | None = None, replayer: Replayer | None = None,
                  on_lost: OnLost | None = None):
-        self.out_dir = out_dir
         self.pooled = pooled          # the run's pooled statistics across calls (gpu_server/pooled.py), shared
         self._pool_failed = False
-        self.ts = ts
         self.device = device
         self.summary = summary
-        self.pending = pending if pending is not None else PendingCalls(backward_budget)
-        self.evidence = evidence or (error_data.Evidence(error_data_base, ts) if error_data_base else None)
-        self._reports: dict[int, RankReports] = {}
-        self._write_rows = True
+        self.evidence = evidence
         self.match_threads = True     # CPU same-dtype runs take the training's thread count (one CPU worker only)
-        self.graph_budget = graph_budget
-        self._graphs: OrderedDict[CallKey, _Graphs] = OrderedDict()   # oldest first
-        self._graph_bytes = 0
         self.replayer = replayer if replayer is not None else InlineReplayer(device)
         self.on_lost = on_lost or (lambda job, why: None)   # a replay that killed its worker: quarantine the record
 
-    def reports(self, rank: int) -> RankReports:
-        if not self._write_rows:
-            return NULL_REPORTS
-        rep = self._reports.get(rank)
-        if rep is None:
-            rep = self._reports[rank] = RankReports(self.out_dir, self.ts, rank)
-            self.summary.add_files(rank, rep.paths)
-        return rep
-
-    # -- entry point -----------------------------------------------------------------------------------------
-    def check(self, job: Job) -> Completion:
-        """Check one job; returns what its records' journal lines may say. A forward record restored from the
-        spool after a restart (its detail rows exist) only rebuilds its wait for the backward record.
-        Raises ReportWriteError when rows cannot be written (its records then stay in the spool)."""
-        self._write_rows = not (job.direction != pb.BACKWARD and self.pending.is_restored(job))
+    # -- forward -----------------------------------------------------------------------------------------------
+    def forward(self, job: Job, keep: bool) -> Forward:
+        """Replay and compare a forward job (or take its SKIP reason): its detail rows and outcome. `keep`: keep
+        its replays' autograd graphs for the backward replay."""
+        fwd = Forward(Outcome(), Checked(job.rank))
         try:
-            return self._check(job)
-        finally:
-            self._write_rows = True
-
-    def _check(self, job: Job) -> Completion:
-        waiting = self.pending.take(job) if job.direction == pb.BACKWARD else None
-        try:
-            if job.direction == pb.BACKWARD:
-                return self._check_backward(job, waiting)
-            return self._check_forward(job)
-        except ReportWriteError:
-            raise
+            fwd.outcome = self._forward(job, keep, fwd)
         except Exception as exc:  # noqa: BLE001 - one bad job must not stop the worker
             log.exception("internal error while checking %s", job.name)
             why = f"internal error while checking: {type(exc).__name__}: {exc}"
-            if job.direction != pb.BACKWARD:
-                return self._forward_complete(job, Outcome([SKIP], [SKIP], why, why))
-            forward = waiting.outcome if waiting is not None else Outcome([SKIP], [SKIP], why, why)
-            self._finish(job, forward, Outcome([SKIP], [SKIP], why, why))
-            return self.pending.backward_done(job, waiting)
+            fwd.outcome = Outcome([SKIP], [SKIP], why, why)
+        return fwd
 
-    # -- forward -----------------------------------------------------------------------------------------------
-    def _check_forward(self, job: Job) -> Completion:
-        rep = self.reports(job.rank)
+    def _forward(self, job: Job, keep: bool, fwd: Forward) -> Outcome:
+        out = fwd.checked
         if job.skip_reason:
-            out = self._skip_rows(rep, job, "forward", job.skip_reason)
-            return self._forward_complete(job, out)
-        keep = job.backward_expected and self.graph_budget > 0
+            return self._skip_rows(out, job, "forward", job.skip_reason)
         try:
             runs = self.replayer.forward(job, keep, self.match_threads)
         except (ReplayError, WorkerLost) as exc:
-            out = self._skip_rows(rep, job, "forward", self._failed(job, exc))
-            return self._forward_complete(job, out)
+            return self._skip_rows(out, job, "forward", self._failed(job, exc))
         if runs.kept is not None:
-            self._keep_graphs(job, _Graphs(weakref.ref(job), runs.kept, runs.nbytes))
+            fwd.graphs = Graphs(runs.kept, runs.nbytes, self.replayer)
         device, bench, same = flatten_outputs(job.output), runs.bench, runs.same
         if extensions.has_postprocess(job.category, job.api):   # only the meaningful part of each run is compared
             device, bench, same = extensions.postprocess(job.category, job.api, job.args, job.kwargs,
                                                          [device, bench, same])
-        self._note_finiteness(job, "forward", (job.args, job.kwargs), device, bench)
+        self._note_finiteness(out, job, "forward", (job.args, job.kwargs), device, bench)
         members = (spread.LazyRuns(lambda: extensions.postprocess(
             job.category, job.api, job.args, job.kwargs, self.replayer.forward_members(job, self.match_threads)))
             if runs.same is not None else None)
-        outcome = self._compare(rep, job, "forward", device, bench, same, runs.same_error, members)
-        if job.backward_expected:
-            return self._hold(job, outcome)
-        self._finish(job, outcome, None, fwd_job=job)
-        return self.pending.forward_done(job)
-
-    def _forward_complete(self, job: Job, outcome: Outcome) -> Completion:
-        """A forward that gets no replay. One whose backward record is to come waits for it (one call, one result
-        row), and so does a restored one (its SKIP or result may have differed at first): its result row is not
-        written yet."""
-        if not self._write_rows or job.backward_expected:
-            return self._hold(job, outcome)
-        self._finish(job, outcome, None)
-        return self.pending.forward_done(job)
-
-    def _hold(self, job: Job, outcome: Outcome) -> Completion:
-        done, displaced = self.pending.hold(job, outcome)
-        if displaced is not None:   # a second forward record of one call: the first one's result row now
-            why = "a second forward record of this call arrived before its backward record"
-            self._finish_waiting(job.run_id, job.rank, job.step, job.name, displaced, why)
-            done.done.append(displaced.record)
-        return done
+        return self._compare(out, job, "forward", device, bench, same, runs.same_error, members)
 
     # -- backward ----------------------------------------------------------------------------------------------
-    def _check_backward(self, job: Job, waiting: Waiting | None) -> Completion:
-        rep = self.reports(job.rank)
-        graphs = self._drop_graphs(call_key(job), used=True)   # used by this backward replay, or by none
-        used = None
+    def backward(self, job: Job, waiting: Waiting | None) -> Checked:
+        """Check a backward job against its waiting forward (None if none waits): its detail rows and the call's
+        result rows. The waiting call's kept graphs are used by this replay, or freed."""
+        out = Checked(job.rank)
+        try:
+            fwd_job = waiting.job if waiting is not None else None
+            forward = waiting.outcome if waiting is not None else Outcome(
+                [SKIP], [SKIP], "forward record of this call was not received")
+            bwd = self._backward(out, job, waiting)
+            out += self.result(job, forward, bwd, fwd_job=fwd_job, bwd_job=job)
+        except Exception as exc:  # noqa: BLE001 - one bad job must not stop the worker
+            log.exception("internal error while checking %s", job.name)
+            why = f"internal error while checking: {type(exc).__name__}: {exc}"
+            forward = waiting.outcome if waiting is not None else Outcome([SKIP], [SKIP], why, why)
+            out += self.result(job, forward, Outcome([SKIP], [SKIP], why, why))
+        return out
+
+    def _backward(self, out: Checked, job: Job, waiting: Waiting | None) -> Outcome:
+        graphs = waiting.graphs if waiting is not None else None   # used by this backward replay, or freed
         fwd_job = waiting.job if waiting is not None else None
-        forward = waiting.outcome if waiting is not None else Outcome(
-            [SKIP], [SKIP], "forward record of this call was not received")
+        used = None
         if job.skip_reason:
-            bwd = self._skip_rows(rep, job, "backward", job.skip_reason)
+            bwd = self._skip_rows(out, job, "backward", job.skip_reason)
         elif fwd_job is not None and fwd_job.skip_reason:
-            bwd = self._skip_rows(rep, job, "backward", f"backward not replayed: its forward record was skipped "
+            bwd = self._skip_rows(out, job, "backward", f"backward not replayed: its forward record was skipped "
                                                         f"({fwd_job.skip_reason})")
         elif fwd_job is None:
             why = ("its forward inputs were evicted from the server's backward memory; raise --backward-memory-mb"
                    if waiting is not None and waiting.evicted else "its forward record was not received")
-            bwd = self._skip_rows(rep, job, "backward", f"backward not replayed: {why}")
+            bwd = self._skip_rows(out, job, "backward", f"backward not replayed: {why}")
         elif job.grad_input is None or not flatten_outputs(job.grad_input):
             bwd = Outcome()   # no gradient reached this call's inputs: no backward rows (" ")
         else:
-            used = graphs if graphs and graphs.job() is fwd_job else None
-            bwd = self._replay_backward(rep, fwd_job, job, used)
+            used = graphs
+            bwd = self._replay_backward(out, fwd_job, job, used)
         if graphs is not None and used is None:
-            self.replayer.drop(graphs.kept)
-        self._finish(job, forward, bwd, fwd_job=fwd_job, bwd_job=job)
-        return self.pending.backward_done(job, waiting)
-
-    # -- forward graphs kept for the backward replay -------------------------------------------------------------
-    def _keep_graphs(self, job: Job, graphs: _Graphs) -> None:
-        key = call_key(job)
-        self._drop_graphs(key)
-        self._graphs[key] = graphs
-        self._graph_bytes += graphs.nbytes
-        while self._graph_bytes > self.graph_budget and self._graphs:
-            self._drop_graphs(next(iter(self._graphs)))
-
-    def _drop_graphs(self, key: CallKey, used: bool = False) -> _Graphs | None:
-        graphs = self._graphs.pop(key, None)
-        if graphs is not None:
-            self._graph_bytes -= graphs.nbytes
-            if not used:
-                self.replayer.drop(graphs.kept)
-        return graphs
+            graphs.drop()
+        return bwd
 
     def _failed(self, job: Job, exc: Exception) -> str:
         """The SKIP reason of a replay that failed; one that cost its worker process quarantines the record."""
@@ -239,34 +198,34 @@ class Checker:
             self.on_lost(job, why)
         return why
 
-    def _replay_backward(self, rep: RankReports, fwd: Job, bwd: Job, graphs: _Graphs | None = None) -> Outcome:
+    def _replay_backward(self, out: Checked, fwd: Job, bwd: Job, graphs: Graphs | None = None) -> Outcome:
         try:
             runs = self.replayer.backward(fwd, bwd, graphs.kept if graphs else None, self.match_threads)
         except (ReplayError, WorkerLost) as exc:
-            return self._skip_rows(rep, bwd, "backward", self._failed(bwd, exc))
+            return self._skip_rows(out, bwd, "backward", self._failed(bwd, exc))
         bench, same, same_error = runs.bench, runs.same, runs.same_error
         device = list(bwd.grad_input) if isinstance(bwd.grad_input, (list, tuple)) else [bwd.grad_input]
         keep = [i for i, g in enumerate(device) if g is not None]
         # a backward call's inputs: the gradient that reached it and its forward inputs
-        self._note_finiteness(bwd, "backward", (bwd.grad_output, fwd.args, fwd.kwargs), [device[i] for i in keep],
-                              [bench[i] for i in keep])
+        self._note_finiteness(out, bwd, "backward", (bwd.grad_output, fwd.args, fwd.kwargs),
+                              [device[i] for i in keep], [bench[i] for i in keep])
         members = (spread.LazyRuns(lambda: [[m[i] for i in keep] for m in self.replayer.backward_members(
             fwd, bwd, self.match_threads)]) if same is not None else None)
-        return self._compare(rep, bwd, "backward", [device[i] for i in keep], [bench[i] for i in keep],
+        return self._compare(out, bwd, "backward", [device[i] for i in keep], [bench[i] for i in keep],
                              [same[i] for i in keep] if same is not None else None, same_error, members)
 
     # -- comparison rows ---------------------------------------------------------------------------------------
-    def _compare(self, rep: RankReports, job: Job, direction: str, device: list, bench: list,
+    def _compare(self, out: Checked, job: Job, direction: str, device: list, bench: list,
                  same: list | None, same_error: str, members: spread.LazyRuns | None = None) -> Outcome:
         outcome = Outcome()
+        where = Where(job.seq, job.module, job.source)
         if len(bench) != len(device):
             msg = f"bench and device outputs differ in structure: {len(bench)} vs {len(device)} compared values"
-            where = Where(job.seq, job.module, job.source)
-            rep.write_detail(row_name(job.name, direction, 0), BLANK, BLANK, BLANK, None, ERROR, msg, job.step,
-                             where=where)
-            rep.write_precision_detail(row_name(job.name, direction, 0), {}, ERROR, BLANK, msg, job.step,
-                                       where=where)
-            self._note_row(job, row_name(job.name, direction, 0), ERROR, "accuracy_checking", msg)
+            out.rows += [detail_row(row_name(job.name, direction, 0), BLANK, BLANK, BLANK, None, ERROR, msg, job.step,
+                                    where=where),
+                         precision_detail_row(row_name(job.name, direction, 0), {}, ERROR, BLANK, msg, job.step,
+                                              where=where)]
+            self._note_row(out, job, row_name(job.name, direction, 0), ERROR, "accuracy_checking", msg)
             return Outcome([ERROR], [ERROR], msg, msg)
         for i, (d, b) in enumerate(zip(device, bench)):
             row = row_name(job.name, direction, i)
@@ -283,20 +242,19 @@ class Checker:
                 cmp = compare_pair(pair, spread.with_host(s_on, others))
                 # by Category.api: the per-API judging of the extension file's [[judge]] (standards/selection.py)
                 verdict = judge_pair(job.api, pair, s_on, spread=others, category=job.category)
-            if self._write_rows and self.pooled is not None and pair.kind == TENSORS:
-                self._pool(job, direction, i, b_on, d_on, s_on)
-            rep.write_detail(row, _dtype(b), _dtype(d), _shape(d), cmp.metrics, cmp.status, cmp.message, job.step,
-                             where=Where(job.seq, job.module, job.source))
-            self._note_row(job, row, cmp.status, "accuracy_checking", cmp.message)
+            if self.pooled is not None and pair.kind == TENSORS:
+                out.notes.append(functools.partial(self._pool, job, direction, i, b_on, d_on, s_on))
+            out.rows.append(detail_row(row, _dtype(b), _dtype(d), _shape(d), cmp.metrics, cmp.status, cmp.message,
+                                       job.step, where=where))
+            self._note_row(out, job, row, cmp.status, "accuracy_checking", cmp.message)
             outcome.statuses.append(cmp.status)
             if cmp.status in (ERROR, WARNING) and not outcome.message:
                 outcome.message = f"{row}: {cmp.message}"
             message = "; ".join(m for m in (verdict.message, same_error) if m)
-            rep.write_precision_detail(row, verdict.cells, verdict.status, verdict.algorithm, message, job.step,
-                                       where=Where(job.seq, job.module, job.source))
-            self._note_row(job, row, verdict.status, "api_precision_compare", f"{verdict.algorithm} {message}")
-            if self._write_rows:
-                self.summary.standard_row(verdict.algorithm, verdict.status)
+            out.rows.append(precision_detail_row(row, verdict.cells, verdict.status, verdict.algorithm, message,
+                                                 job.step, where=where))
+            self._note_row(out, job, row, verdict.status, "api_precision_compare", f"{verdict.algorithm} {message}")
+            out.notes.append(functools.partial(self.summary.standard_row, verdict.algorithm, verdict.status))
             outcome.precision.append(verdict.status)
             if verdict.status == ERROR and not outcome.precision_message:
                 outcome.precision_message = f"{row}: {verdict.algorithm} {message}".strip()
@@ -312,71 +270,68 @@ class Checker:
                 log.exception("pooled statistics: %s could not be pooled (logged once)",
                               row_name(job.name, direction, index))
 
-    def _skip_rows(self, rep: RankReports, job: Job, direction: str, reason: str, status: str = SKIP) -> Outcome:
+    def _skip_rows(self, out: Checked, job: Job, direction: str, reason: str, status: str = SKIP) -> Outcome:
         """One detail row in each report with a fixed status (SKIP, or ERROR for a collective judged wrong without
         a comparison) and its reason."""
         row = row_name(job.name, direction, 0)
         where = Where(job.seq, job.module, job.source)
-        rep.write_detail(row, BLANK, BLANK, BLANK, None, status, reason, job.step, where=where)
-        rep.write_precision_detail(row, {}, status, BLANK, reason, job.step, where=where)
-        self._note_row(job, row, status, "accuracy_checking", reason)
+        out.rows += [detail_row(row, BLANK, BLANK, BLANK, None, status, reason, job.step, where=where),
+                     precision_detail_row(row, {}, status, BLANK, reason, job.step, where=where)]
+        self._note_row(out, job, row, status, "accuracy_checking", reason)
         if status != SKIP:
-            self._note_row(job, row, status, "api_precision_compare", reason)
+            self._note_row(out, job, row, status, "api_precision_compare", reason)
         return Outcome([status], [status], reason, reason)
 
-    def _note_row(self, job: Job, row: str, status: str, report: str, message: str) -> None:
+    def _note_row(self, out: Checked, job: Job, row: str, status: str, report: str, message: str) -> None:
         """The summary's first anomaly in execution order (gpu_server/summary.py) sees every details row."""
-        if self._write_rows:
-            self.summary.row_done(job.rank, job.step, job.seq, row, status, report, message, job.module, job.source)
+        out.notes.append(functools.partial(self.summary.row_done, job.rank, job.step, job.seq, row, status, report,
+                                           message, job.module, job.source))
 
-    def _note_finiteness(self, job: Job, direction: str, inputs: Any, device: list, bench: list) -> None:
+    def _note_finiteness(self, out: Checked, job: Job, direction: str, inputs: Any, device: list,
+                         bench: list) -> None:
         """Whether this call made the first inf/NaN from finite inputs, or received some (gpu_server/nonfinite.py)."""
-        if not self._write_rows:
-            return
         try:
             fin = CallFiniteness.of(inputs, device, bench)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must never fail the call's rows
             log.debug("finiteness of %s not measured: %s", job.name, exc)
             return
         if fin.origin or not fin.inputs_finite:
-            self.summary.nonfinite(job.rank, job.step, job.seq, job.name, direction, job.module, job.source,
-                                   fin.inputs_finite, fin.device, fin.bench)
+            out.notes.append(functools.partial(self.summary.nonfinite, job.rank, job.step, job.seq, job.name,
+                                               direction, job.module, job.source, fin.inputs_finite, fin.device,
+                                               fin.bench))
 
     # -- collectives (gpu_server/collectives.py) ------------------------------------------------------------------
-    def check_collective(self, finding: Any, verdict: Any) -> Completion:
-        """Write one rank's rows of a collective the matcher has decided (`finding`, a collectives.Finding;
-        `verdict`, its collectives.RankVerdict for this rank): the detail rows (compared against the reference made
-        from every member's inputs, the members' orders of reduction as the spread; or the verdict's fixed status),
-        the result row, and the collective CSV's row. The record is then done. Raises ReportWriteError."""
+    def check_collective(self, finding: Any, verdict: Any) -> Checked:
+        """One rank's rows of a collective the matcher has decided (`finding`, a collectives.Finding; `verdict`, its
+        collectives.RankVerdict for this rank): the detail rows (compared against the reference made from every
+        member's inputs, the members' orders of reduction as the spread; or the verdict's fixed status), the result
+        row, and the collective CSV's row."""
         job = verdict.job
-        self._write_rows = True
-        rep = self.reports(job.rank)
+        out = Checked(job.rank)
         device = flatten_outputs(job.output) if job.output is not None else []
         bench = list(verdict.bench) if verdict.bench else []
         try:
             if verdict.status is not None:
-                outcome = self._skip_rows(rep, job, "forward", verdict.message or finding.message or "collective "
+                outcome = self._skip_rows(out, job, "forward", verdict.message or finding.message or "collective "
                                           f"{finding.kind}", status=verdict.status)
             elif not bench:   # a send, reduce's non-root ranks: this rank's output is not what is judged
-                outcome = self._skip_rows(rep, job, "forward", verdict.message or finding.message or "nothing to "
+                outcome = self._skip_rows(out, job, "forward", verdict.message or finding.message or "nothing to "
                                           "compare on this rank: the collective's result is judged on the ranks "
                                           "that receive it")
             else:
                 members = verdict.members
-                outcome = self._compare(rep, job, "forward", device, bench, verdict.same, "",
+                outcome = self._compare(out, job, "forward", device, bench, verdict.same, "",
                                         spread.LazyRuns(lambda: list(members or [])) if members else None)
-        except ReportWriteError:
-            raise
         except Exception as exc:  # noqa: BLE001 - one bad collective must not stop the worker
             log.exception("internal error while writing the collective %s", job.name)
             why = f"internal error while checking: {type(exc).__name__}: {exc}"
-            outcome = self._skip_rows(rep, job, "forward", why)
-        self._finish(job, outcome, None, fwd_job=job)
+            outcome = self._skip_rows(out, job, "forward", why)
+        out += self.result(job, outcome, None, fwd_job=job)
         status = aggregate(outcome.statuses + outcome.precision)   # the worse of the two reports' verdicts
-        self._collective_row(rep, job, finding, verdict, status, outcome)
-        return self.pending.forward_done(job)
+        self._collective_row(out, job, finding, verdict, status, outcome)
+        return out
 
-    def _collective_row(self, rep: RankReports, job: Job, finding: Any, verdict: Any, status: str,
+    def _collective_row(self, out: Checked, job: Job, finding: Any, verdict: Any, status: str,
                         outcome: Outcome) -> None:
         info = job.collective
         message = finding.message or verdict.message
@@ -391,57 +346,47 @@ class Checker:
         shape = _shape(tensors[0]) if len(tensors) == 1 else ", ".join(_shape(t) for t in tensors[:8])
         group = info.group if info is not None else ""
         ranks = " ".join(str(r) for r in info.ranks) if info is not None else ""
-        if rep.write_collective(job.name, group, ranks, info.seq if info is not None else BLANK,
-                                info.op if info is not None else "", dtype, shape, status, finding.kind, message,
-                                job.step, where=Where(job.seq, job.module, job.source)):
-            self.summary.add_files(job.rank, rep.paths)
-        self.summary.collective_row(job.rank, job.name, group, info.seq if info is not None else -1, status,
-                                    finding.kind, message, tuple(getattr(finding, "named", ()) or ()), members=ranks)
+        out.rows.append(collective_row(job.name, group, ranks, info.seq if info is not None else BLANK,
+                                       info.op if info is not None else "", dtype, shape, status, finding.kind,
+                                       message, job.step, where=Where(job.seq, job.module, job.source)))
+        out.notes.append(functools.partial(
+            self.summary.collective_row, job.rank, job.name, group, info.seq if info is not None else -1, status,
+            finding.kind, message, tuple(getattr(finding, "named", ()) or ()), members=ranks))
 
     # -- result rows -------------------------------------------------------------------------------------------
-    def _finish(self, job: Job, forward: Outcome, backward: Outcome | None, fwd_job: Job | None = None,
-                bwd_job: Job | None = None) -> None:
-        rep = self.reports(job.rank)
+    def result(self, job: Job, forward: Outcome, backward: Outcome | None, fwd_job: Job | None = None,
+               bwd_job: Job | None = None) -> Checked:
+        """The call's result rows (both reports) from its forward and backward outcomes; a failing call's error
+        data is saved once they are written."""
+        out = Checked(job.rank)
         fwd, bwd = aggregate(forward.statuses), aggregate(backward.statuses) if backward else BLANK
         pfwd, pbwd = aggregate(forward.precision), aggregate(backward.precision) if backward else BLANK
         msg = forward.message or (backward.message if backward else "")
         pmsg = forward.precision_message or (backward.precision_message if backward else "")
         call = fwd_job if fwd_job is not None else job   # the result row is the call's: its forward record's
         where = Where(call.seq, call.module, call.source)
-        rep.write_result(job.name, fwd, bwd, msg if SKIP in (fwd, bwd) or ERROR in (fwd, bwd)
-                         or WARNING in (fwd, bwd) else "", job.step, where=where)
-        rep.write_precision_result(job.name, pfwd, pbwd, pmsg if pfwd != PASS or pbwd not in (PASS, BLANK) else "",
-                                   job.step, where=where)
-        if not self._write_rows:
-            return
-        self.summary.call_done(job.rank, job.name, fwd, bwd, pfwd, pbwd, pmsg or msg, module=call.module)
+        out.rows += [result_row(job.name, fwd, bwd, msg if SKIP in (fwd, bwd) or ERROR in (fwd, bwd)
+                                or WARNING in (fwd, bwd) else "", job.step, where=where),
+                     precision_result_row(job.name, pfwd, pbwd, pmsg if pfwd != PASS or pbwd not in (PASS, BLANK)
+                                          else "", job.step, where=where)]
+        out.notes.append(functools.partial(self.summary.call_done, job.rank, job.name, fwd, bwd, pfwd, pbwd,
+                                           pmsg or msg, module=call.module))
         if self.evidence is not None and fwd_job is not None and ERROR in (fwd, bwd, pfwd, pbwd):
-            folder = self.evidence.save(fwd_job, bwd_job, pmsg or msg)
-            if folder:
-                self.summary.evidence_saved(job.rank, job.name, job.step, folder)
+            out.notes.append(functools.partial(self._save_evidence, job, fwd_job, bwd_job, pmsg or msg))
+        return out
 
-    def _finish_waiting(self, run_id: str, rank: int, step: int, name: str, waiting: Waiting, why: str) -> None:
+    def _save_evidence(self, job: Job, fwd_job: Job, bwd_job: Job | None, reason: str) -> None:
+        folder = self.evidence.save(fwd_job, bwd_job, reason)
+        if folder:
+            self.summary.evidence_saved(job.rank, job.name, job.step, folder)
+
+    def unfinished(self, key: CallKey, waiting: Waiting, why: str) -> Checked:
+        """The result rows of a waiting call that gets no backward check: its backward is SKIP with `why`."""
         fwd = waiting.job   # None once evicted: its seq is still known
-        job = Job(run_id=run_id, rank=rank, step=step, seq=fwd.seq if fwd is not None else waiting.record.seq,
-                  name=name, category="", api="", direction=pb.BACKWARD, module=fwd.module if fwd is not None else "",
-                  source=fwd.source if fwd is not None else "")
-        self._finish(job, waiting.outcome, Outcome([SKIP], [SKIP], why, why), fwd_job=waiting.job)
-
-    def flush_run(self, run_id: str, rank: int, why: str) -> Completion:
-        """The rank ended: calls still waiting for a backward record get their result row."""
-        done = Completion()
-        for key in [k for k in self._graphs if k.run_id == run_id and k.rank == rank]:
-            self._drop_graphs(key)
-        for (rid, rk, step, name), waiting in self.pending.rank_ended(run_id, rank):
-            self._finish_waiting(rid, rk, step, name, waiting, f"backward record never arrived ({why})")
-            done.done.append(waiting.record)
-        return done
+        job = Job(run_id=key.run_id, rank=key.rank, step=key.step, seq=fwd.seq if fwd is not None
+                  else waiting.record.seq, name=key.name, category="", api="", direction=pb.BACKWARD,
+                  module=fwd.module if fwd is not None else "", source=fwd.source if fwd is not None else "")
+        return self.result(job, waiting.outcome, Outcome([SKIP], [SKIP], why, why), fwd_job=waiting.job)
 
     def close(self) -> None:
-        """Close the reports. Calls still waiting for their backward record get no result row: that is
-        gpu_server/pending.py's decision (they stay in the spool for a restart)."""
-        self._graphs.clear()
-        self._graph_bytes = 0
-        for rep in self._reports.values():
-            rep.close()
         self.replayer.close()

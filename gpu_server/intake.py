@@ -691,9 +691,13 @@ MAX_ORIGINS = 16   # connections (or certificates) remembered per run and rank a
 class Intake:
     def __init__(self, config: ServerConfig, dispatch: Callable[..., None], limits: Limits = DEFAULT_LIMITS,
                  on_end: Callable[[pb.End], None] | None = None, *, spool: Spool | None = None,
-                 budget: ByteBudget | None = None, world_size: int | None = None):
+                 budget: ByteBudget | None = None, world_size: int | None = None,
+                 not_reported: Callable[[str, int, int], None] = lambda run_id, rank, seq: None):
         self.config = config
         self.dispatch = dispatch
+        # a spooled record this server reports nothing for: PendingCalls decides its journal line
+        # (gpu_server/pending.py, through WorkerPool.not_reported)
+        self.not_reported = not_reported
         self.limits = limits
         self.on_end = on_end or (lambda end: None)
         self.spool = spool
@@ -906,7 +910,7 @@ class Intake:
         if job is not None:
             self.dispatch(job)
         elif status == ACCEPTED:   # filtered (spooled under an earlier config that wanted it)
-            self._unreported(record.header)
+            self.not_reported(record.header.run_id, record.header.rank, record.header.seq)
         return status, reason
 
     def _max_ranks(self) -> int:
@@ -958,17 +962,12 @@ class Intake:
                 ticket.wait(1.0)
             self.budget.release(n)
 
-    def _unreported(self, h: pb.RecordHeader) -> None:
-        """Nothing to report of a record (spooled under an earlier config that wanted it): its spool entry is done."""
-        if self.spool is not None:
-            self.spool.complete([(h.run_id, h.rank, h.seq)], [], {})
-
     def _reject_row(self, h: pb.RecordHeader, name: str, match: re.Match[str] | None, reason: str, job: Job | None,
                     reserved: int) -> None:
         """Dispatch the SKIP row of a rejected record (`match`: `valid_call_name(name)`)."""
         self._release(reserved)
         if not self.config.wants_rank(h.rank):
-            self._unreported(h)
+            self.not_reported(h.run_id, h.rank, h.seq)
             return
         category, api = (match.group(1), match.group(2)) if match else ("", "")
         job = job or Job(run_id=h.run_id if RUN_ID.match(h.run_id) else "invalid", rank=h.rank, step=h.step,

@@ -23,6 +23,7 @@ import os
 import resource
 import threading
 import time
+from typing import Callable
 
 from gpu_server import disk, report_files
 from gpu_server.columns import (
@@ -223,61 +224,113 @@ class RankReports:
         files = [self.result, self.details, self.precision_result, self.precision_details]
         return files + [self.collective] if self.collective is not None else files
 
-    def write_collective(self, api: str, group: str, ranks: str, group_seq: int, op: str, dtype: str, shape: str,
-                         status: str, finding: str, message: str, step: int, where: Where = NOWHERE) -> bool:
-        """One row of the collective CSV; True when this row created the file."""
-        with self._lock:
-            created = self.collective is None
-            if self.collective is None:
-                self.collective = _CsvFile(self._collective_path, COLLECTIVE_HEADER + list(EXTRA_COLUMNS))
-            self.collective.write([api, group or BLANK, ranks or BLANK, group_seq, op or BLANK, dtype or BLANK,
-                                   shape or BLANK, status or BLANK, finding or BLANK, clean(message) or BLANK,
-                                   *_tail(step, where)])
-            return created
+    def write(self, rows: list[Row]) -> bool:
+        """Write rows in order, each whole or not at all (raises ReportWriteError); True when one of them created
+        the collective CSV."""
+        created = False
+        for row in rows:
+            with self._lock:
+                target = self._target(row.kind)
+                if target is None:
+                    created = True
+                    target = self.collective = _CsvFile(self._collective_path, COLLECTIVE_HEADER + list(EXTRA_COLUMNS))
+                target.write(list(row.cells))
+        return created
 
-    def write_result(self, api: str, forward: str, backward: str, message: str, step: int,
-                     where: Where = NOWHERE) -> None:
-        with self._lock:
-            self.result.write([api, forward, backward, clean(message) or BLANK, *_tail(step, where)])
+    def _target(self, kind: str) -> _CsvFile | None:
+        return {report_files.RESULT: self.result, report_files.DETAILS: self.details,
+                report_files.PRECISION_RESULT: self.precision_result,
+                report_files.PRECISION_DETAILS: self.precision_details,
+                report_files.COLLECTIVE: self.collective}[kind]
 
-    def write_detail(self, row_name: str, bench_dtype: str, device_dtype: str, shape: str,
-                     metrics: OutputMetrics | None, status: str, message: str, step: int,
-                     where: Where = NOWHERE) -> None:
-        values = [cell(getattr(metrics, attr) if metrics else None) for attr, _ in METRIC_COLUMNS]
-        with self._lock:
-            self.details.write([row_name, bench_dtype or BLANK, device_dtype or BLANK, shape or BLANK, *values, status,
-                                clean(message) or BLANK, *_tail(step, where)])
+    def write_collective(self, *args, **kwargs) -> bool:
+        """One row of the collective CSV (`collective_row`'s arguments); True when this row created the file."""
+        return self.write([collective_row(*args, **kwargs)])
 
-    def write_precision_result(self, api: str, forward: str, backward: str, message: str, step: int,
-                               where: Where = NOWHERE) -> None:
-        with self._lock:
-            self.precision_result.write([api, forward, backward, clean(message) or BLANK, *_tail(step, where)])
+    def write_result(self, *args, **kwargs) -> None:
+        self.write([result_row(*args, **kwargs)])
 
-    def write_precision_detail(self, row_name: str, cells: dict, status: str, algorithm: str, message: str,
-                               step: int, where: Where = NOWHERE) -> None:
-        row = [row_name]
-        for title in PRECISION_DETAILS_HEADER[1:-3]:
-            row.append(cell(cells.get(title)))
-        row += [status, algorithm or BLANK, clean(message) or BLANK, *_tail(step, where)]
-        row += [cell(cells.get(title)) for title in PRECISION_EXTRA_COLUMNS]
-        with self._lock:
-            self.precision_details.write(row)
+    def write_detail(self, *args, **kwargs) -> None:
+        self.write([detail_row(*args, **kwargs)])
+
+    def write_precision_result(self, *args, **kwargs) -> None:
+        self.write([precision_result_row(*args, **kwargs)])
+
+    def write_precision_detail(self, *args, **kwargs) -> None:
+        self.write([precision_detail_row(*args, **kwargs)])
 
     def close(self) -> None:
         for f in self._files():
             f.close()
 
 
-class _NullReports:
-    """Stands in for a rank's report files when rows must not be written (a restored job whose rows exist)."""
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One row of a rank's reports as a value: which file (a report_files kind) and its cells. The checker
+    computes rows (gpu_server/checker.py); `RankReports.write` writes them."""
 
-    paths: list[str] = []
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
+    kind: str
+    cells: tuple
 
 
-NULL_REPORTS = _NullReports()
+def collective_row(api: str, group: str, ranks: str, group_seq: int, op: str, dtype: str, shape: str, status: str,
+                   finding: str, message: str, step: int, where: Where = NOWHERE) -> Row:
+    return Row(report_files.COLLECTIVE, (api, group or BLANK, ranks or BLANK, group_seq, op or BLANK, dtype or BLANK,
+                                         shape or BLANK, status or BLANK, finding or BLANK, clean(message) or BLANK,
+                                         *_tail(step, where)))
+
+
+def result_row(api: str, forward: str, backward: str, message: str, step: int, where: Where = NOWHERE) -> Row:
+    return Row(report_files.RESULT, (api, forward, backward, clean(message) or BLANK, *_tail(step, where)))
+
+
+def detail_row(row_name: str, bench_dtype: str, device_dtype: str, shape: str, metrics: OutputMetrics | None,
+               status: str, message: str, step: int, where: Where = NOWHERE) -> Row:
+    values = [cell(getattr(metrics, attr) if metrics else None) for attr, _ in METRIC_COLUMNS]
+    return Row(report_files.DETAILS, (row_name, bench_dtype or BLANK, device_dtype or BLANK, shape or BLANK, *values,
+                                      status, clean(message) or BLANK, *_tail(step, where)))
+
+
+def precision_result_row(api: str, forward: str, backward: str, message: str, step: int,
+                         where: Where = NOWHERE) -> Row:
+    return Row(report_files.PRECISION_RESULT, (api, forward, backward, clean(message) or BLANK, *_tail(step, where)))
+
+
+def precision_detail_row(row_name: str, cells: dict, status: str, algorithm: str, message: str, step: int,
+                         where: Where = NOWHERE) -> Row:
+    row = [row_name]
+    for title in PRECISION_DETAILS_HEADER[1:-3]:
+        row.append(cell(cells.get(title)))
+    row += [status, algorithm or BLANK, clean(message) or BLANK, *_tail(step, where)]
+    row += [cell(cells.get(title)) for title in PRECISION_EXTRA_COLUMNS]
+    return Row(report_files.PRECISION_DETAILS, tuple(row))
+
+
+class Reports:
+    """The report files of the ranks one worker writes (gpu_server/workers.py), opened with the rank's first row;
+    `on_files(rank, paths)` learns each rank's files (when opened, and when the collective CSV is made)."""
+
+    def __init__(self, out_dir: str, ts: str, on_files: Callable[[int, list[str]], None]):
+        self.out_dir, self.ts = out_dir, ts
+        self.on_files = on_files
+        self._ranks: dict[int, RankReports] = {}
+
+    def of(self, rank: int) -> RankReports:
+        rep = self._ranks.get(rank)
+        if rep is None:
+            rep = self._ranks[rank] = RankReports(self.out_dir, self.ts, rank)
+            self.on_files(rank, rep.paths)
+        return rep
+
+    def write(self, rank: int, rows: list[Row]) -> None:
+        """Raises ReportWriteError (the rows before the failing one are written)."""
+        rep = self.of(rank)
+        if rep.write(rows):
+            self.on_files(rank, rep.paths)
+
+    def close(self) -> None:
+        for rep in self._ranks.values():
+            rep.close()
 
 
 def header_size(path: str) -> int:

@@ -5,10 +5,11 @@ deterministic order by one thread. What waits in the queues is bounded by the se
 (`--memory-mb`, reserved at intake and released when a job is checked), so records are acknowledged as soon as they
 are durable and a slow bench pushes back on the transport only once that budget is full.
 
-After each job the worker tells `on_complete` which records are now completely reported (`done`), which forward
-records have their detail rows written while their result row waits for the backward record (`half`), and the sizes
-of the rank's report files at that moment: the durable spool journals exactly that (gpu_server/spool.py). Which
-records those are is decided by gpu_server/pending.py, whose `PendingCalls` the workers share.
+Each worker is a `Worker`: gpu_server/pending.py's `PendingCalls` (shared by the workers) decides, the worker's
+`Checker` computes the rows (values), the worker's `Reports` writes them. After each job the worker tells
+`on_complete` which records are now completely reported (`done`), which forward records have their detail rows
+written while their result row waits for the backward record (`half`), and the sizes of the rank's report files at
+that moment: the durable spool journals exactly that (gpu_server/spool.py).
 
 Collectives (a job with `Job.collective`) are never replayed: the workers share one `collectives.Matcher`
 (`--collective-memory-mb`), which holds each record until the records of its collective from every member rank are
@@ -28,13 +29,13 @@ from typing import Callable
 import torch
 
 from gpu_server import replay
-from gpu_server.checker import Checker
+from gpu_server.checker import Checked, Checker
 from gpu_server.collectives import Matcher
 from gpu_server.error_data import Evidence
 from gpu_server.job import Job
 from gpu_server.pending import Completion, PendingCalls
 from gpu_server.pooled import PooledErrors
-from gpu_server.reports import ReportWriteError, header_size
+from gpu_server.reports import Reports, ReportWriteError, header_size
 from gpu_server.sandbox import SandboxLimits, make_replayer
 from gpu_server.summary import Summary
 
@@ -62,12 +63,71 @@ def bench_devices(spec: str | None, workers: int | None) -> list[torch.device]:
     return [dev] * max(1, workers or 1)
 
 
+class Worker:
+    """What one worker thread does with each item: `PendingCalls` decides, the `Checker` computes the rows, `Reports`
+    writes them, then the journal learns what is complete (`on_complete`)."""
+
+    def __init__(self, checker: Checker, reports: Reports, pending: PendingCalls,
+                 on_complete: Callable[[list, list, dict[str, int]], None] | None = None):
+        self.checker = checker
+        self.reports = reports
+        self.pending = pending
+        self.on_complete = on_complete or (lambda done, half, files: None)
+        self._sizes: dict[int, dict[str, int]] = {}   # rank -> its report files' sizes after its last completion
+
+    def write(self, checked: Checked) -> None:
+        """The rows in the rank's reports, then what the summary learns from them. Raises ReportWriteError."""
+        self.reports.write(checked.rank, checked.rows)
+        for note in checked.notes:
+            note()
+
+    def check(self, job: Job) -> None:
+        self._completed(self.pending.check(job, self.checker, self.write), job.rank)
+
+    def collective(self, finding, verdict) -> None:
+        self._completed(self.pending.collective(finding, verdict, self.checker, self.write), verdict.job.rank)
+
+    def end_rank(self, run_id: str, rank: int, why: str) -> None:
+        self._completed(self.pending.end_rank(run_id, rank, why, self.checker, self.write), rank)
+
+    def _completed(self, completion: Completion, rank: int) -> None:
+        files = {}
+        for path in self.reports.of(rank).paths:
+            try:
+                files[path] = os.path.getsize(path)
+            except OSError:
+                pass
+        self._sizes[rank] = files
+        try:
+            self.on_complete(completion.done, completion.half, files)
+        except Exception:  # noqa: BLE001
+            log.exception("could not journal completed records")
+
+    def cut_back(self, rank: int) -> None:
+        """Cut the rank's report files back to their sizes after its last complete record (no orphan rows); a file
+        made since then (the collective CSV) back to its header."""
+        sizes = self._sizes.get(rank, {})
+        for path in set(sizes) | set(self.reports.of(rank).paths):
+            try:
+                size = sizes[path] if path in sizes else header_size(path)
+                if os.path.getsize(path) > size:
+                    os.truncate(path, size)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """Close the reports and the replayer. Calls still waiting for their backward record get no result row:
+        that is gpu_server/pending.py's decision (they stay in the spool for a restart)."""
+        self.reports.close()
+        self.checker.close()
+
+
 class WorkerPool:
     def __init__(self, devices: list[torch.device], out_dir: str, ts: str, summary: Summary,
                  pending: PendingCalls, queue_size: int = 65536,
                  on_complete: Callable[[list, list, dict[str, int]], None] | None = None,
                  release: Callable[[int], None] | None = None, evidence: Evidence | None = None,
-                 graph_budget: int = 2 << 30, pooled: PooledErrors | None = None,
+                 pooled: PooledErrors | None = None,
                  sandbox: SandboxLimits | None = None, on_quarantine: Callable[[tuple, str], None] | None = None,
                  max_record_bytes: int = 1 << 30, collective_budget: int = 1 << 30):
         self.summary = summary
@@ -88,14 +148,14 @@ class WorkerPool:
         limits = sandbox or SandboxLimits()
         self.replayers = [make_replayer(d, limits, torch.get_num_threads(), max_record_bytes, f"replay-{i}")
                           for i, d in enumerate(devices)]
-        self.checkers = [Checker(out_dir, ts, d, summary, pending=pending, evidence=evidence, graph_budget=graph_budget,
-                                 pooled=pooled,   # one PooledErrors shared by every worker (thread-safe)
-                                 replayer=r, on_lost=self._lost)
-                         for d, r in zip(devices, self.replayers)]
+        self.workers = [Worker(Checker(d, summary, evidence=evidence,
+                                       pooled=pooled,   # one PooledErrors shared by every worker (thread-safe)
+                                       replayer=r, on_lost=self._lost),
+                               Reports(out_dir, ts, summary.add_files), pending, self.on_complete)
+                        for d, r in zip(devices, self.replayers)]
         if cpu_workers > 1:
-            for checker in self.checkers:
-                checker.match_threads = False
-        self._sizes: dict[int, dict[str, int]] = {}   # rank -> its report files' sizes after its last completion
+            for worker in self.workers:
+                worker.checker.match_threads = False
         # one matcher for every worker: the records of one collective come from ranks routed to different workers
         self.matcher = Matcher(collective_budget)
         self._jobs: dict[tuple[str, int], str] = {}   # (run, rank) -> the training (Collective.job) it belongs to
@@ -138,27 +198,31 @@ class WorkerPool:
         the collectives it never sent are decided (after every record of the rank queued before the End)."""
         self.queues[self._index(rank)].put(("end", (run_id, rank, why, job)))
 
+    def not_reported(self, run_id: str, rank: int, seq: int) -> None:
+        """A spooled record this server reports nothing for (its rank or API is not wanted now): journaled done."""
+        completion = self.pending.not_reported(run_id, rank, seq)
+        self.on_complete(completion.done, completion.half, {})
+
     def _run(self, i: int) -> None:
-        checker, q = self.checkers[i], self.queues[i]
+        worker, q = self.workers[i], self.queues[i]
         torch.set_grad_enabled(False)
         while True:
             item = q.get()
             if item is _STOP:
                 try:
-                    checker.close()
+                    worker.close()
                 except Exception:  # noqa: BLE001
                     log.exception("worker %d: internal error while closing the reports", i)
                 return
             kind, payload = item
             try:
                 if kind == "job":
-                    self._check(checker, payload)
+                    self._check(worker, payload)
                 elif kind == "verdict":
-                    finding, verdict = payload
-                    self._completed(checker, checker.check_collective(finding, verdict), verdict.job.rank)
+                    worker.collective(*payload)
                 elif kind == "end":
                     run_id, rank, why, job = payload
-                    self._completed(checker, checker.flush_run(run_id, rank, why), rank)
+                    worker.end_rank(run_id, rank, why)
                     job = job or self._jobs.get((run_id, rank), "")
                     if job:
                         self._deliver(self.matcher.rank_ended(job, rank))
@@ -169,12 +233,12 @@ class WorkerPool:
                 # record stays in the spool and a restart with the same --out checks it again.
                 rank = (payload.rank if kind == "job" else payload[1].job.rank if kind == "verdict"
                         else payload[1])
-                self._cut_back(checker, rank)
+                worker.cut_back(rank)
                 self.summary.report_failed(rank, str(exc))
             except Exception:  # noqa: BLE001
                 log.exception("worker %d: internal error", i)
 
-    def _check(self, checker: Checker, job: Job) -> None:
+    def _check(self, worker: Worker, job: Job) -> None:
         if job.collective is not None:
             # never replayed: held by the matcher (within its own budget, so the memory budget is released now)
             # until its collective is decided; nothing is journaled, the record stays in the spool until then
@@ -185,11 +249,10 @@ class WorkerPool:
             self._deliver(self.matcher.add(job))
             return
         try:
-            completion = checker.check(job)
+            worker.check(job)
         finally:
             self.release(job.reserved)
             job.reserved = 0
-        self._completed(checker, completion, job.rank)
 
     def _deliver(self, findings: list) -> None:
         """Each decided collective, rank by rank, to the worker of that rank (which writes its rows)."""
@@ -226,31 +289,6 @@ class WorkerPool:
         findings = self.matcher.finish()
         self._deliver(findings)
         return len(findings)
-
-    def _completed(self, checker: Checker, completion: Completion, rank: int) -> None:
-        files = {}
-        for path in checker.reports(rank).paths:
-            try:
-                files[path] = os.path.getsize(path)
-            except OSError:
-                pass
-        self._sizes[rank] = files
-        try:
-            self.on_complete(completion.done, completion.half, files)
-        except Exception:  # noqa: BLE001
-            log.exception("could not journal completed records")
-
-    def _cut_back(self, checker: Checker, rank: int) -> None:
-        """Cut the rank's report files back to their sizes after its last complete record (no orphan rows); a file
-        made since then (the collective CSV) back to its header."""
-        sizes = self._sizes.get(rank, {})
-        for path in set(sizes) | set(checker.reports(rank).paths):
-            try:
-                size = sizes[path] if path in sizes else header_size(path)
-                if os.path.getsize(path) > size:
-                    os.truncate(path, size)
-            except OSError:
-                pass
 
     def drain_and_stop(self) -> None:
         """Check everything already queued, flush and close the reports. Calls still waiting for their backward

@@ -108,8 +108,8 @@ MUTATIONS = (
         "intake-accepts-invalid",
         "a record that fails validation gets its SKIP row but is answered ACCEPTED",
         (("gpu_server/intake.py",
-          "            return Ticket(h.seq, REJECTED, reason)\n        ticket = self.spool.append",
-          "            return Ticket(h.seq, ACCEPTED)\n        ticket = self.spool.append"),),
+          "            return REJECTED, reason, None\n",
+          "            return ACCEPTED, \"\", None\n"),),
         ("tests/test_fuzz.py",)),
 )
 

@@ -9,8 +9,20 @@ import torch.nn.functional as F
 
 from gpu_server.checker import Checker
 from gpu_server.error_data import Evidence, load
+from gpu_server.pending import PendingCalls
+from gpu_server.reports import Reports
 from gpu_server.summary import Summary
+from gpu_server.workers import Worker
 from tests.support import ROOT, capture, read_csv, to_job
+
+TS = "20260101000000"
+
+
+def _worker(out, backward_budget: int = 1 << 30, evidence: Evidence | None = None) -> Worker:
+    """One server worker, in this thread: PendingCalls decides, the Checker computes, Reports writes."""
+    summary = Summary()
+    return Worker(Checker(torch.device("cpu"), summary, evidence=evidence), Reports(str(out), TS, summary.add_files),
+                  PendingCalls(backward_budget))
 
 
 def test_failing_call_is_saved_and_replayable(tmp_path):
@@ -25,11 +37,10 @@ def test_failing_call_is_saved_and_replayable(tmp_path):
     bad.output.tree = bad.output.tree * 1.05           # a device that computes gelu 5 % too large
     out = tmp_path / "out"
     out.mkdir()
-    checker = Checker(str(out), "20260101000000", torch.device("cpu"), Summary(), 1 << 30,
-                      error_data_base=str(out))
+    worker = _worker(out, evidence=Evidence(str(out), TS))
     for rec in sink:
-        checker.check(to_job(rec))
-    checker.close()
+        worker.check(to_job(rec))
+    worker.close()
     results = {r["API name"]: r for r in read_csv(str(out), "accuracy_checking_result")}
     assert results["Functional.gelu.0"]["Forward Test Success"] == "error"
     assert results["Functional.linear.0"]["Forward Test Success"] == "pass"
@@ -51,10 +62,10 @@ def test_evicted_forward_inputs_give_a_backward_skip_naming_the_limit(tmp_path):
         with mode:
             loss = lin2(F.relu(lin1(x))).sum()
         loss.backward()
-    checker = Checker(str(tmp_path), "20260101000000", torch.device("cpu"), Summary(), backward_budget=1)
+    worker = _worker(tmp_path, backward_budget=1)
     for rec in sink:
-        checker.check(to_job(rec))
-    checker.close()
+        worker.check(to_job(rec))
+    worker.close()
     results = {r["API name"]: r for r in read_csv(str(tmp_path), "accuracy_checking_result")}
     assert len(results) == 4
     skipped = [r for r in results.values() if r["Backward Test Success"] == "SKIP"]
@@ -76,10 +87,10 @@ def _failing_gelus(n: int, size: int) -> list:
 
 
 def _check_all(out, records, evidence) -> dict:
-    checker = Checker(str(out), "20260101000000", torch.device("cpu"), Summary(), 1 << 30, evidence=evidence)
+    worker = _worker(out, evidence=evidence)
     for rec in records:
-        checker.check(to_job(rec))
-    checker.close()
+        worker.check(to_job(rec))
+    worker.close()
     return {r["API name"]: r for r in read_csv(str(out), "accuracy_checking_result")}
 
 

@@ -12,7 +12,9 @@ from gpu_server import metric_kernel, metrics, replay
 from gpu_server.checker import Checker
 from gpu_server.pending import PendingCalls
 from gpu_server.replay import backward_from, run_backward, run_forward, run_forward_kept
+from gpu_server.reports import Reports
 from gpu_server.summary import Summary
+from gpu_server.workers import Worker
 from tests.support import capture, to_job
 
 CPU = torch.device("cpu")
@@ -134,10 +136,15 @@ def test_a_forward_that_cannot_run_with_autograd_is_replayed_as_before_without_a
     assert kept is None and torch.equal(out, run_forward(job, CPU, bench=True))
 
 
-def _check_all(sink, graph_budget: int, tmp: str) -> tuple[dict[str, str], int]:
-    """Every record through a real Checker; the report files' text and how many full backward replays ran."""
+def _worker(tmp: str, pending: PendingCalls) -> Worker:
+    """One server worker, in this thread: PendingCalls decides, the Checker computes, Reports writes."""
     summary = Summary()
-    checker = Checker(tmp, "ts", CPU, summary, pending=PendingCalls(1 << 30), graph_budget=graph_budget)
+    return Worker(Checker(CPU, summary), Reports(tmp, "ts", summary.add_files), pending)
+
+
+def _check_all(sink, graph_budget: int, tmp: str) -> tuple[dict[str, str], int]:
+    """Every record through a real server worker; the report files' text and how many full backward replays ran."""
+    worker = _worker(tmp, PendingCalls(1 << 30, graph_budget=graph_budget))
     replays = []
     original = replay.run_backward
 
@@ -151,8 +158,8 @@ def _check_all(sink, graph_budget: int, tmp: str) -> tuple[dict[str, str], int]:
         torch.set_grad_enabled(False)   # as in the worker threads
         for seq, rec in enumerate(sink):
             rec.seq = seq
-            checker.check(to_job(rec))
-        checker.close()
+            worker.check(to_job(rec))
+        worker.close()
     finally:
         sandbox_module.run_backward = original
         torch.set_grad_enabled(True)
@@ -195,16 +202,18 @@ def test_kept_graphs_stay_within_their_budget_oldest_dropped_first():
     def kept(budget: int, *jobs) -> tuple[list[str], int]:
         """The calls whose graphs a checker keeps after these forward jobs, and their bytes."""
         with tempfile.TemporaryDirectory() as tmp:
-            checker = Checker(tmp, "ts", CPU, Summary(), pending=PendingCalls(1 << 30), graph_budget=budget)
+            pending = PendingCalls(1 << 30, graph_budget=budget)
+            worker = _worker(tmp, pending)
+            owner = worker.checker.replayer
             torch.set_grad_enabled(False)
             try:
                 for seq, job in enumerate(jobs):
                     job.seq = seq
-                    checker.check(job)
-                return [k.name for k in checker._graphs], checker._graph_bytes
+                    worker.check(job)
+                return [k.name for k in pending._graphs.get(owner, {})], pending._graph_bytes.get(owner, 0)
             finally:
                 torch.set_grad_enabled(True)
-                checker.close()
+                worker.close()
 
     names, size = kept(1 << 30, first)
     assert size > 0 and names == [first.name]

@@ -294,24 +294,33 @@ def _captured_gelu_calls(scale: float):
     return sink
 
 
-def test_checker_pools_every_compared_output(tmp_path):
+def _worker(out, pooled: PooledErrors):
+    """One server worker, in this thread, whose checker pools into `pooled`."""
     from gpu_server.checker import Checker
+    from gpu_server.pending import PendingCalls
+    from gpu_server.reports import Reports
     from gpu_server.summary import Summary
+    from gpu_server.workers import Worker
+
+    summary = Summary()
+    return Worker(Checker(torch.device("cpu"), summary, pooled=pooled),
+                  Reports(str(out), "20260101000000", summary.add_files), PendingCalls(4 << 30))
+
+
+def test_checker_pools_every_compared_output(tmp_path):
     from tests.support import to_job
 
     pool = PooledErrors()
-    checker = Checker(str(tmp_path), "20260101000000", torch.device("cpu"), Summary(), pending=None, pooled=pool)
+    worker = _worker(tmp_path, pool)
     for rec in _captured_gelu_calls(1 + 2.0 ** -8):
-        checker.check(to_job(rec))
-    checker.close()
+        worker.check(to_job(rec))
+    worker.close()
     r = _row(pool, "Functional.gelu", "forward")
     assert r["calls"] == 4 and r["elements"] == 4 * 64 * 64 and r["verdict"] == "error"
     assert _row(pool, "Functional.gelu", "backward")["verdict"] == "pass"
 
 
 def test_a_failing_pool_never_fails_a_row(tmp_path, caplog):
-    from gpu_server.checker import Checker
-    from gpu_server.summary import Summary
     from tests.support import read_csv, to_job
 
     class Broken(PooledErrors):
@@ -321,10 +330,10 @@ def test_a_failing_pool_never_fails_a_row(tmp_path, caplog):
             Broken.calls += 1
             raise RuntimeError("broken pool")
 
-    checker = Checker(str(tmp_path), "20260101000000", torch.device("cpu"), Summary(), pooled=Broken())
+    worker = _worker(tmp_path, Broken())
     for rec in _captured_gelu_calls(1.0):
-        checker.check(to_job(rec))
-    checker.close()
+        worker.check(to_job(rec))
+    worker.close()
     rows = read_csv(str(tmp_path), "accuracy_checking_result")
     assert len(rows) == 4 and all(r["Forward Test Success"] == "pass" for r in rows)
     assert Broken.calls >= 8

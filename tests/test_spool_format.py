@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from gpu_server.checker import Forward
 from gpu_server.job import RecordKey
 from gpu_server.pending import PendingCalls
 from gpu_server.seqset import SeqSet
@@ -104,20 +105,31 @@ def test_seqset_stays_small_for_ordered_streams():
 class _Job:
     def __init__(self, seq, name, nbytes=10, step=0):
         self.run_id, self.rank, self.seq, self.step, self.name, self.nbytes = "r", 0, seq, step, name, nbytes
+        self.direction, self.backward_expected = pb.FORWARD, True
+
+
+class _Checker:
+    """Computes nothing: a forward's outcome is its name, its rows an empty list."""
+
+    @staticmethod
+    def forward(job, keep):
+        return Forward(outcome=f"{job.name} outcome", checked=[], graphs=None)
 
 
 def test_pending_calls_decide_what_is_journaled():
     p = PendingCalls(backward_budget=25, restored={("r", 0, 9)})
-    done, displaced = p.hold(_Job(1, "Torch.a.0"), "fwd-outcome")
-    assert done.half == [RecordKey("r", 0, 1)] and done.done == [] and displaced is None
-    p.hold(_Job(2, "Torch.b.0"), "x")
-    p.hold(_Job(3, "Torch.c.0"), "x")                       # 30 bytes > 25: the oldest forward job is evicted
+    checker, written = _Checker(), []
+    done = p.check(_Job(1, "Torch.a.0"), checker, written.append)
+    assert done.half == [RecordKey("r", 0, 1)] and done.done == [] and written == [[]]   # its detail rows
+    p.check(_Job(2, "Torch.b.0"), checker, written.append)
+    p.check(_Job(3, "Torch.c.0"), checker, written.append)  # 30 bytes > 25: the oldest forward job is evicted
     assert p.evictions == 1 and p.held == 20
     restored = _Job(9, "Torch.d.0")
     assert p.is_restored(restored)
-    assert p.hold(restored, "x")[0].half == []              # journaled `h` before the restart: nothing new
+    assert p.check(restored, checker, written.append).half == []   # journaled `h` before the restart: nothing new
+    assert len(written) == 3 and not p.is_restored(restored)         # nor written again
     waiting = p.take(_Job(20, "Torch.a.0"))
-    assert waiting.evicted and waiting.outcome == "fwd-outcome"
+    assert waiting.evicted and waiting.outcome == "Torch.a.0 outcome"
     assert p.backward_done(_Job(20, "Torch.a.0"), waiting).done == [RecordKey("r", 0, 20), RecordKey("r", 0, 1)]
     assert p.stop() == 3 and p.waiting_count() == 3         # a stop reports and journals nothing
     ended = p.rank_ended("r", 0)
