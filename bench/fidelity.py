@@ -10,7 +10,7 @@
    report flags exactly its API calls and direction (test_faulty_device.py's expectations).
 3. The smallest elementwise fault still caught: bfloat16 `mul` off by k ULP on a share of elements (sweep);
    with --gelu-sweep also the smallest bias of F.gelu (1 + 2^-K) that the benchmark standard catches.
-4. Judging across calls (gpu_server/pooled.py, docs/pooled.md): the pooled test's false findings over the
+4. Judging across calls (gpu_server/checking/pooled.py, docs/pooled.md): the pooled test's false findings over the
    second-device runs of 1., and the smallest bias it finds per dtype, side by side with the per-call reports: one
    server session per variant of a sweep of `--fault-per-mille` (bfloat16 `mul`, `--fault-ulps 1`, ConvNet) and of
    `--gelu-scale-log2` (TinyLM, the demo model, bfloat16 / float16 / float32), 2 training steps each.
@@ -33,7 +33,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gpu_server import report_files  # noqa: E402
+from gpu_server.reports import files as report_files  # noqa: E402
 from tests import support  # noqa: E402
 from tests.faulty_kernels import flagged, run_trainings  # noqa: E402
 
@@ -67,7 +67,7 @@ def _run(runs: list[list[str]], env: dict | None = None) -> str:
 
 
 def _pooled(out: str) -> tuple[list[dict], dict]:
-    """The session's api_bias CSV rows (gpu_server/pooled.py) and the summary's api_bias ({} when absent)."""
+    """The session's api_bias CSV rows (gpu_server/checking/pooled.py) and the summary's api_bias ({} when absent)."""
     import csv
     import glob
     import json
@@ -190,9 +190,9 @@ def measure_spread(trials: int = 10) -> None:
     same-dtype run alone (msprobe) and against the spread (host + stochastic-rounding runs), worst over trials."""
     import torch
 
-    from gpu_server.metrics import output_metrics
-    from gpu_server.spread import SPREAD_RUNS, StochasticRounding
-    from gpu_server.standards.thresholds import THRESHOLDS
+    from gpu_server.judging.metrics import output_metrics
+    from gpu_server.judging.standards.thresholds import THRESHOLDS
+    from gpu_server.replay.spread import SPREAD_RUNS, StochasticRounding
     from tests import second_device as sd
 
     def families(x, w, g, k):

@@ -4,7 +4,7 @@
 
 For one output of `--mi` Mi elements (float32, then bfloat16) against a float64 bench, as the checker does for each
 output of a call: the device's output and the same-dtype run's output analysed in one pass over the bench
-(`gpu_server.metrics.prefetch`, docs/design.md §6.5). Variants:
+(`gpu_server.judging.metrics.prefetch`, docs/design.md §6.5). Variants:
 
 * compiled:   metric_kernel's one-pass loop (numba; the server's default on a CPU bench when it is installed);
 * torch ops:  the same statistics with torch ops (no numba, or a GPU bench), bit for bit the same values;
@@ -30,7 +30,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from gpu_server import metric_kernel, metrics  # noqa: E402
+from gpu_server.judging import metric_kernel, metrics  # noqa: E402
 
 
 def _best(fn, repeat: int) -> float:

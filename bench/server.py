@@ -38,7 +38,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from gpu_server import report_files  # noqa: E402
+from gpu_server.reports import files as report_files  # noqa: E402
 
 TRAIN = r'''
 import json, os, sys, time, torch, torch.nn as nn, torch.nn.functional as F

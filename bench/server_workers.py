@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from gpu_server import report_files  # noqa: E402
+from gpu_server.reports import files as report_files  # noqa: E402
 from tests.support import Server, agent_config, run_training  # noqa: E402
 
 TRAIN = r'''

@@ -49,7 +49,7 @@ SIZES = (SMALL, 64 * 1024, MiB, 16 * MiB)
 
 def _counting_intake():
     from gpu_server.config import ServerConfig
-    from gpu_server.intake import Intake
+    from gpu_server.intake.admission import Intake
 
     counts = {"jobs": 0}
 
@@ -64,7 +64,7 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
     import grpc
 
     if mode in ("ours", "tls"):
-        from gpu_server.service import StreamHandler, make_server
+        from gpu_server.intake.grpc_service import StreamHandler, make_server
         from protos.limits import DEFAULT_LIMITS
 
         intake, _ = _counting_intake()
@@ -115,7 +115,7 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
 
         threading.Thread(target=accept_loop, daemon=True).start()
     elif mode == "folder":
-        from gpu_server.folder import FolderReader
+        from gpu_server.intake.folder import FolderReader
 
         intake, _ = _counting_intake()
         reader = FolderReader(nfs, intake, intake.limits, lambda end: print(f"END {end.run_id}", flush=True),

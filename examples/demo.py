@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpu_server import report_files
+from gpu_server.reports import files as report_files
 
 
 class Block(nn.Module):

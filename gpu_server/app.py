@@ -1,11 +1,11 @@
 """The server assembled: transport -> intake -> spool -> workers -> reports, with start, resume, drain and summary.
 
-Start-up with an `--out` that holds a spool (gpu_server/spool.py) resumes the earlier session: the report files
+Start-up with an `--out` that holds a spool (gpu_server/spool/store.py) resumes the earlier session: the report files
 keep their `{ts}` and are cut back to what the journal says is complete, the spooled records that were not
 completely reported are handed to the workers before the transport opens, and the (run, rank, seq) already accepted
 are remembered, so an agent re-sending after the restart gets DUPLICATE for them and no row is written twice.
 A spooled record that cannot be read back or decoded is quarantined with a SKIP row: one record never stops a
-restart. What a call's records may journal, on every path, is decided by gpu_server/pending.py.
+restart. What a call's records may journal, on every path, is decided by gpu_server/checking/pending.py.
 """
 from __future__ import annotations
 
@@ -15,19 +15,20 @@ import threading
 import time
 
 from gpu_server import disk
+from gpu_server.checking.pending import PendingCalls
+from gpu_server.checking.pooled import DEFAULT_FAIL_ABOVE_ULP, PooledErrors
+from gpu_server.checking.workers import WorkerPool, bench_devices
 from gpu_server.config import ServerConfig
-from gpu_server.error_data import Evidence
-from gpu_server.intake import ByteBudget, Intake, check_peak
+from gpu_server.intake.admission import Intake
+from gpu_server.intake.budget import ByteBudget, check_peak
+from gpu_server.intake.stream import RecordSource
 from gpu_server.job import Job
-from gpu_server.pending import PendingCalls
-from gpu_server.pooled import DEFAULT_FAIL_ABOVE_ULP, PooledErrors
-from gpu_server.record_stream import RecordSource
-from gpu_server.registry import known
-from gpu_server.reports import OPEN_FILES
-from gpu_server.sandbox import SandboxLimits, host_memory
-from gpu_server.spool import Entry, Spool
-from gpu_server.summary import Summary
-from gpu_server.workers import WorkerPool, bench_devices
+from gpu_server.replay.registry import known
+from gpu_server.replay.sandbox import SandboxLimits, host_memory
+from gpu_server.reports.error_data import Evidence
+from gpu_server.reports.rank_reports import OPEN_FILES
+from gpu_server.reports.summary import Summary
+from gpu_server.spool.store import Entry, Spool
 from protos import online_check_pb2 as pb
 from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, log_text
 
@@ -48,7 +49,7 @@ class ServerApp:
                  replay_timeout_s: float = 120.0, replay_memory: int | None = None, world_size: int | None = None,
                  collective_budget: int = 1 << 30, extensions: str | None = None):
         if extensions:   # before anything replays: the references, post-processing and judging it names
-            from gpu_server import extensions as ext
+            from gpu_server.replay import extensions as ext
 
             loaded = ext.load(extensions)   # ExtensionError (a ValueError): one line per problem
             log.info("extension file %s: %d references (%s), %d post-processed APIs, %d per-API judgings",
@@ -58,7 +59,8 @@ class ServerApp:
         self.out_dir = out_dir
         self.limits = limits
         self.summary = Summary()
-        # judging across calls (gpu_server/pooled.py): one accumulator for every worker, in the summary as api_bias
+        # judging across calls (gpu_server/checking/pooled.py): one accumulator for every worker, in the summary as
+        # api_bias
         self.pooled = PooledErrors(fail_above_ulp=bias_fail_ulp)
         self.summary.pooled = self.pooled
         self.devices = bench_devices(device, workers)
@@ -125,7 +127,8 @@ class ServerApp:
                 self.budget.release(entry.payload_len)
                 self._quarantine(entry, f"the spooled record cannot be read back ({exc})")
                 continue
-            # held until it is checked: its estimated peak, as for a record off the wire (gpu_server/intake.py)
+            # held until it is checked: its estimated peak, as for a record off the wire
+            # (gpu_server/intake/budget.py)
             peak = max(entry.payload_len, check_peak(record, entry.payload_len))
             self.budget.acquire(peak - entry.payload_len, own=entry.payload_len)
             try:
@@ -162,10 +165,10 @@ class ServerApp:
     def _source(self) -> RecordSource:
         """The transport: the shared-folder reader with run_ut.nfs_path, else the gRPC service."""
         if self.config.nfs_path:
-            from gpu_server.folder import FolderReader
+            from gpu_server.intake.folder import FolderReader
 
             return FolderReader(self.config.nfs_path, self.intake, self.limits, self.on_end)
-        from gpu_server.service import StreamHandler, make_server
+        from gpu_server.intake.grpc_service import StreamHandler, make_server
 
         handler = StreamHandler(self.intake, self.limits, self.on_end, self.budget)
         return make_server(handler, self.config.bind_target, self.limits, self.config.tls_path)
@@ -262,7 +265,8 @@ class ServerApp:
         return files + [path] + bias + self._html_report()
 
     def _api_bias_csv(self) -> list[str]:
-        """api_bias_{ts}.csv, the pooled statistics across calls (gpu_server/pooled.py); never fails the drain."""
+        """api_bias_{ts}.csv, the pooled statistics across calls (gpu_server/checking/pooled.py); never fails the
+        drain."""
         try:
             return [self.pooled.write_csv(self.out_dir, self.ts)]
         except Exception as exc:  # noqa: BLE001 - the per-call reports are complete without it
@@ -270,9 +274,9 @@ class ServerApp:
             return []
 
     def _html_report(self) -> list[str]:
-        """The HTML report next to the CSVs (gpu_server/html_report.py); never fails the drain."""
+        """The HTML report next to the CSVs (gpu_server/reports/html.py); never fails the drain."""
         try:
-            from gpu_server.html_report import write_html
+            from gpu_server.reports.html import write_html
 
             return [write_html(self.out_dir)] if self.summary.files else []
         except Exception as exc:  # noqa: BLE001 - the CSV reports are complete; the HTML one is a view of them

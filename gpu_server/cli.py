@@ -6,7 +6,7 @@ could not be written: those records stay in the spool for a restart).
 
 Every acknowledged record is in `--out/spool/` until its rows are written; a restart with the same `--out` (after a
 crash, a kill or a stop) resumes: same report files, spooled records checked first, nothing written twice
-(gpu_server/spool.py). Use a new `--out` for a new session. `--keep-records` moves reported records into
+(gpu_server/spool/store.py). Use a new `--out` for a new session. `--keep-records` moves reported records into
 `--out/spool/kept/` instead of deleting them, so that `gpu-server recheck OUT` can check the whole run again.
 `--extensions FILE` (or run_ut.extensions) loads the operator's extension file at start (docs/extensions.md); a
 file with problems is refused with one line per problem and exit status 2.
@@ -113,8 +113,8 @@ def _args(argv):
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in SUBCOMMANDS:   # offline tools and the health probe (gpu_server/offline.py)
-        from gpu_server.offline import run_subcommand
+    if argv and argv[0] in SUBCOMMANDS:   # offline tools and the health probe (gpu_server/tools/offline.py)
+        from gpu_server.tools.offline import run_subcommand
 
         return run_subcommand(argv[0], argv[1:])
     logging.basicConfig(level=logging.INFO, format="[gpu-server] %(levelname)s %(message)s", stream=sys.stderr)
@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         print(f"gpu-server: {exc}", file=sys.stderr)
         return 2
     from gpu_server.app import ServerApp, default_memory_budget  # imports torch: after the cheap checks
-    from gpu_server.spool import SpoolError
+    from gpu_server.spool.store import SpoolError
 
     if ns.error_data_max_mb is not None and ns.error_data_max_mb < 0:
         print("gpu-server: --error-data-max-mb must be 0 or more", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 The agent (npu_agent/collectives.py) tags each torch.distributed call with its training (`job`), its process group
 (name and member ranks) and its sequence number in that group; the server matches the records of one collective
-from every member rank by `CollectiveInfo.key` (gpu_server/collectives.py). Everything here comes from the wire:
+from every member rank by `CollectiveInfo.key` (gpu_server/checking/collectives.py). Everything here comes from the
+wire:
 each field is bounded and checked before the record is accepted.
 """
 from __future__ import annotations

@@ -6,7 +6,7 @@ Every writer and every reader of the reports takes its headers from here; nothin
 RESULT_HEADER = ["API name", "Forward Test Success", "Backward Test Success", "Message"]
 
 # Per-output metric columns of accuracy_checking_details, in file order, keyed by the attribute name of
-# gpu_server.metrics.OutputMetrics that fills each one.
+# gpu_server.judging.metrics.OutputMetrics that fills each one.
 METRIC_COLUMNS = [
     ("cosine", "余弦相似度"),
     ("max_abs_err", "最大绝对误差"),
@@ -41,7 +41,8 @@ PRECISION_DETAILS_HEADER = [
 ]
 
 # collective_result_{ts}_rank{r}.csv (our own file): one row per collective record of the rank, matched across the
-# member ranks (gpu_server/collectives.py). Status: the record's result row's; Finding: matched, mismatch, missing,
+# member ranks (gpu_server/checking/collectives.py). Status: the record's result row's; Finding: matched, mismatch,
+# missing,
 # unfinished or evicted; Message: the finding's message (for a matched collective with an error, which ranks failed).
 COLLECTIVE_HEADER = ["API Name", "Group", "Ranks", "Group Seq", "Reduce Op", "Dtype", "Shape", "Status", "Finding",
                      "Message"]

@@ -1,7 +1,8 @@
 """One decoded record, as every layer of the server sees it (`Job`), and the keys that name records and calls.
 
 A record is identified by a `RecordKey` (run, rank, seq), a call by a `CallKey` (run, rank, step, name). The intake
-(gpu_server/intake.py) decodes records into jobs; the workers, the checker, the replays, the collectives, the sandbox
+(gpu_server/decode.py) decodes records into jobs; the workers, the checker, the replays, the collectives, the
+sandbox
 and the error data take them from here. This module sits below all of them: it imports only torch and
 gpu_server/collective_info.py (tests/test_import_graph.py keeps it so).
 """
@@ -47,7 +48,7 @@ class Job:
     source: str = ""           # "train.py:42 (forward)"
     collective: CollectiveInfo | None = None   # a torch.distributed call: matched across ranks, never replayed
     wire: tuple[Any, Any] | None = None   # (pb.Record, payload) it was decoded from: a replay worker process decodes
-                                          # the same bytes again (gpu_server/sandbox.py)
+                                          # the same bytes again (gpu_server/replay/sandbox.py)
 
 
 class RecordKey(NamedTuple):

@@ -1,7 +1,8 @@
 """Opening a file this process did not write: a regular file only, never through a link, never blocking.
 
-The offline tools (gpu_server/offline.py: report, summary, compare, recheck) and the readers they use
-(gpu_server/report_frame.py, gpu_server/summary.py, gpu_server/html_report.py) open files found in a folder that
+The offline tools (gpu_server/tools/offline.py: report, summary, compare, recheck) and the readers they use
+(gpu_server/reports/frame.py, gpu_server/reports/summary.py, gpu_server/reports/html.py) open files found in a folder
+that
 others may write to (an --out folder, a shared folder). Every such open goes through `open_regular`:
 
 - `O_NOFOLLOW`: a symbolic link named like a report is refused, never followed (it could point anywhere);

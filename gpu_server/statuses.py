@@ -3,7 +3,8 @@
     accuracy_checking_* `Status` / `Forward Test Success` ...:   pass | Warning | error | SKIP
     api_precision_compare_* `比对结果` / ...:                      pass | error | SKIP
 
-The words only: the judging (gpu_server/verdict.py, gpu_server/standards/), the reports, the summary and the HTML
+The words only: the judging (gpu_server/judging/verdict.py, gpu_server/judging/standards/), the reports, the summary and
+the HTML
 page take them from here. This module imports nothing of the server but the reports' blank cell (gpu_server/columns.py;
 tests/test_import_graph.py keeps it so).
 """

@@ -7,9 +7,9 @@ Layout under `tensor.nfs_path` (the server reads the same folder as `run_ut.nfs_
     rank{r}/{run_id}.rank{r}.end                end of stream: one End Frame with the counts
     rank{r}/.{final name}.{pid}.{random}.tmp    being written (hidden: the server never reads it)
 
-File format and names (`protos.folder_format`, shared with `gpu_server/folder.py`): the 8 bytes `FOLDER_MAGIC`, then
-frames, each as a 4-byte little-endian length followed by one serialized `Frame` (the same bytes
-`protos.framing` builds).
+File format and names (`protos.folder_format`, shared with `gpu_server/intake/folder.py`): the 8 bytes
+`FOLDER_MAGIC`, then frames, each as a 4-byte little-endian length followed by one serialized `Frame` (the same
+bytes `protos.framing` builds).
 
 Publishing a file: write it under the temporary name, fsync it, rename it to the final name (atomic within a
 folder), fsync the folder. Only then is the record acknowledged to the Sender: an acknowledged record is on disk

@@ -1,7 +1,7 @@
 """Which API calls the server replays, with which arguments, and which of them are random or uninitialised.
 
 The one place for name-based lists shared by the agent (npu_agent/naming.py: which calls carry generator state) and
-the server (gpu_server/registry.py: what may be resolved and called; gpu_server/replay.py: how random and
+the server (gpu_server/replay/registry.py: what may be resolved and called; gpu_server/replay/run.py: how random and
 uninitialised outputs are replayed). How to add an API: docs/security.md, "What the server replays".
 
 A call is replayable when its name is in the allowlist of its category and every argument leaf is a tensor, a
@@ -215,7 +215,7 @@ ATEN = ((_ELEMENTWISE | frozenset(n + "_" for n in _ELEMENTWISE) | _TORCH_MATH |
                             "linalg_eigh fft_fft fft_ifft fft_rfft fft_irfft")))
         - _names("angle_ as_tensor tensor unique"))
 
-# torch_npu fused operators the server has a reference for (gpu_server/fused registers exactly these).
+# torch_npu fused operators the server has a reference for (gpu_server/replay/fused registers exactly these).
 NPU = _names("""
 npu_fusion_attention npu_rms_norm npu_rotary_mul npu_swiglu npu_scaled_masked_softmax npu_fast_gelu npu_linear
 npu_confusion_transpose npu_layer_norm_eval npu_apply_adam npu_apply_adam_w npu_group_norm_silu npu_mish

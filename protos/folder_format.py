@@ -1,6 +1,6 @@
 """The shared-folder transport's file names and file layout: the one place both sides take them from.
 
-`npu_agent/transport_folder.py` writes, `gpu_server/folder.py` reads (docs/design.md §5)::
+`npu_agent/transport_folder.py` writes, `gpu_server/intake/folder.py` reads (docs/design.md §5)::
 
     {nfs_path}/rank{r}/{run_id}.rank{r}.{seq:012d}.rec    one record: its Frames, exactly as on the gRPC stream;
                                                           or one Batch frame of records seq, seq+1, ...

@@ -43,9 +43,9 @@ class Limits:
     max_values: int = 1_000_000                    # Values in one record
     max_pending_records: int = 1 << 20             # records being assembled per stream
     max_batch_records: int = 4096                  # records in one Batch frame (protos/framing.py)
-    # the gRPC transport (gpu_server/service.py)
+    # the gRPC transport (gpu_server/intake/grpc_service.py)
     max_streams: int = 1024                        # agent streams served at once; more are refused with a reason
-    # A record half received (gpu_server/intake.py FrameAssembler) is cut, its stream closed and its bytes released,
+    # A record half received (gpu_server/intake/assembler.py) is cut, its stream closed and its bytes released,
     # when its next frame takes longer than record_timeout_s, when after that long it arrives slower than
     # min_record_rate on average (time its stream waited for the server's memory budget is not counted), or when it
     # has been half received for record_max_s, whatever its size.

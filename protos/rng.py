@@ -2,7 +2,7 @@
 (in the spirit of torch/utils/checkpoint.py's get_device_states / set_device_states).
 
 The agent records the generator state of the training's device before a random call (npu_agent/capture.py); the
-server replays that call from the same state on a bench of the same device type (gpu_server/replay.py). Both go
+server replays that call from the same state on a bench of the same device type (gpu_server/replay/run.py). Both go
 through these two functions, so the state they exchange is the same object: the `uint8` tensor that
 `torch.get_rng_state()` / `torch.<device>.get_rng_state()` return, sent as its raw bytes.
 """

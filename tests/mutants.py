@@ -42,8 +42,8 @@ class Mutation:
     tests: tuple[str, ...]                      # pytest arguments: test files (or node ids)
 
 
-_FSYNC_FILES = ("gpu_server/atomic_file.py", "gpu_server/spool_acks.py", "gpu_server/spool_journal.py",
-                "gpu_server/spool_recovery.py")
+_FSYNC_FILES = ("gpu_server/atomic_file.py", "gpu_server/spool/acks.py", "gpu_server/spool/journal.py",
+                "gpu_server/spool/recovery.py")
 
 _SPREAD_JUDGE = ("            result = standard.judge(StandardInput(device.dtype, device_metrics, same_metrics, "
                  "spread_metrics,\n                                                  **extra))\n")
@@ -52,7 +52,7 @@ MUTATIONS = (
     Mutation(
         "spool-forgets-accepted",
         "a restart forgets which (run, rank, seq) records it accepted (the spool's accepted set restores empty)",
-        (("gpu_server/spool.py",
+        (("gpu_server/spool/store.py",
           '        """Every (run, rank, seq) this --out has accepted: completely reported or still in the spool."""\n',
           '        """Every (run, rank, seq) this --out has accepted: completely reported or still in the spool."""\n'
           "        if self.dir:\n            return\n"),),
@@ -71,12 +71,13 @@ MUTATIONS = (
     Mutation(
         "judge-passes-with-spread",
         "the precision standards' judge passes any output once spread runs exist",
-        (("gpu_server/standards/judging.py", _SPREAD_JUDGE, _SPREAD_JUDGE + "            result.status = PASS\n"),),
+        (("gpu_server/judging/standards/judging.py", _SPREAD_JUDGE,
+          _SPREAD_JUDGE + "            result.status = PASS\n"),),
         ("tests/test_standards.py",)),
     Mutation(
         "verdict-passes-with-spread",
         "the two-way status forgives any error once a comparable same-dtype or spread run exists",
-        (("gpu_server/verdict.py",
+        (("gpu_server/judging/verdict.py",
           "        if not comparable_member(member, pair.device):\n            continue\n"
           "        if i == 0 and bit_identical(member, pair.device):\n",
           "        if not comparable_member(member, pair.device):\n            continue\n"
@@ -86,7 +87,7 @@ MUTATIONS = (
     Mutation(
         "absolute-tolerates-5pct",
         "the absolute threshold tolerates error rates up to 5 % (the limit is 0)",
-        (("gpu_server/standards/absolute.py", "        ok = rate == 0\n", "        ok = rate <= 0.05\n"),),
+        (("gpu_server/judging/standards/absolute.py", "        ok = rate == 0\n", "        ok = rate <= 0.05\n"),),
         ("tests/test_standards.py",)),
     Mutation(
         "second-device-not-installed",
@@ -107,7 +108,7 @@ MUTATIONS = (
     Mutation(
         "intake-accepts-invalid",
         "a record that fails validation gets its SKIP row but is answered ACCEPTED",
-        (("gpu_server/intake.py",
+        (("gpu_server/intake/admission.py",
           "            return REJECTED, reason, None\n",
           "            return ACCEPTED, \"\", None\n"),),
         ("tests/test_fuzz.py",)),

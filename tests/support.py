@@ -270,7 +270,8 @@ def by_name(rows: list[dict], key: str = "API name") -> dict[str, dict]:
 
 def to_job(rec, run_id: str = "test", rank: int = 0):
     """A captured PendingRecord through the real wire encoding and the server's decoder, as the server sees it."""
-    from gpu_server.intake import FrameAssembler, decode_job
+    from gpu_server.decode import decode_job
+    from gpu_server.intake.assembler import FrameAssembler
     from npu_agent.records import encode_record
     from protos import online_check_pb2 as pb
 

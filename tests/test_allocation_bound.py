@@ -1,11 +1,12 @@
 """The bench run's memory is bounded before it runs, whatever the record says (issue 21, item 2).
 
-The audit found the meta-device dry run of `gpu_server.replay.allocation_check` failing, and then skipped, for sizes
+The audit found the meta-device dry run of `gpu_server.replay.run.allocation_check` failing, and then skipped, for sizes
 given as tensors (`zeros(tensor(N))`, `repeat`, `new_zeros`, `expand`, `arange`, `repeat_interleave`), for APIs
 without a meta kernel (`bincount(minlength)`), for `combinations`, and where the memory is an intermediate
 (`mvlgamma`, `ctc_loss`, the float64 im2col of `conv2d`): a 144-byte record grew the server by 2-6 GB. Now sizes
 given as tensors are read as numbers, a failing dry run is not replayable except for a documented list of APIs
-bounded by their inputs, and the known intermediates are estimated and bounded (gpu_server/memory_bounds.py). Also:
+bounded by their inputs, and the known intermediates are estimated and bounded (gpu_server/replay/memory_bounds.py).
+Also:
 the intra-op thread count off the wire is capped at the host's usable cores, and only the strided layout passes
 the argument check."""
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_server import memory_bounds, registry, replay
-from gpu_server.replay import ReplayError, allocation_check, run_forward, usable_cores
+from gpu_server.replay import memory_bounds, registry
+from gpu_server.replay import run as replay
+from gpu_server.replay.run import ReplayError, allocation_check, run_forward, usable_cores
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import apis

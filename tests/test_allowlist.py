@@ -14,8 +14,9 @@ import warnings
 import pytest
 import torch
 
-from gpu_server import registry, replay
-from gpu_server.replay import ReplayError, global_state_guard, run_forward
+from gpu_server.replay import registry
+from gpu_server.replay import run as replay
+from gpu_server.replay.run import ReplayError, global_state_guard, run_forward
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import apis
@@ -56,7 +57,7 @@ def test_every_allowlisted_api_exists_on_this_host_and_nothing_else_resolves():
 
 
 def test_the_npu_names_are_exactly_the_fused_references():
-    from gpu_server.fused import FUSED_REFERENCES
+    from gpu_server.replay.fused import FUSED_REFERENCES
 
     assert set(FUSED_REFERENCES) == apis.NPU
 
@@ -178,7 +179,7 @@ def test_every_allowlisted_api_called_in_a_sandbox_touches_nothing_outside(tmp_p
                     restore(old)
     # lazy imports of torch's own math dependencies, the standard library and our fused references are expected
     new_modules = sorted(m for m in set(sys.modules) - before_modules
-                         if not m.startswith(("torch", "sympy", "mpmath", "gpu_server.fused"))
+                         if not m.startswith(("torch", "sympy", "mpmath", "gpu_server.replay.fused"))
                          and m.split(".")[0] not in sys.stdlib_module_names)
     assert not problems, problems[:20]
     assert not new_modules, new_modules

@@ -4,7 +4,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint as ckpt
 
-from gpu_server.replay import run_backward, run_forward
+from gpu_server.replay.run import run_backward, run_forward
 from tests.support import capture, to_job
 
 torch.manual_seed(0)

@@ -65,7 +65,7 @@ def _large_record(seq: int) -> PendingRecord:
 @pytest.mark.parametrize("chunk_bytes", [1 << 20, 100_003])
 def test_large_payload_written_into_its_frames_is_the_generic_encoding(monkeypatch, chunk_bytes):
     import npu_agent.records as records
-    from gpu_server.intake import FrameAssembler
+    from gpu_server.intake.assembler import FrameAssembler
     from protos.codec import RecordDecoder
 
     assert records.FRAMES_IN_PLACE, "CPython: large payloads are written straight into their frames"

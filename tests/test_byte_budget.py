@@ -12,7 +12,8 @@ import grpc
 import pytest
 import torch
 
-from gpu_server.intake import PEAK_FACTORS, ByteBudget, ConnectionShare, FrameAssembler, check_peak
+from gpu_server.intake.assembler import FrameAssembler
+from gpu_server.intake.budget import PEAK_FACTORS, ByteBudget, ConnectionShare, check_peak
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
@@ -227,7 +228,7 @@ def test_60_streams_of_large_frames_stay_within_the_documented_bound(tmp_path):
     audit's case: --memory-mb 64 and 60 streams, each opening a record of 16 MiB with the largest message the server
     reads (4 MiB of chunk + 1/16 of the budget for its header: 8 MiB) at once. Measured before: 2.35 GB (each
     stream's message held before the budget was asked, and megabytes more buffered behind it by gRPC)."""
-    from gpu_server.service import largest_message
+    from gpu_server.intake.grpc_service import largest_message
 
     work = str(tmp_path)
     memory = 64 * MiB

@@ -1,4 +1,5 @@
-"""gpu_server/collectives.py: the records of one torch.distributed collective from every member rank, matched and
+"""gpu_server/checking/collectives.py: the records of one torch.distributed collective from every member rank, matched
+and
 judged (issue 22, item 2). Records are built directly as the intake decodes them (category "Distributed", tensors on
 the CPU in the device dtype); the "backend" that produced their outputs is simulated here, correct or not."""
 from __future__ import annotations
@@ -10,14 +11,14 @@ import threading
 import pytest
 import torch
 
-from gpu_server import spread
+from gpu_server.checking.collectives import Finding, Matcher, RankVerdict
 from gpu_server.collective_info import CollectiveInfo
-from gpu_server.collectives import Finding, Matcher, RankVerdict
 from gpu_server.job import Job
-from gpu_server.output_kind import classify
-from gpu_server.standards.judging import judge_pair
+from gpu_server.judging.output_kind import classify
+from gpu_server.judging.standards.judging import judge_pair
+from gpu_server.judging.verdict import compare_pair
+from gpu_server.replay import spread
 from gpu_server.statuses import ERROR, PASS, SKIP
-from gpu_server.verdict import compare_pair
 from protos import online_check_pb2 as pb
 
 RANKS = (0, 1, 2, 3)

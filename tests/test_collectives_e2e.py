@@ -19,7 +19,7 @@ import os
 
 import pytest
 
-from gpu_server import report_files
+from gpu_server.reports import files as report_files
 from tests.support import Server, agent_config, free_port, read_csv, run_ranks
 from tests.test_durability import counts_of, summary_of
 

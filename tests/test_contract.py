@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_server import cli as server_cli
-from gpu_server import service
+from gpu_server.intake import grpc_service as service
 from npu_agent import transport_grpc
 from npu_agent.config import Endpoint
 from protos import contract, net

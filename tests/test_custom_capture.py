@@ -4,7 +4,7 @@ gives a reference."""
 import torch
 import torch.nn.functional as F
 
-from gpu_server import registry
+from gpu_server.replay import registry
 from npu_agent import naming
 from npu_agent.capture import written_tensors
 from protos import apis

@@ -46,3 +46,20 @@ def test_agent_configs_are_valid_and_the_fleet_list_matches_the_statefulset():
     config = parse_config(raw)
     endpoints = getattr(config, "endpoints", None)
     assert endpoints is None or len(endpoints) == replicas
+
+
+def test_compose_entrypoints_import_what_the_image_holds():
+    """Every `from M import f` a compose service runs names a module of this repository that the image copies
+    (docker/Dockerfile.server COPYs its file or folder)."""
+    with open(os.path.join(ROOT, "docker", "compose.yaml"), encoding="utf-8") as fh:
+        compose = fh.read()
+    with open(os.path.join(ROOT, "docker", "Dockerfile.server"), encoding="utf-8") as fh:
+        dockerfile = fh.read()
+    modules = re.findall(r"from ([A-Za-z_][\w.]*) import", compose)
+    assert modules, "compose.yaml runs no Python entrypoint any more: is this test still reading the right file?"
+    for module in modules:
+        rel = module.replace(".", "/") + ".py"
+        assert os.path.isfile(os.path.join(ROOT, rel)), f"compose.yaml imports {module}, but {rel} does not exist"
+        top = module.split(".")[0]
+        assert re.search(rf"^COPY .*\b{re.escape(rel)}\b|^COPY {re.escape(top)}/ ", dockerfile, re.M), \
+            f"compose.yaml imports {module}, which docker/Dockerfile.server does not copy into the image"

@@ -1,5 +1,5 @@
 """The docs name files that exist (issue 24, item 5): every repository path written in backticks in docs/*.md and the
-README (`gpu_server/collectives.py`, `tests/test_fused.py`, `examples/extensions/extensions.toml`) is a file or
+README (`gpu_server/checking/collectives.py`, `tests/test_fused.py`, `examples/extensions/extensions.toml`) is a file or
 folder of this repository, so "how to extend" (docs/design.md §7) cannot drift from the tree unnoticed. Paths with
 a wildcard (`npu_agent/transport_*.py`) must match at least one file; paths of what a run writes (`--out/spool/`,
 `{error_data_path}/...`, `docker/out/`) are not repository paths: left out by their roots or by .gitignore."""

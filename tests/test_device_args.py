@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from gpu_server.job import Job
-from gpu_server.replay import prepare_inputs
-from gpu_server.summary import Summary
+from gpu_server.replay.run import prepare_inputs
+from gpu_server.reports.summary import Summary
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import apis

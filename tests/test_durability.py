@@ -1,7 +1,7 @@
 """Nothing lost, nothing twice (docs/design.md §5 delivery, §6.3): the durable spool and a server killed with -9.
 
 The end-to-end tests use a real gpu-server subprocess, real gRPC and a real training subprocess; the spool tests
-drive gpu_server.spool directly on a real folder.
+drive gpu_server.spool.store directly on a real folder.
 """
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def _record(seq: int, payload: bytes, run: str = "run1", rank: int = 0):
 
 
 def test_spool_keeps_until_complete_and_resumes(tmp_path):
-    from gpu_server.spool import Spool
+    from gpu_server.spool.store import Spool
     from protos import online_check_pb2 as pb
 
     out = str(tmp_path)
@@ -197,7 +197,7 @@ def test_spool_keeps_until_complete_and_resumes(tmp_path):
 
 
 def test_spool_survives_a_torn_journal_line_and_rejects_a_damaged_segment(tmp_path):
-    from gpu_server.spool import Spool
+    from gpu_server.spool.store import Spool
 
     out = str(tmp_path)
     sp = Spool(out)
@@ -284,7 +284,7 @@ class _Trace:
     def __init__(self, monkeypatch):
         import threading
 
-        from gpu_server import spool_acks
+        from gpu_server.spool import acks as spool_acks
 
         self.events: list[tuple[str, str]] = []
         self.journal_at_fsync: list[str] = []     # the journal's text whenever a report file is fsync'ed
@@ -320,13 +320,13 @@ class _Trace:
 
 
 def test_spool_fsyncs_a_segment_before_its_ack_and_the_journal_before_rows_count_as_durable(tmp_path, monkeypatch):
-    """The order gpu_server/spool_acks.py and spool_journal.py promise (and a server without fsync breaks):
+    """The order gpu_server/spool/acks.py and spool_journal.py promise (and a server without fsync breaks):
     1. acceptance: a record's segment is written to seg-N.spl.tmp and fsync'ed, renamed, the spool folder fsync'ed,
        and only then is its ticket set ACCEPTED (the acknowledgement the agent waits for);
     2. completion: the report files named in `complete` are fsync'ed first, then the journal line saying their rows
        are complete is written and fsync'ed, and only then is the record's segment deleted (the rows, not the
        spool, are from then on what holds the record)."""
-    from gpu_server.spool import Spool
+    from gpu_server.spool.store import Spool
     from protos import online_check_pb2 as pb
 
     out = str(tmp_path)

@@ -7,12 +7,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from gpu_server.checker import Checker
-from gpu_server.error_data import Evidence, load
-from gpu_server.pending import PendingCalls
-from gpu_server.reports import Reports
-from gpu_server.summary import Summary
-from gpu_server.workers import Worker
+from gpu_server.checking.checker import Checker
+from gpu_server.checking.pending import PendingCalls
+from gpu_server.checking.workers import Worker
+from gpu_server.reports.error_data import Evidence, load
+from gpu_server.reports.rank_reports import Reports
+from gpu_server.reports.summary import Summary
 from tests.support import ROOT, capture, read_csv, to_job
 
 TS = "20260101000000"
@@ -99,7 +99,7 @@ def _du(path) -> int:
 
 
 def test_default_cap_is_a_gib_or_a_quarter_of_the_free_space(tmp_path, monkeypatch):
-    from gpu_server import error_data
+    from gpu_server.reports import error_data
 
     st = os.statvfs(tmp_path)
     assert error_data.default_max_bytes(str(tmp_path)) == min(1 << 30, st.f_bavail * st.f_frsize // 4)
@@ -118,7 +118,7 @@ def test_past_the_default_cap_failing_calls_are_reported_without_their_tensors(t
     """No --error-data-max-mb and little free space (4 MiB, mocked): the cap is 1 MiB. Each failing gelu call
     needs 512 KiB of tensors (input and output, 256x256 float32): the first is saved, the next ones would pass the
     cap and are not, yet every call is reported as failing; the folder stays under the cap."""
-    from gpu_server import error_data
+    from gpu_server.reports import error_data
 
     monkeypatch.setattr(error_data, "_free_bytes", lambda path: 4 << 20)
     out = tmp_path / "out"

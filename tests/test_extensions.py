@@ -222,7 +222,7 @@ BAD_LINES = [
 
 
 def test_a_bad_file_is_refused_at_start_with_one_line_per_problem(ext_dir, tmp_path):
-    from gpu_server import extensions
+    from gpu_server.replay import extensions
 
     bad = _write(ext_dir, "bad.toml", BAD)
     with pytest.raises(extensions.ExtensionError) as info:
@@ -244,7 +244,7 @@ def test_a_bad_file_is_refused_at_start_with_one_line_per_problem(ext_dir, tmp_p
 
 
 def test_a_file_or_folder_writable_by_others_is_refused(tmp_path):
-    from gpu_server import extensions
+    from gpu_server.replay import extensions
 
     folder = tmp_path / "shared"
     folder.mkdir()
@@ -263,7 +263,7 @@ def test_a_file_or_folder_writable_by_others_is_refused(tmp_path):
 def test_arguments_are_still_checked_by_kind_and_strings_only_when_declared(ext_dir, tmp_path):
     import torch
 
-    from gpu_server import extensions, registry
+    from gpu_server.replay import extensions, registry
 
     path = _write(ext_dir, "strings.toml", REFERENCES + '[[reference]]\nop = "mylib::mode"\n'
                   'forward = "ext_refs:grouped_rows"\nstrings = { count = ["all"] }\n')

@@ -105,7 +105,7 @@ def test_an_end_counts_only_from_where_the_records_came():
     connection that takes over a rank whose senders are all gone, a rank restored from the spool, --world-size and
     --max-run-ranks."""
     from gpu_server.config import ServerConfig
-    from gpu_server.intake import Intake
+    from gpu_server.intake.admission import Intake
     from protos.limits import DEFAULT_LIMITS
 
     jobs: list = []

@@ -8,13 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_server import metric_kernel, metrics, replay
-from gpu_server.checker import Checker
-from gpu_server.pending import PendingCalls
-from gpu_server.replay import backward_from, run_backward, run_forward, run_forward_kept
-from gpu_server.reports import Reports
-from gpu_server.summary import Summary
-from gpu_server.workers import Worker
+from gpu_server.checking.checker import Checker
+from gpu_server.checking.pending import PendingCalls
+from gpu_server.checking.workers import Worker
+from gpu_server.judging import metric_kernel, metrics
+from gpu_server.replay import run as replay
+from gpu_server.replay.run import backward_from, run_backward, run_forward, run_forward_kept
+from gpu_server.reports.rank_reports import Reports
+from gpu_server.reports.summary import Summary
 from tests.support import capture, to_job
 
 CPU = torch.device("cpu")
@@ -152,7 +153,7 @@ def _check_all(sink, graph_budget: int, tmp: str) -> tuple[dict[str, str], int]:
         replays.append(1)
         return original(*args, **kwargs)
 
-    import gpu_server.sandbox as sandbox_module  # the in-process replayer the Checker uses by default
+    import gpu_server.replay.sandbox as sandbox_module  # the in-process replayer the Checker uses by default
     sandbox_module.run_backward = counting
     try:
         torch.set_grad_enabled(False)   # as in the worker threads

@@ -1,5 +1,6 @@
 """The shared-folder transport (docs/design.md §5, shared folder): npu_agent/transport_folder.py -> a real folder ->
-gpu_server/folder.py -> the intake. In-process tests drive the real Sender, FolderTransport, FolderReader and Intake
+gpu_server/intake/folder.py -> the intake. In-process tests drive the real Sender, FolderTransport, FolderReader and
+Intake
 on a real folder; the end-to-end test runs a real training process and a real gpu-server process on it."""
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import time
 import torch
 
 from gpu_server.config import ServerConfig
-from gpu_server.folder import FolderReader
-from gpu_server.intake import Intake
+from gpu_server.intake.admission import Intake
+from gpu_server.intake.folder import FolderReader
 from npu_agent.records import PendingRecord
 from npu_agent.sender import Sender
 from npu_agent.snapshot import snapshot

@@ -13,7 +13,7 @@ import signal
 import threading
 import time
 
-from gpu_server.folder import FolderReader
+from gpu_server.intake.folder import FolderReader
 from protos.folder_format import folder_record_name
 from protos.limits import MiB
 from tests import support

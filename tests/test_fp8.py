@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from gpu_server import metrics
-from gpu_server.intake import PEAK_FACTORS
-from gpu_server.replay import run_forward
+from gpu_server.intake.budget import PEAK_FACTORS
+from gpu_server.judging import metrics
+from gpu_server.replay.run import run_forward
 from npu_agent.records import PendingRecord
 from npu_agent.snapshot import HELD, snapshot
 from protos import codec
@@ -145,8 +145,8 @@ def test_an_fp8_api_is_replayed_with_a_float32_bench_and_judged(dtype):
     """An API on fp8 tensors giving fp8 (mul): the bench runs in float32 (most CPU kernels do not take one-byte
     floats), the same-dtype run in fp8; the correct device output passes the standards, one flipped to the next
     fp8 value is within the mixed tolerance (rtol 2 eps), three values away in a quarter of its elements fails it."""
-    from gpu_server.output_kind import classify
-    from gpu_server.standards.judging import judge_pair
+    from gpu_server.judging.output_kind import classify
+    from gpu_server.judging.standards.judging import judge_pair
     from gpu_server.statuses import ERROR, PASS
 
     gen = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Tests of the torch_npu fused-operator references (gpu_server.fused) against independent plain-torch formulas.
+"""Tests of the torch_npu fused-operator references (gpu_server.replay.fused) against independent plain-torch formulas.
 
 Every reference is compared with a composition of basic torch ops written here (explicit loops, index arithmetic),
 npu_fusion_attention also with F.scaled_dot_product_attention where the semantics coincide; backward is checked with
@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import gradcheck
 
-from gpu_server.fused import FUSED_REFERENCES, get_reference, reference
+from gpu_server.replay.fused import FUSED_REFERENCES, get_reference, reference
 
 DT = torch.float64
 BIG = 2147483647

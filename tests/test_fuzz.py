@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpu_server.config import ServerConfig
-from gpu_server.intake import FrameAssembler, Intake
+from gpu_server.intake.admission import Intake
+from gpu_server.intake.assembler import FrameAssembler
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb

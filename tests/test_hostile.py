@@ -190,7 +190,7 @@ def test_a_poison_record_is_rejected_at_intake_never_spooled_and_a_restart_is_cl
 def test_a_poison_record_already_in_the_spool_is_quarantined_on_restart(tmp_path):
     """A spool written before intake validated fully (or damaged in a way the checksums do not see) may hold a
     record that no longer decodes: the restart reports it as a SKIP row with the reason and goes on."""
-    from gpu_server.spool import Spool
+    from gpu_server.spool.store import Spool
 
     out = str(tmp_path / "out")
     poison = pb.Record(header=pb.RecordHeader(run_id="old", rank=0, seq=0, name="Functional.relu.0",
@@ -292,7 +292,7 @@ def test_strict_names():
 def test_the_budget_grants_in_order_without_starving_and_a_cancelled_wait_holds_nothing():
     import asyncio
 
-    from gpu_server.intake import ByteBudget
+    from gpu_server.intake.budget import ByteBudget
 
     async def scenario():
         budget = ByteBudget(100)

@@ -39,7 +39,7 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-ne
 
 @pytest.fixture(scope="module")
 def report() -> str:
-    from gpu_server.html_report import write_html
+    from gpu_server.reports.html import write_html
 
     out = faulty_out()
     return write_html(out, os.path.join(out, "browser-test.html"))
@@ -181,7 +181,7 @@ def test_runs_that_share_rank_call_and_step_stay_separate_calls():
     session are three calls, not nine (a merge on the keys alone multiplied them: 1,025 runs gave 1,050,625)."""
     import pandas as pd
 
-    from gpu_server.html_report import _calls
+    from gpu_server.reports.html import _calls
 
     def frame(statuses):
         return pd.DataFrame({"rank": [0] * 3, "ts": ["t"] * 3, "call": ["Functional.relu.0"] * 3, "step": [0] * 3,
@@ -225,8 +225,8 @@ def _write(path: str, header: list[str], rows: list[dict]) -> None:
 def build_out(root: str, summary: dict | None = None, calls=CALLS, extra=EXTRA) -> str:
     """An --out folder of one session: the four CSV reports of each rank (our columns `extra` after msprobe's),
     and `summary` as summary_{TS}.json when given."""
-    from gpu_server import report_files
     from gpu_server.columns import DETAILS_HEADER, PRECISION_DETAILS_HEADER, PRECISION_RESULT_HEADER, RESULT_HEADER
+    from gpu_server.reports import files as report_files
 
     out = os.path.join(root, "out")
     os.makedirs(out, exist_ok=True)
@@ -321,7 +321,7 @@ def test_first_anomaly_and_modules_from_the_csv_rows_alone(tmp_path):
     """No summary JSON: the first anomaly per rank is its failing row with the smallest Seq; across ranks the
     earliest (step, place in the step): rank 1's Functional.linear.0 (2nd call of its step 0) before rank 0's
     Functional.gelu.0 (3rd call of its step 0), though its Seq is larger. The modules come from the calls."""
-    from gpu_server.html_report import render
+    from gpu_server.reports.html import render
 
     out = build_out(str(tmp_path))
     evidence = os.path.join(out, "error_data", TS, "run-a", "rank1", "Functional.linear.0.step0")
@@ -357,8 +357,8 @@ def test_first_anomaly_and_modules_from_the_csv_rows_alone(tmp_path):
 def test_the_summary_json_drives_the_top_of_the_page(tmp_path):
     """With summary_{ts}.json: its first anomaly, the non-finite verdict in plain words, the pooled findings
     (findings highlighted, hostile API names escaped) and its module table, in that order, above the calls."""
-    from gpu_server import report_files
-    from gpu_server.html_report import render
+    from gpu_server.reports import files as report_files
+    from gpu_server.reports.html import render
 
     out = build_out(str(tmp_path), SUMMARY)
     with open(os.path.join(out, f"api_bias_{TS}.csv"), "w", encoding="utf-8") as fh:
@@ -402,7 +402,7 @@ def test_the_summary_json_drives_the_top_of_the_page(tmp_path):
     ({"device": False, "bench": False}, "neither the device nor the bench overflows"),
 ])
 def test_nonfinite_in_plain_words(origin, words):
-    from gpu_server.html_report import _section_nonfinite
+    from gpu_server.reports.html import _section_nonfinite
 
     text = "".join(_section_nonfinite({"verdict": "", "origin": {"rank": 0, "call": "Functional.exp.0", "step": 0,
                                                                  **origin}, "by_rank": {}}))
@@ -421,7 +421,7 @@ def test_older_folders_and_odd_summaries_still_render(tmp_path):
     """No Seq/Module/Source columns (an older agent or server), and a summary JSON with no first anomaly (its rows
     had no Seq), nulls or wrong types: the page renders, the first anomaly from the step and file order, the module
     table saying it has no paths."""
-    from gpu_server.html_report import render
+    from gpu_server.reports.html import render
 
     out = build_out(str(tmp_path), {"first_anomaly": {"earliest": None, "by_rank": {"0": "junk"}},
                                     "nonfinite": None, "api_bias": {"apis": "junk", "findings": [1, None]},
@@ -443,7 +443,7 @@ def test_older_folders_and_odd_summaries_still_render(tmp_path):
 
 
 def test_no_failure_says_so(tmp_path):
-    from gpu_server.html_report import render
+    from gpu_server.reports.html import render
 
     passing = [c[:7] + ("pass",) for c in CALLS]
     text = render(build_out(str(tmp_path), calls=passing))
@@ -457,7 +457,7 @@ def test_browser_renders_the_top_down_view(tmp_path):
     no hostile string became an element, and the screenshot (kept: REPORT_TOPDOWN_SCREENSHOT) is not blank."""
     from PIL import Image
 
-    from gpu_server.html_report import write_html
+    from gpu_server.reports.html import write_html
 
     out = build_out(str(tmp_path), SUMMARY)
     os.makedirs(os.path.join(out, "error_data", TS, "run-a", "rank1", "Functional.linear.0.step0"))

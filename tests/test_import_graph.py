@@ -91,8 +91,8 @@ def test_the_demo_lives_outside_the_server_package():
     ("from gpu_server import spool\n", "gpu_server"),
     ("def f():\n    from gpu_server.columns import X\n", "gpu_server.columns"),
     ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import gpu_server\n", "gpu_server"),
-    ("import importlib\nm = importlib.import_module('gpu_server.reports')\n", "gpu_server.reports"),
-    ("import os, gpu_server.spool as sp\n", "gpu_server.spool"),
+    ("import importlib\nm = importlib.import_module('gpu_server.reports.files')\n", "gpu_server.reports.files"),
+    ("import os, gpu_server.spool.store as sp\n", "gpu_server.spool.store"),
 ])
 def test_the_walker_sees_every_kind_of_import(tmp_path, source, expected):
     """The check itself can fail: a forbidden import written any of these ways is reported with its line."""
@@ -106,43 +106,77 @@ def test_the_walker_sees_every_kind_of_import(tmp_path, source, expected):
     assert any(f" imports {expected} " in b for b in bad), bad
 
 
-# Layers inside the server (issue 24): the shared types and the metrics sit below the intake, the checker, the
-# judging and the reports, and import none of them, so that no import runs back up the layers.
-LOW_MODULES = {
-    "gpu_server/job.py": "a decoded record and the record/call keys (gpu_server.job)",
-    "gpu_server/statuses.py": "the status words and their aggregation (gpu_server.statuses)",
-    "gpu_server/dtype_limits.py": "the per-dtype parameters of the metrics (gpu_server.dtype_limits)",
-    "gpu_server/metrics.py": "the per-output metrics (gpu_server.metrics)",
-    "gpu_server/metric_kernel.py": "the metrics' compiled kernel (gpu_server.metric_kernel)",
-}
-# what they may import of the server: each other and the vocabulary below them
-LOW_ALLOWED = {"gpu_server.job", "gpu_server.statuses", "gpu_server.dtype_limits", "gpu_server.metrics",
-               "gpu_server.metric_kernel", "gpu_server.collective_info", "gpu_server.columns"}
-# what they must never import: above them (named so that the message says which layer was crossed)
-HIGH = ("gpu_server.intake", "gpu_server.checker", "gpu_server.standards", "gpu_server.reports",
-        "gpu_server.report_files", "gpu_server.summary", "gpu_server.verdict", "gpu_server.workers",
-        "gpu_server.replay", "gpu_server.pending")
+# Floors inside the server (issue 24, docs/design.md §6): each room of gpu_server/ sits on one floor, top to bottom.
+# A module may import its own floor and any floor below it, never one above, so that no import runs back up. The
+# judging room has two floors: the metrics sit below the standards that judge them. The package root holds the shared
+# vocabulary every room takes from (a decoded record, the keys, the status words, the CSV columns, the small file
+# helpers) and imports no room.
+FLOORS: list[tuple[str, tuple[str, ...]]] = [
+    ("the command line", ("gpu_server.cli",)),
+    ("the offline tools", ("gpu_server.tools",)),
+    ("the server", ("gpu_server.app",)),
+    ("the intake", ("gpu_server.intake",)),
+    ("the spool", ("gpu_server.spool",)),
+    ("the checking", ("gpu_server.checking",)),
+    ("the reports", ("gpu_server.reports",)),
+    ("the replay", ("gpu_server.replay",)),
+    ("the judging", ("gpu_server.judging.standards", "gpu_server.judging.verdict", "gpu_server.judging.output_kind",
+                     "gpu_server.judging.nonfinite")),
+    ("the metrics", ("gpu_server.judging.metrics", "gpu_server.judging.metric_kernel",
+                     "gpu_server.judging.dtype_limits")),
+    ("the shared vocabulary", ("gpu_server.config", "gpu_server.job", "gpu_server.decode", "gpu_server.statuses",
+                               "gpu_server.columns", "gpu_server.collective_info", "gpu_server.seqset",
+                               "gpu_server.atomic_file", "gpu_server.safe_open", "gpu_server.disk")),
+]
+ROOM_PACKAGES = {"gpu_server", "gpu_server.intake", "gpu_server.spool", "gpu_server.checking", "gpu_server.replay",
+                 "gpu_server.judging", "gpu_server.reports", "gpu_server.tools"}   # their __init__ is a docstring
+
+
+def floor_of(module: str) -> int | None:
+    """The floor (0 = top) of a server module, by its longest listed prefix; None for a room package itself."""
+    best, level = -1, None
+    for i, (_, prefixes) in enumerate(FLOORS):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best:
+                best, level = len(p), i
+    return level
+
+
+def server_modules(root: Path) -> dict[str, Path]:
+    return {_module_name(p, root): p for p in sorted((root / "gpu_server").rglob("*.py"))}
 
 
 def layering_violations(root: Path) -> list[str]:
     bad = []
-    for rel, what in LOW_MODULES.items():
-        path = root / rel
-        assert path.is_file(), f"{rel} is gone: update LOW_MODULES"
+    for module, path in server_modules(root).items():
+        if module in ROOM_PACKAGES:
+            continue
+        own = floor_of(module)
+        if own is None:
+            bad.append(f"{path.relative_to(root)} is on no floor: add it to FLOORS (tests/test_import_graph.py)")
+            continue
         for line, name in imports_of(path, root):
-            if not name.startswith("gpu_server") or name == "gpu_server":
+            if not name.startswith("gpu_server.") or name in ROOM_PACKAGES:
                 continue
-            crossed = next((h for h in HIGH if name == h or name.startswith(h + ".")), None)
-            if crossed or not any(name == a or name.startswith(a + ".") for a in LOW_ALLOWED):
-                bad.append(f"{rel}:{line} imports {name} ({what} sits below {crossed or 'the rest of the server'})")
+            there = floor_of(name)
+            if there is not None and there < own:
+                bad.append(f"{path.relative_to(root)}:{line} imports {name} ({FLOORS[own][0]} sits below "
+                           f"{FLOORS[there][0]})")
     return bad
 
 
-def test_shared_types_and_metrics_import_nothing_above_them():
+def test_no_server_import_runs_back_up_the_floors():
     bad = layering_violations(ROOT)
-    assert not bad, ("the shared types (job, statuses), the dtype limits and the metrics must not import the "
-                     "intake, the checker, the standards or the reports; move what they need below them:\n  "
-                     + "\n  ".join(bad))
+    assert not bad, ("gpu_server's rooms import only their own floor and the floors below (docs/design.md §6); "
+                     "move what a lower floor needs below it:\n  " + "\n  ".join(bad))
+
+
+def test_every_room_is_a_folder_and_the_root_holds_only_the_top_and_the_vocabulary():
+    rooms = {p.name for p in (ROOT / "gpu_server").iterdir() if (p / "__init__.py").is_file()}
+    assert rooms == {"intake", "spool", "checking", "replay", "judging", "reports", "tools"}, rooms
+    root_modules = {p.stem for p in (ROOT / "gpu_server").glob("*.py")} - {"__init__"}
+    listed = {m.split(".")[1] for _, prefixes in FLOORS for m in prefixes if m.count(".") == 1}
+    assert root_modules <= listed, f"modules at the package root on no floor: {sorted(root_modules - listed)}"
 
 
 def test_every_user_takes_the_shared_types_from_their_home():
@@ -166,16 +200,19 @@ def test_every_user_takes_the_shared_types_from_their_home():
 
 
 def test_the_layering_check_sees_a_back_up_import(tmp_path):
-    """The check itself can fail: metrics importing the standards again is reported with its line."""
-    for rel in LOW_MODULES:
+    """The check itself can fail: the metrics importing the standards, the shared Job importing the intake, and a
+    module on no floor are each reported with their line."""
+    for rel in ("gpu_server/__init__.py", "gpu_server/judging/__init__.py", "gpu_server/intake/__init__.py"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / rel).write_text("import torch\n")
-    (tmp_path / "gpu_server" / "metrics.py").write_text(
-        "from gpu_server import metric_kernel\nfrom gpu_server.standards.thresholds import THRESHOLDS\n")
-    (tmp_path / "gpu_server" / "job.py").write_text("def f():\n    from gpu_server.intake import decode_job\n")
+        (tmp_path / rel).write_text("")
+    (tmp_path / "gpu_server" / "judging" / "metrics.py").write_text(
+        "from gpu_server.judging import metric_kernel\nfrom gpu_server.judging.standards.thresholds import T\n")
+    (tmp_path / "gpu_server" / "job.py").write_text("def f():\n    from gpu_server.intake.admission import Intake\n")
+    (tmp_path / "gpu_server" / "intake" / "admission.py").write_text("from gpu_server.job import Job\n")
+    (tmp_path / "gpu_server" / "stray.py").write_text("")
     bad = layering_violations(tmp_path)
-    assert any(b.startswith(str(Path("gpu_server/metrics.py")) + ":2 imports gpu_server.standards.thresholds")
-               for b in bad), bad
-    assert any(b.startswith(str(Path("gpu_server/job.py")) + ":2 imports gpu_server.intake") for b in bad), bad
-    assert {b.split(" imports ")[0] for b in bad} == {str(Path("gpu_server/metrics.py")) + ":2",
-                                                       str(Path("gpu_server/job.py")) + ":2"}, bad
+    metrics, job = str(Path("gpu_server/judging/metrics.py")), str(Path("gpu_server/job.py"))
+    assert any(b.startswith(metrics + ":2 imports gpu_server.judging.standards.thresholds") for b in bad), bad
+    assert any(b.startswith(job + ":2 imports gpu_server.intake.admission") for b in bad), bad
+    assert any(b.startswith(str(Path("gpu_server/stray.py")) + " is on no floor") for b in bad), bad
+    assert {b.split(" ")[0] for b in bad} == {metrics + ":2", job + ":2", str(Path("gpu_server/stray.py"))}, bad

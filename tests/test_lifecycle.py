@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from gpu_server import report_files
+from gpu_server.reports import files as report_files
 from tests.support import PY, Server, Training, agent_config, read_csv
 from tests.test_durability import summary_of
 
@@ -131,7 +131,7 @@ def test_sigterm_while_calls_wait_for_backward_then_restart_reports_every_call_o
 
 def _captured_add(run: str, rank: int, seq: int, shape=(2, 2)):
     """A real captured `torch.add` call as (Record, payload), through the real wire encoding."""
-    from gpu_server.intake import FrameAssembler
+    from gpu_server.intake.assembler import FrameAssembler
     from npu_agent.records import encode_record
     from protos import online_check_pb2 as pb
     from tests.support import capture
@@ -150,7 +150,7 @@ def _captured_add(run: str, rank: int, seq: int, shape=(2, 2)):
 
 
 def test_poison_damaged_and_garbage_spool_records_are_quarantined_on_restart(tmp_path):
-    from gpu_server.spool_segments import MAGIC, entry_bytes, segment_path
+    from gpu_server.spool.segments import MAGIC, entry_bytes, segment_path
 
     work = str(tmp_path)
     out = os.path.join(work, "out")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.modules import module as torch_module
 
 from gpu_server.columns import EXTRA_COLUMNS
-from gpu_server.intake import MAX_WHERE, decode_job
+from gpu_server.decode import MAX_WHERE, decode_job
 from npu_agent import location
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
@@ -215,7 +215,7 @@ def test_the_server_keeps_an_odd_module_or_source_cut_and_escaped():
 
 def test_report_rows_carry_seq_module_and_source(tmp_path):
     from gpu_server import reports
-    from gpu_server.reports import NOWHERE, RankReports, Where
+    from gpu_server.reports.rank_reports import NOWHERE, RankReports, Where
 
     rep = RankReports(str(tmp_path), "20240101000000", 0)
     rep.write_result("Torch.relu.0", "pass", " ", "", 3, where=Where(7, "TinyLM.blocks.0", "train.py:9 (forward)"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_server.columns import METRIC_COLUMNS
-from gpu_server.metrics import OutputMetrics, analyse, output_metrics, scalar_error_rate
+from gpu_server.judging.metrics import OutputMetrics, analyse, output_metrics, scalar_error_rate
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 INF, NAN = math.inf, math.nan

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from gpu_server.columns import EXTRA_COLUMNS, PRECISION_DETAILS_HEADER, PRECISION_EXTRA_COLUMNS
-from gpu_server.metrics import OutputMetrics, analyse
-from gpu_server.standards import STANDARD_REGISTRY
-from gpu_server.standards.judging import judge
-from gpu_server.standards.registry import StandardInput
-from gpu_server.standards.selection import (
+from gpu_server.judging.metrics import OutputMetrics, analyse
+from gpu_server.judging.standards import STANDARD_REGISTRY
+from gpu_server.judging.standards.judging import judge
+from gpu_server.judging.standards.registry import StandardInput
+from gpu_server.judging.standards.selection import (
     ApiJudging,
     configure,
     configured,
@@ -19,8 +19,8 @@ from gpu_server.standards.selection import (
     select_standard,
     threshold_names,
 )
-from gpu_server.standards.thresholds import THRESHOLDS
-from gpu_server.verdict import compare_output
+from gpu_server.judging.standards.thresholds import THRESHOLDS
+from gpu_server.judging.verdict import compare_output
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -362,7 +362,8 @@ def test_configure_replaces():
 # ---- the report header ----------------------------------------------------------------------------------------------
 
 def test_precision_details_header_keeps_msprobe_first(tmp_path):
-    from gpu_server.reports import RankReports, load
+    from gpu_server.reports import load
+    from gpu_server.reports.rank_reports import RankReports
 
     rep = RankReports(str(tmp_path), "20260101000000", 0)
     bench, device = ones_with(100, F16)

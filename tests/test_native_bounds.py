@@ -2,7 +2,7 @@
 
 An audit found allowlisted APIs whose kernels take an index without a bound: one record with an index of 2**40 to
 `Aten.max_pool2d_with_indices_backward` killed the server with SIGSEGV, an index of 100,000 to
-`Aten.embedding_dense_backward` wrote past a heap buffer. gpu_server/native_bounds.py checks every index-like
+`Aten.embedding_dense_backward` wrote past a heap buffer. gpu_server/replay/native_bounds.py checks every index-like
 argument of every allowlisted API that takes one (found by schema: the walk below fails for one without a rule):
 an out-of-range index makes the record not replayable, with the argument, its value and the bound in the reason;
 an in-range record still replays. Records go through the real wire encoding and decoder, as the intake sees them,
@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_server import registry
-from gpu_server.native_bounds import RULES, index_problem
-from gpu_server.replay import ReplayError, run_forward
+from gpu_server.replay import registry
+from gpu_server.replay.native_bounds import RULES, index_problem
+from gpu_server.replay.run import ReplayError, run_forward
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import apis
@@ -318,7 +318,8 @@ def test_every_allowlisted_api_with_an_index_argument_has_a_rule():
         found = params & INDEX_ARGUMENTS
         if found and api not in NOT_INDICES and not any("Functional" in r.categories for r in RULES.get(api, ())):
             missing.append(f"Functional.{api} ({', '.join(sorted(found))})")
-    assert not missing, f"allowlisted APIs with index arguments and no rule in gpu_server/native_bounds.py: {missing}"
+    assert not missing, ("allowlisted APIs with index arguments and no rule in gpu_server/replay/native_bounds.py: "
+                         f"{missing}")
     # and the rules name allowlisted APIs only (a rule for a name nobody can send is a typo)
     dead = [f"{r.categories}.{api}" for api, rules in RULES.items() for r in rules
             if not any(api in apis.ALLOWLIST[c] for c in r.categories)]

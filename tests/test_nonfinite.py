@@ -7,10 +7,10 @@ import math
 
 import torch
 
-from gpu_server.nonfinite import CallFiniteness, all_finite, bench_nonfinite
-from gpu_server.output_kind import bit_identical, classify
-from gpu_server.standards.judging import judge_pair
-from gpu_server.verdict import compare_pair
+from gpu_server.judging.nonfinite import CallFiniteness, all_finite, bench_nonfinite
+from gpu_server.judging.output_kind import bit_identical, classify
+from gpu_server.judging.standards.judging import judge_pair
+from gpu_server.judging.verdict import compare_pair
 
 INF, NAN = math.inf, math.nan
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 
-from gpu_server.fused import FUSED_REFERENCES, get_reference
+from gpu_server.replay.fused import FUSED_REFERENCES, get_reference
 from npu_agent import naming
 from npu_agent.capture import autocast_state
 from npu_agent.records import BACKWARD, PendingRecord, encode_record

@@ -118,8 +118,8 @@ SPOOL_SCRIPT = r'''
 import sys
 import torch
 import torch.nn.functional as F
-from gpu_server.intake import FrameAssembler
-from gpu_server.spool import Spool
+from gpu_server.intake.assembler import FrameAssembler
+from gpu_server.spool.store import Spool
 from npu_agent.records import encode_record
 from protos import online_check_pb2 as pb
 from tests import support
@@ -196,8 +196,8 @@ def test_health_probe_against_a_real_server(tmp_path):
 
 
 def test_progress_rates_backlog_and_time_to_drain():
-    from gpu_server.drain_rate import DrainRate
-    from gpu_server.summary import Summary
+    from gpu_server.reports.drain_rate import DrainRate
+    from gpu_server.reports.summary import Summary
 
     now = [100.0]
     rate = DrainRate(window_s=10.0, clock=lambda: now[0])

@@ -4,7 +4,8 @@ bad JSON, wrong types, non-UTF-8 bytes, a huge field. Each must return at once w
 line on stderr naming the file, never a traceback, never wait on a pipe and never read through a link found in a
 folder (gpu_server/safe_open.py).
 
-The --out folder is written by the server's own writers (gpu_server/reports.py RankReports, Summary.write_json): two
+The --out folder is written by the server's own writers (gpu_server/reports/rank_reports.py RankReports,
+Summary.write_json): two
 calls on one rank, one failing. Each case damages one file of its own copy. The main cases run the real CLI, each in
 its own subprocess, all at once; the whole matrix of malformed contents runs through the CLI's entry point
 (`gpu_server.cli.main`) in one more subprocess (torch is imported once, not once per case), which records anything
@@ -99,8 +100,8 @@ def run_in_one_process(commands: dict[str, list[str]], tmp) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> str:
     """A --out folder as a server writes it: rank 0, two calls (Functional.gelu.0 fails), the summary JSON."""
-    from gpu_server.reports import RankReports, Where
-    from gpu_server.summary import Summary
+    from gpu_server.reports.rank_reports import RankReports, Where
+    from gpu_server.reports.summary import Summary
 
     out = str(tmp_path_factory.mktemp("good"))
     rep = RankReports(out, TS, 0)
@@ -187,7 +188,7 @@ BAD_PAGE_SUMMARIES = {     # ... and `gpu-server report` (keys of other types ar
 def test_the_main_cases_through_the_real_cli_at_once(good, tmp_path):
     """A FIFO named like a report, a symlinked report, a truncated CSV, a bad summary JSON, non-UTF-8 bytes, a FIFO
     as recheck's config: one subprocess each, each returning at once with one line."""
-    from gpu_server.spool_segments import segment_path
+    from gpu_server.spool.segments import segment_path
 
     c = Cases(good, tmp_path)
     out = c.copy("fifo_report")
@@ -228,7 +229,7 @@ def test_every_malformed_input_is_one_line_and_exit_2(good, tmp_path):
     folder as the summary JSON, malformed compare inputs, recheck's config and spool (FIFO, link and garbage
     segments), report's output beside a FIFO. The untouched folder passes first (the baseline the damaged copies
     are measured against)."""
-    from gpu_server.spool_segments import segment_path
+    from gpu_server.spool.segments import segment_path
 
     c = Cases(good, tmp_path)
     ok: dict[str, list[str]] = {"ok_summary": ["summary", c.copy("ok_summary"), "--json"],

@@ -1,4 +1,5 @@
-"""Judging across calls (gpu_server/pooled.py, docs/pooled.md): the device's error against the bench pooled per API,
+"""Judging across calls (gpu_server/checking/pooled.py, docs/pooled.md): the device's error against the bench pooled per
+API,
 direction and dtype over the run, tested for a signed bias, a bias in magnitude and a wider spread than the host's
 same-dtype run.
 
@@ -20,8 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_server import pooled as pooled_mod
-from gpu_server.pooled import COLUMNS, DEFAULT_FAIL_ABOVE_ULP, PooledErrors, z_threshold
+from gpu_server.checking import pooled as pooled_mod
+from gpu_server.checking.pooled import COLUMNS, DEFAULT_FAIL_ABOVE_ULP, PooledErrors, z_threshold
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # a perturbation below one ULP before rounding (another accumulation order): about a quarter ULP
@@ -296,11 +297,11 @@ def _captured_gelu_calls(scale: float):
 
 def _worker(out, pooled: PooledErrors):
     """One server worker, in this thread, whose checker pools into `pooled`."""
-    from gpu_server.checker import Checker
-    from gpu_server.pending import PendingCalls
-    from gpu_server.reports import Reports
-    from gpu_server.summary import Summary
-    from gpu_server.workers import Worker
+    from gpu_server.checking.checker import Checker
+    from gpu_server.checking.pending import PendingCalls
+    from gpu_server.checking.workers import Worker
+    from gpu_server.reports.rank_reports import Reports
+    from gpu_server.reports.summary import Summary
 
     summary = Summary()
     return Worker(Checker(torch.device("cpu"), summary, pooled=pooled),
@@ -440,7 +441,7 @@ def test_each_fault_is_found_on_its_api_only(fault_out):
     gelu, mul = by_key[("Functional.gelu", "forward", "bfloat16")], by_key[("Tensor.mul", "forward", "bfloat16")]
     assert float(gelu["magnitude_bias_ulp"]) > 0.3 and gelu["verdict"] == "error"
     assert 0.005 < float(mul["magnitude_bias_ulp"]) < 0.03 and float(mul["z_magnitude"]) > float(mul["z_threshold"])
-    # the summary JSON carries the same (gpu_server/summary.py: "api_bias")
+    # the summary JSON carries the same (gpu_server/reports/summary.py: "api_bias")
     bias = summary["api_bias"]
     assert bias["false_alarm_rate_per_api"] == 1e-6 and bias["tests"] >= 3
     assert {(f["api"], f["direction"], f["dtype"]) for f in bias["findings"]} == found

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_server.replay import ReplayError, run_backward, run_forward, sdpa_keep_mask
+from gpu_server.replay.run import ReplayError, run_backward, run_forward, sdpa_keep_mask
 from tests.support import Server, agent_config, capture, read_csv, run_training, to_job
 
 CPU = torch.device("cpu")

@@ -28,7 +28,7 @@ def _record(seq: int, run: str = "run1", rank: int = 0, size: int = 64):
 
 def _spool_with(out: str, done: range, live: range = range(0), keep: bool = True) -> None:
     """A real spool in `out` holding records `done` (completely reported) and `live` (not yet)."""
-    from gpu_server.spool import Spool
+    from gpu_server.spool.store import Spool
     from protos import online_check_pb2 as pb
 
     sp = Spool(out, fsync=False, keep=keep)
@@ -44,7 +44,7 @@ def _segments(folder: str) -> list[str]:
 
 
 def _keys(spool_dir: str) -> set[tuple]:
-    from gpu_server.spool_segments import list_segments, scan_segment, segment_path
+    from gpu_server.spool.segments import list_segments, scan_segment, segment_path
     from protos.limits import DEFAULT_LIMITS
 
     keys = set()
@@ -54,7 +54,7 @@ def _keys(spool_dir: str) -> set[tuple]:
 
 
 def test_kept_segments_are_never_replayed_and_their_numbers_stay_unique(tmp_path):
-    from gpu_server.spool import Spool, SpoolError
+    from gpu_server.spool.store import Spool, SpoolError
 
     out = str(tmp_path / "out")
     spool, kept = os.path.join(out, "spool"), os.path.join(out, "spool", "kept")
@@ -88,8 +88,8 @@ def test_kept_segments_are_never_replayed_and_their_numbers_stay_unique(tmp_path
 
 
 def test_recheck_copies_live_and_kept_segments_and_never_follows_links(tmp_path):
-    from gpu_server.offline import copy_spooled_records
-    from gpu_server.spool_segments import write_segment
+    from gpu_server.spool.segments import write_segment
+    from gpu_server.tools.offline import copy_spooled_records
 
     out = str(tmp_path / "out")
     _spool_with(out, done=range(2), live=range(2, 3))                     # 2 kept, 1 still live

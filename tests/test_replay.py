@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_server.replay import ReplayError, run_backward, run_forward, upcast_plan
+from gpu_server.replay.run import ReplayError, run_backward, run_forward, upcast_plan
 from tests.support import capture, to_job
 
 CPU = torch.device("cpu")
@@ -111,7 +111,7 @@ def test_device_names_given_as_strings_become_the_bench_device():
 
 
 def test_the_meta_dry_run_is_remembered_per_call_signature(monkeypatch):
-    from gpu_server import replay
+    from gpu_server.replay import run as replay
 
     replay._META_SIZES.clear()
     runs = []

@@ -1,6 +1,6 @@
 """One report vocabulary (issue 24): the report files' names and the detail rows' names are spelled in one home,
-gpu_server/report_files.py, and nowhere else in the source; each precision standard declares the ratio columns and
-limits the HTML report shows for it (gpu_server/standards/registry.py), so gpu_server/html_report.py names no
+gpu_server/reports/files.py, and nowhere else in the source; each precision standard declares the ratio columns and
+limits the HTML report shows for it (gpu_server/judging/standards/registry.py), so gpu_server/reports/html.py names no
 standard and a new standard needs no edit there.
 
 Read from the source with `ast` (nothing is imported for the scan): every string literal but docstrings, an f-string
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from gpu_server import report_files
+from gpu_server.reports import files as report_files
 
 ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("gpu_server", "npu_agent", "protos", "bench", "examples")
-HOME = "gpu_server/report_files.py"
+HOME = "gpu_server/reports/files.py"
 # Spellings still to move, in files whose owners move them (issue 24): (file, literal) -> the replacement. An entry
 # that is no longer found fails test_pending_spellings_are_still_there: delete it then.
 PENDING: dict[tuple[str, str], str] = {}
@@ -177,7 +177,7 @@ def test_words_about_the_files_are_not_caught(tmp_path):
 # -- the standards' report vocabulary ---------------------------------------------------------------------------
 def test_every_standard_declares_what_the_html_report_shows():
     from gpu_server.columns import METRIC_COLUMNS, PRECISION_DETAILS_HEADER, PRECISION_EXTRA_COLUMNS
-    from gpu_server.standards import STANDARD_REGISTRY
+    from gpu_server.judging.standards import STANDARD_REGISTRY
 
     for key, standard in STANDARD_REGISTRY.items():
         assert standard.ratios, f"standard {key!r} declares no ratio columns for the HTML report"
@@ -188,14 +188,14 @@ def test_every_standard_declares_what_the_html_report_shows():
 
 
 def test_the_html_report_names_no_standard():
-    """gpu_server/html_report.py spells no algorithm name and no ratio column: it reads them from the registry."""
-    from gpu_server.standards import STANDARD_REGISTRY
+    """gpu_server/reports/html.py spells no algorithm name and no ratio column: it reads them from the registry."""
+    from gpu_server.judging.standards import STANDARD_REGISTRY
 
     words = {s.algorithm for s in STANDARD_REGISTRY.values()} | {
         column for s in STANDARD_REGISTRY.values() for column, _ in s.ratios}
-    tree = ast.parse((ROOT / "gpu_server" / "html_report.py").read_bytes())
+    tree = ast.parse((ROOT / "gpu_server" / "reports" / "html.py").read_bytes())
     spelled = sorted({t for _, t in _texts(tree) if t in words})
-    assert not spelled, f"gpu_server/html_report.py spells the standards' vocabulary {spelled}: declare it in the " \
+    assert not spelled, f"gpu_server/reports/html.py spells the standards' vocabulary {spelled}: declare it in the " \
                         "standard's register_standard(ratios=..., device_error=...)"
 
 
@@ -203,8 +203,8 @@ def test_a_new_standard_reaches_the_html_report_without_an_edit(tmp_path):
     """A standard registered at run time (as an extension file may) gets its label, its histogram with its limit
     and its worst ratio per step in the page."""
     from gpu_server.columns import DETAILS_HEADER, PRECISION_DETAILS_HEADER, PRECISION_RESULT_HEADER, RESULT_HEADER
-    from gpu_server.html_report import render
-    from gpu_server.standards import STANDARD_REGISTRY, Ratio, register_standard
+    from gpu_server.judging.standards import STANDARD_REGISTRY, Ratio, register_standard
+    from gpu_server.reports.html import render
 
     register_standard("test_vocabulary", "测试比对法", "vocabulary test", ratios=(Ratio("双千指标", 0.5),),
                       device_error="cosine")(lambda inp: None)

@@ -1,4 +1,5 @@
-"""Replays in capped worker processes (gpu_server/sandbox.py, docs/design.md §6.8): a replay that crashes, runs out
+"""Replays in capped worker processes (gpu_server/replay/sandbox.py, docs/design.md §6.8): a replay that crashes, runs
+out
 of its memory cap or past its time limit costs its worker process and one SKIP row, never the server, a concurrent
 training or a restart; the record is quarantined in the journal and never replayed again."""
 from __future__ import annotations
@@ -13,8 +14,8 @@ import time
 import pytest
 import torch
 
-from gpu_server.sandbox import InlineReplayer, ProcessReplayer, SandboxLimits, WorkerLost
-from gpu_server.sandbox_wire import ChannelClosed, read_leaves
+from gpu_server.replay.sandbox import InlineReplayer, ProcessReplayer, SandboxLimits, WorkerLost
+from gpu_server.replay.sandbox_wire import ChannelClosed, read_leaves
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
@@ -43,7 +44,7 @@ def relu(seq: int, run_id: str = "sandbox") -> list[bytes]:
 
 
 def replay_workers(server_pid: int) -> list[int]:
-    """The server's replay worker processes (its children running gpu_server.sandbox_worker)."""
+    """The server's replay worker processes (its children running gpu_server.replay.sandbox_worker)."""
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -55,7 +56,7 @@ def replay_workers(server_pid: int) -> list[int]:
                 cmd = fh.read()
         except OSError:
             continue
-        if ppid == server_pid and b"gpu_server.sandbox_worker" in cmd:
+        if ppid == server_pid and b"gpu_server.replay.sandbox_worker" in cmd:
             pids.append(int(entry))
     return pids
 
@@ -197,7 +198,8 @@ def test_a_slow_replay_is_cut_at_its_time_limit_and_the_next_record_is_checked(t
 
 # -- the replayer itself --------------------------------------------------------------------------------------------
 def job_of(frames: list[bytes]):
-    from gpu_server.intake import FrameAssembler, decode_job
+    from gpu_server.decode import decode_job
+    from gpu_server.intake.assembler import FrameAssembler
     from protos import online_check_pb2 as pb
 
     asm = FrameAssembler()

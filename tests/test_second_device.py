@@ -4,7 +4,7 @@ The trainings run kernels that round differently from the server's host (matmul 
 correctly rounded GELU); everything they compute is right, so every `error` row would be a false alarm. Several
 seeds, dtypes and models: TinyLM (the demo LM), the ConvNet, an MoE router (topk / index_add / scatter) and an
 attention layer with dropout inside the fused attention (replayed with the kernel's own keep-mask,
-gpu_server/replay.py).
+gpu_server/replay/run.py).
 
 The kernels' accuracy is checked in-process first: each is at least as accurate against float64 as the host's.
 """

@@ -1,5 +1,6 @@
 """A forward record that goes out skipped, whose backward record follows, is one call: one result row (docs/design.md
-§4: a tensor changed by code the mode did not see is never sent with the changed value; gpu_server/pending.py: a
+§4: a tensor changed by code the mode did not see is never sent with the changed value; gpu_server/checking/pending.py:
+a
 call's lifecycle). The training changes an input in place after stop(), outside the mode's view, while its records
 wait for a server that is not up yet."""
 from __future__ import annotations

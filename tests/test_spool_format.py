@@ -7,12 +7,12 @@ import os
 
 import pytest
 
-from gpu_server.checker import Forward
+from gpu_server.checking.checker import Forward
+from gpu_server.checking.pending import PendingCalls
 from gpu_server.job import RecordKey
-from gpu_server.pending import PendingCalls
 from gpu_server.seqset import SeqSet
-from gpu_server.spool_journal import JournalState, read_journal
-from gpu_server.spool_segments import read_entry, scan_segment, write_segment
+from gpu_server.spool.journal import JournalState, read_journal
+from gpu_server.spool.segments import read_entry, scan_segment, write_segment
 from protos import online_check_pb2 as pb
 from protos.limits import DEFAULT_LIMITS
 
@@ -77,7 +77,8 @@ def test_journal_snapshot_line_is_pinned_and_damage_is_detected(tmp_path):
 
 
 def test_a_quarantine_line_is_pinned_kept_in_the_snapshot_until_done(tmp_path):
-    """`q`: a record whose replay killed its worker process (gpu_server/sandbox.py) is never replayed at restart."""
+    """`q`: a record whose replay killed its worker process (gpu_server/replay/sandbox.py) is never replayed at
+    restart."""
     path = tmp_path / "journal.log"
     state = JournalState()
     path.write_text(json.dumps({"snapshot": state.snapshot()}) + "\n"
@@ -138,7 +139,7 @@ def test_pending_calls_decide_what_is_journaled():
 
 @pytest.mark.parametrize("name", ["accuracy_checking_result_20260101000000_rank12.csv"])
 def test_report_file_names_have_one_home(name):
-    from gpu_server import report_files
+    from gpu_server.reports import files as report_files
 
     assert report_files.parse(name) == ("accuracy_checking_result", "20260101000000", 12)
     assert report_files.name(*report_files.parse(name)) == name
@@ -146,8 +147,8 @@ def test_report_file_names_have_one_home(name):
 
 
 def test_report_files_share_a_bounded_set_of_open_files(tmp_path):
-    import gpu_server.reports as reports
-    from gpu_server import report_files
+    import gpu_server.reports.rank_reports as reports
+    from gpu_server.reports import files as report_files
 
     files = reports.OpenFiles(limit=3)
     saved, reports.OPEN_FILES = reports.OPEN_FILES, files
@@ -172,8 +173,8 @@ def test_report_files_share_a_bounded_set_of_open_files(tmp_path):
 
 
 def test_long_sessions_compact_the_journal_and_resume_from_it(tmp_path, monkeypatch):
-    import gpu_server.spool_journal as spool_journal
-    from gpu_server.spool import Spool
+    import gpu_server.spool.journal as spool_journal
+    from gpu_server.spool.store import Spool
 
     monkeypatch.setattr(spool_journal, "COMPACT_BYTES", 2000)
     out = str(tmp_path)

@@ -1,12 +1,12 @@
-"""gpu_server/spread.py: stochastic rounding, the stochastic-rounding replay mode and the confidence bounds."""
+"""gpu_server/replay/spread.py: stochastic rounding, the stochastic-rounding replay mode and the confidence bounds."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_server.spread import StochasticRounding, stochastic_round
-from gpu_server.standards.registry import wilson
+from gpu_server.judging.standards.registry import wilson
+from gpu_server.replay.spread import StochasticRounding, stochastic_round
 
 
 def test_stochastic_rounding_is_faithful_and_unbiased():

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from gpu_server.columns import PRECISION_DETAILS_HEADER, PRECISION_EXTRA_COLUMNS
-from gpu_server.metrics import OutputMetrics
-from gpu_server.standards import STANDARD_REGISTRY, register_standard
-from gpu_server.standards.judging import judge
-from gpu_server.standards.registry import StandardInput
-from gpu_server.standards.selection import canonical_name, select_standard
-from gpu_server.standards.thresholds import THRESHOLDS
+from gpu_server.judging.metrics import OutputMetrics
+from gpu_server.judging.standards import STANDARD_REGISTRY, register_standard
+from gpu_server.judging.standards.judging import judge
+from gpu_server.judging.standards.registry import StandardInput
+from gpu_server.judging.standards.selection import canonical_name, select_standard
+from gpu_server.judging.standards.thresholds import THRESHOLDS
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 CELL_TITLES = set(PRECISION_DETAILS_HEADER + PRECISION_EXTRA_COLUMNS) - {"API Name", "比对结果", "比对算法", "Message"}

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
+from gpu_server.judging.verdict import compare_output
 from gpu_server.statuses import aggregate
-from gpu_server.verdict import compare_output
 
 F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
 

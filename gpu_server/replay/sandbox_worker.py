@@ -1,0 +1,244 @@
+"""A replay worker process: runs the replays of one server worker, inside its caps (docs/design.md §6.8).
+
+    python -m gpu_server.replay.sandbox_worker --folder F --rfd R --wfd W --device cpu --threads N --memory BYTES
+                                        --max-record-bytes B [--extensions FILE --python-path P]
+
+It decodes each record again from the bytes the server put in its arena (gpu_server/replay/sandbox_wire.py), with the
+same decoder the server validated it with, runs the replay functions of gpu_server/replay/run.py and
+gpu_server/replay/spread.py
+and answers with the outputs. It keeps the autograd graphs of forward replays whose backward record will come, under
+handles the server names in its backward request.
+
+The caps: on the CPU, before each request the soft RLIMIT_AS is set to the process's size at that moment (which
+holds the kept graphs) plus `--memory`: an allocation past it fails inside the replay, which becomes that call's
+SKIP row. On CUDA, the device memory fraction. The server stops a replay that runs past its time limit by killing
+this process. A native crash kills only this process.
+
+With `--extensions`, the server's extension file is loaded as the server loaded it (gpu_server/replay/extensions.py; the
+folders its modules came from in `--python-path`), before the worker says it is ready; a file that no longer
+validates stops the worker with the same message (exit status 2).
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import resource
+import sys
+import warnings
+from typing import Any
+
+import torch
+
+from gpu_server.decode import decode_job
+from gpu_server.job import Job
+from gpu_server.replay import run as replay
+from gpu_server.replay import spread
+from gpu_server.replay.run import KeptForward, ReplayError, flatten_outputs
+from gpu_server.replay.sandbox_wire import Arena, ChannelClosed, Mapped, NotTransferable, receive, send, write_leaves
+from protos import online_check_pb2 as pb
+from protos.limits import DEFAULT_LIMITS
+
+SLACK = 32 << 20    # address space beyond the cap for what a replay maps besides its tensors (the arenas' growth,
+                    # a thread the allocator or the intra-op pool adds later)
+
+
+def _address_space() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_message(exc: BaseException, cap: int) -> str | None:
+    """The SKIP reason for a replay that ran out of this worker's memory cap; None for other failures."""
+    text = str(exc)
+    if isinstance(exc, MemoryError) or (isinstance(exc, OSError) and exc.errno == errno.ENOMEM) or \
+            "can't allocate memory" in text or "out of memory" in text.lower():
+        return (f"not replayable within --replay-memory-mb {cap / (1 << 20):g}: the replay needs more memory than "
+                f"one replay worker may use ({text[:200]}); raise --replay-memory-mb if such calls are legitimate")
+    return None
+
+
+class Worker:
+    def __init__(self, ns: argparse.Namespace):
+        self.device = torch.device(ns.device)
+        self.cap = ns.memory
+        self.rfd, self.wfd = ns.rfd, ns.wfd
+        self.limits = DEFAULT_LIMITS.replace(max_record_bytes=max(ns.max_record_bytes, DEFAULT_LIMITS.max_record_bytes))
+        self.inbox = Mapped(ns.folder, "in")
+        self.outbox = Arena(ns.folder, "out")
+        self.kept: dict[int, tuple[KeptForward, Job]] = {}
+        self.next_handle = 1
+
+    # -- requests ----------------------------------------------------------------------------------------------
+    def job(self, ref: Any, arena: memoryview, own: bool = False) -> Job:
+        """The job a request names. Its tensors are views of the server's arena, valid until the next request,
+        unless `own` (a forward whose graph is kept: its inputs must outlive the request)."""
+        (ro, rn), (po, pn) = ref["record"], ref["payload"]
+        for off, n in ((ro, rn), (po, pn)):
+            if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n and off + n <= len(arena)):
+                raise ChannelClosed("a record reference outside the arena")
+        record = pb.Record.FromString(bytes(arena[ro:ro + rn]))
+        return decode_job(record, bytearray(arena[po:po + pn]) if own else arena[po:po + pn], self.limits)
+
+    def keep(self, graph: KeptForward | None, job: Job) -> int | None:
+        if graph is None:
+            return None
+        h = self.next_handle
+        self.next_handle += 1
+        self.kept[h] = (graph, job)
+        return h
+
+    def forward(self, req: dict, arena: memoryview) -> dict:
+        keep, match = bool(req["keep"]), bool(req["match"])
+        job = self.job(req["job"], arena, own=keep)
+        if keep:
+            bench, bench_graph = replay.run_forward_kept(job, self.device, bench=True)
+        else:
+            bench, bench_graph = replay.run_forward(job, self.device, bench=True), None
+        same_error, same, same_graph = "", None, None
+        try:
+            if keep:
+                same, same_graph = replay.run_forward_kept(job, self.device, bench=False, match_threads=match)
+            else:
+                same = replay.run_forward(job, self.device, bench=False, match_threads=match)
+        except ReplayError as exc:
+            same_error = f"same-dtype run failed: {exc}"
+        runs = [flatten_outputs(bench)] + ([flatten_outputs(same)] if same is not None else [])
+        handles = [self.keep(bench_graph, job), self.keep(same_graph, job)]
+        nbytes = sum(g.nbytes for g in (bench_graph, same_graph) if g is not None)
+        return {"runs": runs, "same_error": same_error, "kept": handles, "nbytes": nbytes}
+
+    def _backward_run(self, kept: tuple[KeptForward, Job] | None, fwd: Job | None, bwd: Job, bench: bool,
+                      match: bool) -> list:
+        if kept is not None:
+            return replay.backward_from(kept[0], kept[1], bwd, self.device, match_threads=match)
+        if fwd is None:
+            raise ChannelClosed("a backward request with neither a kept graph nor the forward record")
+        return replay.run_backward(fwd, bwd, self.device, bench=bench, match_threads=match)
+
+    def backward(self, req: dict, arena: memoryview) -> dict:
+        bwd, match = self.job(req["bwd"], arena), bool(req["match"])
+        fwd = self.job(req["fwd"], arena) if req.get("fwd") else None
+        handles = req.get("kept") or (None, None)
+        hb, hs = (self.kept.pop(h, None) if isinstance(h, int) else None for h in handles[:2])   # used once
+        bench = self._backward_run(hb, fwd, bwd, True, match)
+        try:
+            same, same_error = self._backward_run(hs, fwd, bwd, False, match), ""
+        except ReplayError as exc:
+            same, same_error = None, f"same-dtype run failed: {exc}"
+        return {"runs": [list(bench)] + ([list(same)] if same is not None else []), "same_error": same_error}
+
+    def spread(self, req: dict, arena: memoryview) -> dict:
+        match = bool(req["match"])
+        if req["op"] == "spread_forward":
+            return {"runs": spread.forward_members(self.job(req["job"], arena), self.device, match)}
+        fwd, bwd = self.job(req["fwd"], arena), self.job(req["bwd"], arena)
+        return {"runs": spread.backward_members(fwd, bwd, self.device, match)}
+
+    def answer(self, req: dict) -> dict:
+        for h in req.get("drop") or ():
+            self.kept.pop(h, None)
+        op = req.get("op")
+        if op == "drop":
+            return {}
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        if self.device.type == "cpu":   # the record itself is bounded by --max-record-mb, not by the replay's cap
+            resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+        arena = self.inbox.view(req["arena"])
+        if self.device.type == "cpu":   # this replay may map `cap` bytes beyond what the process holds now
+            limit = _address_space() + self.cap + SLACK
+            resource.setrlimit(resource.RLIMIT_AS, (limit if hard == resource.RLIM_INFINITY else min(limit, hard),
+                                                    hard))
+        try:
+            if op == "forward":
+                body = self.forward(req, arena)
+            elif op == "backward":
+                body = self.backward(req, arena)
+            elif op in ("spread_forward", "spread_backward"):
+                body = self.spread(req, arena)
+            else:
+                raise ChannelClosed(f"unknown request {str(op)[:20]!r}")
+            body["runs"], body["arena"] = write_leaves(body["runs"], self.outbox)
+            return body
+        except ReplayError as exc:
+            return {"replay_error": memory_message(exc, self.cap) or str(exc)}
+        except NotTransferable as exc:
+            return {"replay_error": f"not replayable here: {exc} has no comparable form"}
+        except (MemoryError, RuntimeError, OSError) as exc:   # OSError: an arena that cannot grow (ENOMEM)
+            why = memory_message(exc, self.cap)
+            if why is None:
+                raise
+            return {"replay_error": why}
+
+    def serve(self) -> None:
+        send(self.wfd, {"ready": os.getpid()})
+        while True:
+            try:
+                req = receive(self.rfd)
+            except ChannelClosed:
+                return
+            if req.get("op") == "exit":
+                return
+            try:
+                reply = self.answer(req)
+            except ChannelClosed:
+                raise
+            except Exception as exc:  # noqa: BLE001 - an internal error costs this request, never the worker
+                reply = {"internal_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            send(self.wfd, reply)
+
+
+def _warm_up() -> None:
+    """What a first replay would load lazily, loaded before the worker says it is ready (its time limit counts from
+    each request): the meta registrations, the Python references that meta kernels route through (they import
+    torch._dynamo: seconds), and the intra-op pool's threads (their stacks are address space, measured before the
+    cap is set)."""
+    replay.warm_up()
+    try:
+        torch.relu(torch.empty(2, device="meta"))
+    except Exception:  # noqa: BLE001 - only a warm-up
+        pass
+    a = torch.ones(256, 256)
+    (a @ a).sum()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpu_server.replay.sandbox_worker")
+    p.add_argument("--folder", required=True)
+    p.add_argument("--rfd", type=int, required=True)
+    p.add_argument("--wfd", type=int, required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--memory", type=int, required=True)
+    p.add_argument("--max-record-bytes", type=int, default=0)
+    p.add_argument("--extensions", default=None)
+    p.add_argument("--python-path", default="")
+    ns = p.parse_args(argv)
+    if ns.extensions:
+        from gpu_server.replay import extensions
+
+        try:
+            extensions.load(ns.extensions, [f for f in ns.python_path.split(os.pathsep) if f])
+        except extensions.ExtensionError as exc:
+            print(f"gpu-server replay worker: {exc}", file=sys.stderr)
+            return 2
+    # records are decoded as read-only views of the server's arena: the replay never writes its inputs in place (it
+    # replays on private copies), and a write would fault here instead of changing what the server holds
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    torch.set_grad_enabled(False)
+    if ns.threads > 0:
+        torch.set_num_threads(ns.threads)
+    _warm_up()
+    worker = Worker(ns)
+    if worker.device.type == "cuda":
+        total = torch.cuda.get_device_properties(worker.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, ns.memory / total), worker.device)
+    try:
+        worker.serve()
+    finally:
+        worker.outbox.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
