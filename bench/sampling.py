@@ -135,7 +135,7 @@ def _lines(r: dict) -> list[tuple[str, str]]:
         s = c.get("sampling")
         calls = s["calls"] if s else c["forward_calls"]
         captured = s["captured"] if s else c["forward_calls"]
-        sites = "all" if s is None else f"all {s['call_sites']} (each at its first call)"
+        sites = "all" if not s else f"{s['new_call_sites']} of {s['call_sites']}"
         out.append((name, f"CPU x{cpu[name] / cpu['off']:5.2f} of off, x{cpu[name] / cpu['no-op mode']:5.2f} of the "
                           f"no-op mode; training thread x{thread[name] / thread['off']:5.2f} of off, "
                           f"x{thread[name] / thread['no-op mode']:5.2f} of the no-op mode; wall "
@@ -159,6 +159,9 @@ def report(r: dict, base: dict | None) -> None:
             extra = (f"call sites {s['call_sites']}, skipped: steps {s['skipped_steps']}, ranks {s['skipped_ranks']}, "
                      f"repeats {s['skipped_repeats']}, budget {s['skipped_budget']} ({s['steps_skipped_budget']} "
                      "steps)" if s else "no sampling")
+            if s and "agent_cpu_us" in s:   # what the budget charged: the senders' CPU, a captured call's estimate
+                extra += (f"; the budget charged the senders' CPU {s['agent_cpu_us'] / 1e3:.1f} ms and "
+                          f"{s['call_cost_us'] / 1e3:.2f} ms a captured call in the training thread")
             print(f"  {name:15s} CPU {run['cpu'][name] * 1e3:7.2f} ms/step (thread {run['thread'][name] * 1e3:7.2f}); "
                   f"records {c['captured']:6d} (acknowledged {c['acknowledged']}); {extra}")
     print(f"\nno-op mode (the floor): CPU x{r['cpu']['no-op mode'] / r['cpu']['off']:5.2f} of off")

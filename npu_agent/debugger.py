@@ -96,7 +96,9 @@ class PrecisionDebugger:
             checkpoint.install()
         cfg = self.config
         policy = Policy(cfg.sample_steps, cfg.sample_ranks, cfg.coverage_steps, cfg.overhead_budget)
-        sampler = Sampler(policy, rank) if policy.active else None
+        # the overhead budget charges the agent's CPU outside the training thread too (the senders' threads)
+        sampler = Sampler(policy, rank, agent_cpu=self._agent_cpu if cfg.overhead_budget > 0 else None) \
+            if policy.active else None
         self._capturer = Capturer(self._route, cfg.api_list, cfg.scope, backward, sampler, ranks=cfg.ranks)
         self._sender.job = self._job()
         self._capturer.next_step(self.current_step)
@@ -105,6 +107,17 @@ class PrecisionDebugger:
         log.info("online check: rank %d of %d capturing for run %s to %s", rank, world, self.run_id,
                  self.config.nfs_path or self.config.endpoint_for(rank).target)
         return True
+
+    def _agent_cpu(self) -> tuple[float, int, int]:
+        """(CPU seconds, records submitted, records sent) of this rank's senders so far: the overhead budget's
+        charge for the agent's work outside the training thread (encoding, gRPC)."""
+        cpu, submitted, done = 0.0, 0, 0
+        for sender in (self._home_sender, *list(self._routed.values())):
+            if sender is not None:
+                cpu += sender.cpu_seconds()
+                submitted += sender.counts.captured
+                done += sender.records_done
+        return cpu, submitted, done
 
     def _job(self) -> str:
         """The training's id shared by its ranks (npu_agent.collectives), "" before torch.distributed is set up."""
@@ -252,11 +265,13 @@ class PrecisionDebugger:
         counts["internal_errors"] = self._capturer.errors if self._capturer else 0
         if sampler is not None:
             sampling = counts["sampling"]
-            log.info("online check: rank %d sampling: %d of %d calls captured (%d distinct call sites, each "
-                     "captured at its first call); skipped: %d in steps not sampled, %d in other ranks' turns, %d "
+            log.info("online check: rank %d sampling: %d of %d calls captured (%d of %d distinct call sites, each "
+                     "captured at its first call the budget allowed); skipped: %d in steps not sampled, %d in other "
+                     "ranks' turns, %d "
                      "repeats of call sites checked within %d steps, %d in %d steps skipped for the overhead budget "
                      "of %g",
-                     self.rank, sampling["captured"], sampling["calls"], sampling["call_sites"],
+                     self.rank, sampling["captured"], sampling["calls"], sampling["new_call_sites"],
+                     sampling["call_sites"],
                      sampling["skipped_steps"], sampling["skipped_ranks"], sampling["skipped_repeats"],
                      self.config.coverage_steps, sampling["skipped_budget"], sampling["steps_skipped_budget"],
                      self.config.overhead_budget)

@@ -8,13 +8,28 @@ when the call runs under grad mode (its backward record follows its forward). Th
   the ranks capture at any sampled step, in turn;
 - `online_coverage_steps` K: in a step the rank takes, a call site captured within the last K steps is a repeat
   and is skipped (K = 1: each call site once a step);
-- `online_overhead_budget` B: the agent measures the training's step time with capture and without, and takes a
-  step only as often as keeps the average extra time under B of the step time (B = 0.05: 5 %).
+- `online_overhead_budget` B: what capturing costs stays under B of the training's own time (B = 0.05: 5 %),
+  from the first step on (below, "The overhead budget").
 
-Whatever the policies, a call site this rank has never captured is captured at its first occurrence: every rank's
-distinct call sites are checked at least once, then sampled. Every decision depends only on the step, the rank
-and the calls in order, except the budget's, which depends on the step times measured (the schedule it picks is a
-deterministic function of them). Counts of every decision are kept for the end-of-run report.
+Whatever the policies, a call site this rank has never captured is captured at its first occurrence (with a
+budget: at its first occurrence the budget can pay for): every rank's distinct call sites are checked at least
+once, then sampled. Every decision depends only on the step, the rank and the calls in order, except the budget's,
+which depends on the times measured (the schedule it picks is a deterministic function of them). Counts of every
+decision are kept for the end-of-run report.
+
+The overhead budget. The training earns B times its own time: each step's wall-clock time, less the agent's CPU
+outside the training thread during it (as if it ran on the training's core) and less its captured calls' estimated
+cost (a step earns for at most 3 median steps: a pause, an evaluation, earns no more). Capturing spends: per
+captured call, the training thread's time (estimated: the training thread's extra CPU in recent steps that
+captured at least 32 calls between them, per call, over the median step that captured nothing; 0.5 ms until
+measured), and the agent's CPU outside the training thread as the
+senders measure it (`agent_cpu`: their threads' CPU clocks; the records not yet sent at the CPU per record so far).
+A call is captured only while what was earned, this step's time so far included, pays for it, so the first step is
+never captured whole: its call sites are spread over the first steps as the budget allows. A step is taken whole
+(every call, subject to coverage) when the budget left pays for what the last step taken whole captured (before
+one, every call of the previous step), and cut short if the budget runs out within it. What the budget does not
+govern: the mode's own cost on every call, captured or not (bench/overhead.py --per-call, "the no-op mode" and the
+sampler's skip), which the agent adds whenever it watches a step.
 
 torch.distributed collectives (npu_agent.collectives) are checked across the ranks of their group, so every rank
 of the group must take the same decision for the same collective: for them the decision depends only on the step
@@ -41,6 +56,15 @@ log = logging.getLogger("npu_agent")
 CallSite = tuple[str, str, tuple[tuple[torch.Size, torch.dtype], ...], bool]
 # a collective's call site: (api, process group, reduce op); p2p: ("p2p", "source->destination", "")
 CollectiveSite = tuple[str, str, str]
+# the agent's CPU outside the training thread: (seconds so far, records submitted, records the sender has sent)
+AgentCpu = Callable[[], tuple[float, int, int]]
+
+# The budget's estimates before anything is measured: the training thread's time per captured call, and the
+# agent's other threads' CPU per record (the sender's encoding and gRPC: 0.3-0.7 ms measured on the 2-core machine).
+CALL_COST_PRIOR = 0.5e-3
+RECORD_CPU_PRIOR = 0.5e-3
+EARN_CAP_STEPS = 3.0   # a step earns budget for at most 3 times the median step without capture
+MEASURE_CALLS = 32     # the cost per captured call is measured over recent steps that captured this many calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +82,11 @@ class Policy:
 class Sampler:
     """Per-rank sampling state. `take_step(step)` at each step boundary; `take(site)` for every call."""
 
-    def __init__(self, policy: Policy, rank: int = 0, clock: Callable[[], float] = time.perf_counter):
+    def __init__(self, policy: Policy, rank: int = 0, clock: Callable[[], float] = time.perf_counter,
+                 agent_cpu: AgentCpu | None = None, thread_clock: Callable[[], float] = time.thread_time):
         self.policy = policy
         self.clock = clock
+        self.thread_clock = thread_clock   # the training thread's CPU (the budget's cost per captured call)
         self.rank = rank
         self.step = 0
         self.step_taken = True
@@ -69,15 +95,33 @@ class Sampler:
         self.collective_last: dict[CollectiveSite, int] = {}   # collective call site -> last step it was captured
         self.counts = {"calls": 0, "captured": 0, "new_call_sites": 0, "skipped_steps": 0, "skipped_ranks": 0,
                        "skipped_repeats": 0, "skipped_budget": 0, "steps_taken": 0, "steps_skipped_budget": 0}
-        # the budget: step times (s) measured with capture and without, as moving averages
+        # step times (s) measured with capture and without, as moving medians (reported)
         self._t_step = clock()
         self._t_on: float | None = None
         self._t_off: float | None = None
         self._on: collections.deque[float] = collections.deque(maxlen=9)
         self._off: collections.deque[float] = collections.deque(maxlen=9)
-        self._budget_credit = 0.0
         self._reason = "skipped_steps"
         self._coverage = policy.coverage_steps
+        # the budget (module docstring, "The overhead budget"): what the agent spent and the training earned, in s
+        self._budget = policy.overhead_budget
+        self.agent_cpu = agent_cpu
+        self._call_cost = CALL_COST_PRIOR     # the training thread's time per captured call (estimated)
+        # (the training thread's CPU a step took beyond a step capturing nothing, calls it captured), recent steps
+        self._call_costs: collections.deque[tuple[float, int]] = collections.deque(maxlen=16)
+        self._bases: collections.deque[float] = collections.deque(maxlen=9)
+        self._base: float | None = None       # the median time of a step that captured nothing, less agent CPU
+        self._cpu_bases: collections.deque[float] = collections.deque(maxlen=9)
+        self._cpu_base: float | None = None   # the median training thread CPU of a step that captured nothing
+        self._thread_step = thread_clock() if policy.overhead_budget else 0.0   # that CPU when this step began
+        self._earned = 0.0                    # the budget times the training's own time in the steps ended
+        self._n = 0                           # calls captured under the budget so far
+        self._n_step = 0                      # of them, in this step
+        self._n_full: int | None = None       # calls captured in the last step taken whole
+        self._full = False                    # this step is taken whole (not cut short by the budget)
+        self._calls_at_step = 0               # counts["calls"] when this step began
+        self._calls_prev = 0                  # calls in the previous step
+        self._cpu_step = 0.0                  # the agent's other threads' CPU when this step began
 
     # -- step boundary ---------------------------------------------------------------------------------------
     def take_step(self, step: int) -> bool:
@@ -86,6 +130,8 @@ class Sampler:
         now = self.clock()
         if step != self.step:
             self._measure(now - self._t_step)
+            if self._budget:
+                self._end_step(now)
         self._t_step = now
         self.step = step
         p = self.policy
@@ -93,15 +139,16 @@ class Sampler:
         reason = "skipped_steps"
         if taken and (step // p.sample_steps + self.rank) % p.sample_ranks != 0:
             taken, reason = False, "skipped_ranks"
-        if taken and p.overhead_budget > 0 and not self._budget_allows():
+        if taken and self._budget and not self._budget_allows():
             taken, reason = False, "skipped_budget"
             if not self.counts["steps_skipped_budget"]:
+                _, cost = self._credit(now)
                 log.info("online check: step %d and others are not captured to keep the checker under its overhead "
-                         "budget (%g of the step time; a step takes %.1f ms captured, %.1f ms not); call sites never "
-                         "seen are still captured, and the counts are reported at close()", step,
-                         p.overhead_budget, (self._t_on or 0) * 1e3, (self._t_off or 0) * 1e3)
+                         "budget (%g of the training's time; a captured call costs about %.2f ms, training thread "
+                         "and sender together); call sites never seen are captured as the budget allows, and the "
+                         "counts are reported at close()", step, p.overhead_budget, cost * 1e3)
             self.counts["steps_skipped_budget"] += 1
-        self.step_taken = taken
+        self.step_taken = self._full = taken
         self._reason = reason
         if taken:
             self.counts["steps_taken"] += 1
@@ -118,20 +165,84 @@ class Sampler:
         else:
             self._t_off = median
 
+    # -- the overhead budget ----------------------------------------------------------------------------------
+    def _agent(self) -> tuple[float, int, int]:
+        return self.agent_cpu() if self.agent_cpu is not None else (0.0, 0, 0)
+
+    def _end_step(self, now: float) -> None:
+        """The step that just ended: its own time earns budget; it measures a step without capture (base) or the
+        training thread's time per captured call. The agent's other threads' CPU during the step is taken out of
+        its time, as if it ran on the training's core (it may: then it lengthened the step)."""
+        cpu = self._agent()[0]
+        thread = self.thread_clock()
+        n = self._n_step
+        work = now - self._t_step - (cpu - self._cpu_step)
+        step_cpu = thread - self._thread_step
+        self._thread_step = thread
+        if n == 0:
+            self._bases.append(work)
+            self._base = statistics.median(self._bases)
+            self._cpu_bases.append(step_cpu)
+            self._cpu_base = statistics.median(self._cpu_bases)
+        elif self._cpu_base is not None:
+            # the training thread's own CPU (not the wall clock: other work on the machine does not count), as a
+            # ratio of sums over recent steps: a step that captured a few calls is mostly noise on its own
+            self._call_costs.append((max(step_cpu - self._cpu_base, 0.0), n))
+            calls = sum(k for _, k in self._call_costs)
+            if calls >= MEASURE_CALLS:
+                self._call_cost = sum(extra for extra, _ in self._call_costs) / calls
+        own = max(work - n * self._call_cost, 0.0)
+        if self._base is not None:   # a pause between steps (evaluation, a checkpoint save) earns no more
+            own = min(own, EARN_CAP_STEPS * self._base)
+        self._earned += self._budget * own
+        if self._full:
+            self._n_full = n
+        calls = self.counts["calls"]
+        self._calls_prev, self._calls_at_step = calls - self._calls_at_step, calls
+        self._n_step = 0
+        self._cpu_step = cpu
+
+    def _credit(self, now: float) -> tuple[float, float]:
+        """(the budget left now, the estimated cost of one more captured call), in seconds: the budget times the
+        training's own time so far (this step's too), less the training thread's time for the calls captured
+        (estimated per call) and the agent's other threads' CPU (measured; its records not yet sent at the cost
+        per record measured so far)."""
+        cpu, submitted, done = self._agent()
+        per_record = cpu / done if done else RECORD_CPU_PRIOR
+        in_step = max(now - self._t_step - self._n_step * self._call_cost - (cpu - self._cpu_step), 0.0)
+        if self._base is not None:
+            in_step = min(in_step, EARN_CAP_STEPS * self._base)
+        earned = self._earned + self._budget * in_step
+        sender = cpu + max(submitted - done, 0) * per_record if self.agent_cpu is not None else 0.0
+        spent = self._n * self._call_cost + sender
+        cost = self._call_cost
+        if self.agent_cpu is not None:   # each captured call's records (its forward, its backward) go out
+            cost += per_record * (max(submitted / self._n, 1.0) if self._n else 1.0)
+        return earned - spent, cost
+
+    def _afford(self) -> bool:
+        """Is there budget left for one more captured call now? If so it is charged."""
+        credit, cost = self._credit(self.clock())
+        if credit < cost:
+            return False
+        self._n += 1
+        self._n_step += 1
+        return True
+
     def _budget_allows(self) -> bool:
-        """Take a step when the credit earned by skipped steps pays for its measured extra time."""
-        if self._t_off is None:
-            return self._t_on is None   # the first step is taken; the next measures the step without capture
-        if self._t_on is None:
-            return True
-        extra = max(self._t_on - self._t_off, 0.0)
-        if extra <= self.policy.overhead_budget * self._t_off:
-            return True
-        # each step earns budget * step time; a taken step spends its extra time
-        self._budget_credit += self.policy.overhead_budget * self._t_off
-        if self._budget_credit >= extra:
-            self._budget_credit -= extra
-            return True
+        """Take a step whole when the budget left pays for what the last such step captured (before one was
+        taken: every call of the previous step). The first step is never taken whole: nothing is known of it."""
+        if not self._calls_prev:
+            return False
+        credit, cost = self._credit(self.clock())
+        n = self._n_full if self._n_full is not None else self._calls_prev
+        return credit >= n * cost
+
+    def _cut(self) -> bool:
+        """In a step taken whole, the budget ran out: the rest of the step is not captured."""
+        self.step_taken = self._full = False
+        self._reason = "skipped_budget"
+        self.counts["skipped_budget"] += 1
         return False
 
     # -- each call ---------------------------------------------------------------------------------------------
@@ -141,6 +252,9 @@ class Sampler:
         last = self.last.get(site)
         if last is None:
             self.seen.add(site)
+            if self._budget and not self._afford():   # captured at a later call, when the budget allows
+                c["skipped_budget"] += 1
+                return False
             self.last[site] = self.step
             c["new_call_sites"] += 1
             c["captured"] += 1
@@ -152,6 +266,8 @@ class Sampler:
         if k and self.step - last < k:
             c["skipped_repeats"] += 1
             return False
+        if self._budget and not self._afford():
+            return self._cut()
         self.last[site] = self.step
         c["captured"] += 1
         return True
@@ -173,26 +289,7 @@ class Sampler:
             for v in kwargs.values():
                 if isinstance(v, _Tensor):
                     sig.append((v.shape, v.dtype))
-        site = (category, api, tuple(sig), grad_enabled)
-        c = self.counts
-        c["calls"] += 1
-        last = self.last.get(site)
-        if last is None:
-            self.seen.add(site)
-            self.last[site] = self.step
-            c["new_call_sites"] += 1
-            c["captured"] += 1
-            return True
-        if not self.step_taken:
-            c[self._reason] += 1
-            return False
-        k = self._coverage
-        if k and self.step - last < k:
-            c["skipped_repeats"] += 1
-            return False
-        self.last[site] = self.step
-        c["captured"] += 1
-        return True
+        return self.take((category, api, tuple(sig), grad_enabled))
 
     def take_collective(self, site: CollectiveSite) -> bool:
         """A collective's decision: the same on every rank of its group (only the step and the call site count)."""
@@ -222,6 +319,10 @@ class Sampler:
             out["step_us_captured"] = int(self._t_on * 1e6)
         if self._t_off is not None:
             out["step_us_not_captured"] = int(self._t_off * 1e6)
+        if self._budget:   # what the budget charged: the agent's other threads' CPU, the estimated cost of a call
+            cpu = self._agent()[0]
+            out["agent_cpu_us"] = int(cpu * 1e6)
+            out["call_cost_us"] = int(self._call_cost * 1e6)
         return out
 
 

@@ -11,6 +11,10 @@ more, until `close` (npu_agent/payload.py, `FRAMES`). At the budget, the policy 
 lost), `drop` drops the newest record and counts it. One record larger than the whole budget is sent alone
 (blocking) rather than never.
 
+CPU: the sender's thread adds up the CPU it spends (`time.thread_time()` around its work), and the CPU of the
+transport threads that deliver acknowledgements is read from their thread clocks: `cpu_seconds()` is the running
+total the overhead budget charges (npu_agent/sampling.py), `records_done` the records it covers.
+
 Refusal: when the transport reports that it can never deliver (`on_refused`), everything held is dropped and
 counted, `submit` returns at once from then on, and `close` does not wait.
 While the training waits for the budget, or `close` waits for acknowledgements, a line is logged every 30 s.
@@ -36,6 +40,7 @@ WAIT_LOG_S = 30.0   # the period of the "still waiting" lines
 BATCH_RECORD_BYTES = 64 << 10
 BATCH_BYTES = 1 << 20
 BATCH_RECORDS = 512
+_THREAD_CLOCKS = hasattr(time, "pthread_getcpuclockid")   # Unix: another thread's CPU clock
 
 
 class Sender:
@@ -64,6 +69,13 @@ class Sender:
         self._closing = False
         self._refusal: Refusal | None = None
         self._warned_block = -WAIT_LOG_S
+        # the agent's CPU outside the training thread (the overhead budget charges it): the sender thread's own,
+        # added up by that thread, and that of the transport threads that deliver acknowledgements
+        self.sender_cpu = 0.0
+        self.records_done = 0              # records the sender thread has encoded and handed to the transport
+        self._ack_clocks: dict[int, int] = {}   # thread ident -> its CPU clock id
+        self._ack_cpu: dict[int, float] = {}    # thread ident -> its CPU at the last reading
+        self._ended_cpu = 0.0                   # the CPU of such threads that ended
         # acknowledged large frames kept for reuse: at most a quarter of the budget more (npu_agent/payload.py)
         FRAMES.limit = max(FRAMES.limit, budget_bytes // 4)
         self._thread = threading.Thread(target=self._run, name="online-check-sender", daemon=True)
@@ -105,8 +117,22 @@ class Sender:
                 self._work.notify()
         return True
 
+    def cpu_seconds(self) -> float:
+        """CPU spent so far by the sender thread and the transport threads that delivered acknowledgements."""
+        total = self.sender_cpu + self._ended_cpu
+        for ident, clock in list(self._ack_clocks.items()):
+            try:
+                seconds = self._ack_cpu[ident] = time.clock_gettime(clock)
+            except OSError:   # that thread ended (a reconnect): its last reading stays counted
+                self._ack_clocks.pop(ident, None)
+                seconds = self._ack_cpu.pop(ident, 0.0)
+                self._ended_cpu += seconds
+            total += seconds
+        return total
+
     # -- sender thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
+        cpu = time.thread_time()
         while True:
             with self._lock:
                 while not self._queue and not self._resend and not self._closing and self._refusal is None:
@@ -139,6 +165,10 @@ class Sender:
                         self._work.wait(1.0)
                     continue
                 self.counts.sent += len(ready)
+            now = time.thread_time()   # this thread's CPU, added up per batch (read by the budget meanwhile)
+            self.sender_cpu += now - cpu
+            self.records_done += len(batch)
+            cpu = now
 
     def _take_batch(self) -> list[PendingRecord]:
         """The next record, with the small ones queued right behind it (under the lock). Nothing waits for more
@@ -170,6 +200,13 @@ class Sender:
 
     # -- transport events ----------------------------------------------------------------------------------
     def on_ack(self, seq: int, status: str, reason: str, count: int = 1) -> None:
+        ident = threading.get_ident()
+        # a transport thread's CPU counts from now on (not the sender thread's own: the folder acknowledges there)
+        if ident not in self._ack_clocks and ident != self._thread.ident and _THREAD_CLOCKS:
+            try:
+                self._ack_clocks[ident] = time.pthread_getcpuclockid(ident)
+            except OSError:
+                pass
         if status == "REJECTED":
             log.warning("online check: the server rejected record%s %s: %s", "s" if count > 1 else "",
                         seq if count == 1 else f"{seq}..{seq + count - 1}", reason)

@@ -10,7 +10,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from gpu_server.summary import Summary
+from gpu_server.reports.summary import Summary
 from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.sampling import Policy, Sampler
 from npu_agent.transport import Counts, StreamIdentity, end_frame
@@ -63,26 +63,92 @@ def test_steps_and_ranks_in_turn_and_new_call_sites_always():
     assert c["captured"] + c["skipped_ranks"] + c["skipped_steps"] == c["calls"] == 40
 
 
-def test_overhead_budget_keeps_the_measured_extra_time_under_the_budget():
-    now = [0.0]
-    sampler = Sampler(Policy(overhead_budget=0.1), clock=lambda: now[0])
-    base, extra, taken = 1.0, 1.0, []          # a captured step takes twice as long as one not captured
+def _simulate(budget: float, steps: int, capture: float = 0.4e-3, record_cpu: float = 0.5e-3, calls: int = 96,
+              sites: int = 24, charge_sender: bool = True, pause_at: int = -1, lag: int = 16):
+    """A training under the budget on a fake clock (no timing of this machine: every number is deterministic). Each
+    step makes `calls` calls of 1 ms over `sites` call sites; a captured call costs `capture` s more in the training
+    thread and one record, whose `record_cpu` s of sender CPU run on the training's core `lag` calls later (into
+    the next step: they lengthen it). `charge_sender=False`: the sampler is not told the sender's CPU. Returns the
+    sampler and, at each step's end, (the training's own time so far, the agent's cost so far including the CPU
+    owed for records not yet sent, calls captured in the step)."""
+    now, cpu, submitted, done, thread = [0.0], [0.0], [0], [0], [0.0]
+    sampler = Sampler(Policy(overhead_budget=budget), clock=lambda: now[0], thread_clock=lambda: thread[0],
+                      agent_cpu=(lambda: (cpu[0], submitted[0], done[0])) if charge_sender else None)
+    train = agent = 0.0
+    history: list[tuple[float, float, int]] = []
+    queue: list[int] = []   # the call (counted over the run) at which each record not yet sent goes out
     sampler.take_step(0)
-    for step in range(1, 201):
-        now[0] += base + (extra if sampler.step_taken else 0.0)
-        taken.append(sampler.take_step(step))
+    for step in range(steps):
+        if step == pause_at:
+            now[0] += 500.0                      # an evaluation between two steps: not training time it earns
+        captured = 0
+        for i in range(calls):
+            while queue and queue[0] <= step * calls + i:   # the sender's turn on the core
+                queue.pop(0)
+                now[0] += record_cpu
+                cpu[0] += record_cpu
+                agent += record_cpu
+                done[0] += 1
+            now[0] += 1e-3
+            thread[0] += 1e-3
+            train += 1e-3
+            if sampler.take(("Functional", f"api{i % sites}", (), True)):
+                now[0] += capture
+                thread[0] += capture
+                agent += capture
+                submitted[0] += 1
+                queue.append(step * calls + i + lag)
+                captured += 1
+        history.append((train, agent + len(queue) * record_cpu, captured))
+        sampler.take_step(step + 1)
+    return sampler, history
+
+
+def test_overhead_budget_holds_from_the_first_step_and_charges_the_sender_cpu():
+    budget, steps, call_cost = 0.1, 200, 0.4e-3 + 0.5e-3
+    sampler, history = _simulate(budget, steps)
+    # from the first step on, the agent's cost (training thread and sender) stays within the budget of the
+    # training's time so far, give or take one call
+    for step, (train, agent, _) in enumerate(history):
+        assert agent <= budget * train + call_cost, (step, train, agent)
+    # the first step is not captured whole (every call site is new in it): its call sites are spread over steps
+    assert 0 < history[0][2] < 24, history[0]
     c = sampler.report()
-    assert c["steps_taken"] == 1 + sum(taken) and c["steps_skipped_budget"] == 200 - sum(taken)
-    spent = (1 + sum(taken)) * extra
-    assert 0.05 * 201 * base <= spent <= 0.1 * 201 * base + extra, (spent, taken)
-    assert c["step_us_captured"] == 2_000_000 and c["step_us_not_captured"] == 1_000_000
-    # a long pause (an evaluation) between two steps does not open the budget
-    now[0] += 500.0
-    taken_after = []
-    for step in range(201, 221):
-        now[0] += base + (extra if sampler.step_taken else 0.0)
-        taken_after.append(sampler.take_step(step))
-    assert sum(taken_after) <= 3, taken_after
+    assert c["new_call_sites"] == c["call_sites"] == 24
+    assert all(sampler.last.get(("Functional", f"api{i}", (), True)) is not None for i in range(24))
+    # the budget is used, not left idle: whole steps are taken once the call sites are covered
+    train, agent, _ = history[-1]
+    assert agent >= 0.6 * budget * train, (train, agent)
+    assert c["steps_taken"] >= 5 and c["steps_skipped_budget"] > c["steps_taken"], c
+    assert sum(1 for h in history if h[2] == 96) == c["steps_taken"]   # taken steps are taken whole
+    assert c["agent_cpu_us"] > 0 and abs(c["call_cost_us"] - 400) <= 1   # measured: 0.4 ms a call
+    # the same decisions again: they depend only on the measured times
+    assert _simulate(budget, steps)[1] == history
+
+
+def test_overhead_budget_charges_the_sender_cpu():
+    # a sender that costs 2 ms of CPU per record: charged, the budget holds from the first step on; not charged (the
+    # training thread's step time alone, as before) and running during the next step (it lengthens the steps that
+    # capture nothing, which then pass for the training's own time), the agent costs 12 times its budget
+    _, charged = _simulate(0.1, 120, record_cpu=2e-3)
+    for step, (train, agent, _) in enumerate(charged):
+        assert agent <= 0.1 * train + 2.4e-3, (step, train, agent)
+    _, late = _simulate(0.1, 120, record_cpu=2e-3, lag=96)
+    _, blind = _simulate(0.1, 120, record_cpu=2e-3, lag=96, charge_sender=False)
+    train, agent, _ = late[-1]
+    assert agent <= 0.1 * train, (train, agent)
+    train, agent, _ = blind[-1]
+    assert agent > 10 * 0.1 * train, (train, agent)
+    assert sum(h[2] for h in late) * 10 < sum(h[2] for h in blind)
+
+
+def test_overhead_budget_a_pause_does_not_open_the_budget():
+    _, history = _simulate(0.1, 80, pause_at=60)
+    # the pause earns as much as 3 steps at most: one whole step taken earlier than without it, no more
+    taken = sum(1 for h in history[60:] if h[2])
+    assert taken <= sum(1 for h in _simulate(0.1, 80)[1][60:] if h[2]) + 1, [h[2] for h in history[60:]]
+    for train, agent, _ in history:   # the pause counted as 3 steps of 96 ms of training, at most
+        assert agent <= 0.1 * (train + (2 * 0.096 if train > 60 * 0.096 else 0.0)) + 0.9e-3
 
 
 def test_sampling_counts_travel_in_the_end_message_and_show_in_the_summary():
