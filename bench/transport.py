@@ -69,8 +69,8 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
 
         intake, _ = _counting_intake()
         handler = StreamHandler(intake, DEFAULT_LIMITS, lambda end: None)
-        server, port = make_server(handler, "127.0.0.1:0", DEFAULT_LIMITS, tls_dir if mode == "tls" else "")
-        server.start()
+        server = make_server(handler, "127.0.0.1:0", DEFAULT_LIMITS, tls_dir if mode == "tls" else "")
+        port = int(server.start().rsplit(":", 1)[1])
     elif mode in ("rawgrpc", "rawtls"):
         from concurrent import futures
 
