@@ -274,22 +274,8 @@ class Sampler:
 
     def take_call(self, category: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
                   grad_enabled: bool) -> bool:
-        """`take(call_site(...))` in one call: the capture mode asks it for every call it may record."""
-        sig: list[tuple[torch.Size, torch.dtype]] = []   # _signature, inline: this runs for every call
-        kinds = _KIND_OF
-        for v in args:
-            kind = kinds.get(type(v))
-            if kind is None:
-                kind = _kind(type(v))
-            if kind == 1:
-                sig.append((v.shape, v.dtype))
-            elif kind == 2:
-                sig.extend([(t.shape, t.dtype) for t in v if isinstance(t, _Tensor)])
-        if kwargs:
-            for v in kwargs.values():
-                if isinstance(v, _Tensor):
-                    sig.append((v.shape, v.dtype))
-        return self.take((category, api, tuple(sig), grad_enabled))
+        """`take(call_site(...))`: the capture mode asks it for every call it may record."""
+        return self.take((category, api, _signature(args, kwargs), grad_enabled))
 
     def take_collective(self, site: CollectiveSite) -> bool:
         """A collective's decision: the same on every rank of its group (only the step and the call site count)."""
