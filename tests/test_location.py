@@ -215,13 +215,14 @@ def test_the_server_keeps_an_odd_module_or_source_cut_and_escaped():
 
 def test_report_rows_carry_seq_module_and_source(tmp_path):
     from gpu_server import reports
-    from gpu_server.reports.rank_reports import NOWHERE, RankReports, Where
+    from gpu_server.reports.rank_reports import NOWHERE, RankReports, Where, detail_row, result_row
 
     rep = RankReports(str(tmp_path), "20240101000000", 0)
-    rep.write_result("Torch.relu.0", "pass", " ", "", 3, where=Where(7, "TinyLM.blocks.0", "train.py:9 (forward)"))
-    rep.write_result("Torch.relu.1", "pass", " ", "", 3)
-    rep.write_detail("Torch.relu.0.forward.output.0", "torch.float32", "torch.float32", "(2,)", None, "pass", "", 3,
-                     where=Where(7, "=cmd()", "t.py:1 (f)"))
+    rep.write([result_row("Torch.relu.0", "pass", " ", "", 3,
+                          where=Where(7, "TinyLM.blocks.0", "train.py:9 (forward)"))])
+    rep.write([result_row("Torch.relu.1", "pass", " ", "", 3)])
+    rep.write([detail_row("Torch.relu.0.forward.output.0", "torch.float32", "torch.float32", "(2,)", None, "pass",
+                          "", 3, where=Where(7, "=cmd()", "t.py:1 (f)"))])
     rep.close()
     assert NOWHERE == Where()
     assert read_header(str(tmp_path), "accuracy_checking_result")[-4:] == EXTRA_COLUMNS

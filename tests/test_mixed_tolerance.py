@@ -363,13 +363,13 @@ def test_configure_replaces():
 
 def test_precision_details_header_keeps_msprobe_first(tmp_path):
     from gpu_server.reports import load
-    from gpu_server.reports.rank_reports import RankReports
+    from gpu_server.reports.rank_reports import RankReports, precision_detail_row
 
     rep = RankReports(str(tmp_path), "20260101000000", 0)
     bench, device = ones_with(100, F16)
     verdict = mixed(bench, device)
-    rep.write_precision_detail("Functional.gelu.0.forward.output.0", verdict.cells, verdict.status,
-                               verdict.algorithm, verdict.message, 3)
+    rep.write([precision_detail_row("Functional.gelu.0.forward.output.0", verdict.cells, verdict.status,
+                                    verdict.algorithm, verdict.message, 3)])
     rep.close()
     path = [p for p in rep.paths if "api_precision_compare_details" in os.path.basename(p)][0]
     with open(path, encoding="utf-8-sig") as fh:

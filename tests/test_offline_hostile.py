@@ -100,19 +100,27 @@ def run_in_one_process(commands: dict[str, list[str]], tmp) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def good(tmp_path_factory) -> str:
     """A --out folder as a server writes it: rank 0, two calls (Functional.gelu.0 fails), the summary JSON."""
-    from gpu_server.reports.rank_reports import RankReports, Where
+    from gpu_server.reports.rank_reports import (
+        RankReports,
+        Where,
+        detail_row,
+        precision_detail_row,
+        precision_result_row,
+        result_row,
+    )
     from gpu_server.reports.summary import Summary
 
     out = str(tmp_path_factory.mktemp("good"))
     rep = RankReports(out, TS, 0)
     for seq, (call, status) in enumerate((("Functional.linear.0", "pass"), ("Functional.gelu.0", "error"))):
         where = Where(seq=seq, module="model.layer", source="train.py:10")
-        rep.write_result(call, status, " ", "", 0, where)
-        rep.write_precision_result(call, status, " ", "", 0, where)
-        rep.write_detail(f"{call}.forward.output.0", "torch.float32", "torch.bfloat16", "(4, 8)", None, status,
-                         "", 0, where)
-        rep.write_precision_detail(f"{call}.forward.output.0", {"均方根误差比值": 1.0 if status == "pass" else 9.0},
-                                   status, "标杆比对法", "", 0, where)
+        rep.write([result_row(call, status, " ", "", 0, where)])
+        rep.write([precision_result_row(call, status, " ", "", 0, where)])
+        rep.write([detail_row(f"{call}.forward.output.0", "torch.float32", "torch.bfloat16", "(4, 8)", None, status,
+                              "", 0, where)])
+        ratio = 1.0 if status == "pass" else 9.0
+        rep.write([precision_detail_row(f"{call}.forward.output.0", {"均方根误差比值": ratio}, status, "标杆比对法", "",
+                                        0, where)])
     rep.close()
     summary = Summary()
     summary.seed_from_reports(out, TS, strict=True)

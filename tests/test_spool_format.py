@@ -156,7 +156,7 @@ def test_report_files_share_a_bounded_set_of_open_files(tmp_path):
         ranks = [reports.RankReports(str(tmp_path), "20260101000000", r) for r in range(4)]
         for step in range(3):
             for rep in ranks:                          # interleaved: every write may reopen a closed file
-                rep.write_result("Torch.add.0", "pass", " ", "", step)
+                rep.write([reports.result_row("Torch.add.0", "pass", " ", "", step)])
                 assert len(files._open) <= 3
         for rep in ranks:
             rep.close()

@@ -244,22 +244,6 @@ class RankReports:
                 report_files.PRECISION_DETAILS: self.precision_details,
                 report_files.COLLECTIVE: self.collective}[kind]
 
-    def write_collective(self, *args, **kwargs) -> bool:
-        """One row of the collective CSV (`collective_row`'s arguments); True when this row created the file."""
-        return self.write([collective_row(*args, **kwargs)])
-
-    def write_result(self, *args, **kwargs) -> None:
-        self.write([result_row(*args, **kwargs)])
-
-    def write_detail(self, *args, **kwargs) -> None:
-        self.write([detail_row(*args, **kwargs)])
-
-    def write_precision_result(self, *args, **kwargs) -> None:
-        self.write([precision_result_row(*args, **kwargs)])
-
-    def write_precision_detail(self, *args, **kwargs) -> None:
-        self.write([precision_detail_row(*args, **kwargs)])
-
     def close(self) -> None:
         for f in self._files():
             f.close()
