@@ -1,11 +1,14 @@
 """Where a captured call was made: the module it ran in and the line of the user's code that made it.
 
 - The module path: while capture is on (`install()` at `PrecisionDebugger.start()`, `uninstall()` at `stop()`),
-  global forward pre/post hooks push and pop each module on a per-thread stack (the post hook is `always_call`, so
-  an exception pops too). The path of the innermost module is the outermost module's class name followed by the
-  dotted attribute names down to it: `TinyLM.blocks.0.attn.proj` (a child found through its parent's `_modules`,
-  or deeper: a `ModuleList` is never called itself). Outside any module: "". Each prefix of the stack's path is
-  computed once, when first asked for, and kept until the stack is popped below it.
+  the modules whose forward is running on this thread are read off the thread's own frames, when a captured call
+  asks: every frame of `nn.Module._call_impl` (the frame of `module(...)`, hooks or not) holds its module as
+  `self`. Nothing runs on the calls that are not captured: global module hooks would cost every module call of
+  the training 3-5 us (torch leaves its fast path for all modules once one exists) and are used only where torch
+  has no `_call_impl` to recognise (then forward pre/post hooks push and pop a per-thread stack). The path of the
+  innermost module is the outermost module's class name followed by the dotted attribute names down to it:
+  `TinyLM.blocks.0.attn.proj` (a child found through its parent's `_modules`, or deeper: a `ModuleList` is never
+  called itself; each (parent, child) name is looked up once). Outside any module: "".
 - The source location: the first frame that is not torch's, ours (`npu_agent`, `protos`) or a stdlib wrapper
   (`contextlib`, `functools`), i.e. the user's code: `path/to/train.py:123 (forward)`, the path relative to the
   working directory when under it. Which code objects are skipped is cached per code object, the final string per
@@ -49,6 +52,11 @@ class _Stack(threading.local):
 _STACK = _Stack()
 _handles: list[Any] = []
 _failed = False
+_following = False   # install()ed: module_path() reads the frames
+# the code of `module(...)`: its frames hold the module as `self`; None on a torch without it (hooks then)
+_CALL_IMPL: CodeType | None = getattr(getattr(torch.nn.Module, "_call_impl", None), "__code__", None)
+if _CALL_IMPL is not None and _CALL_IMPL.co_varnames[:1] != ("self",):
+    _CALL_IMPL = None
 
 
 # -- the module stack -------------------------------------------------------------------------------------------
@@ -77,8 +85,11 @@ def _pop(module: torch.nn.Module, args: Any, output: Any) -> None:
 
 
 def install() -> None:
-    """Start following the module stack (idempotent). The calling thread's stack starts empty."""
-    if _handles:
+    """Start following the modules (idempotent): read off the frames, or on a torch without `_call_impl`, a
+    stack kept by global hooks, which starts empty on the calling thread."""
+    global _following
+    _following = True
+    if _CALL_IMPL is not None or _handles:
         return
     _STACK.modules.clear()
     _STACK.paths.clear()
@@ -87,7 +98,9 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Remove the global hooks (idempotent)."""
+    """Stop following the modules; remove the global hooks where there are any (idempotent)."""
+    global _following
+    _following = False
     while _handles:
         _handles.pop().remove()
     _STACK.modules.clear()
@@ -95,7 +108,7 @@ def uninstall() -> None:
 
 
 def installed() -> bool:
-    return bool(_handles)
+    return _following
 
 
 # (id(parent), id(child)) -> the child's name under the parent. An entry goes when either module is freed (the
@@ -149,8 +162,32 @@ def _find(parent: torch.nn.Module, child: torch.nn.Module) -> str:
     return type(child).__name__
 
 
-def module_path() -> str:
-    """The path of the innermost module running on this thread, or ""."""
+def module_path(frame: FrameType | None = None) -> str:
+    """The path of the innermost module running on this thread (its frames from `frame` up, default the caller's),
+    or "" outside any module or when not installed."""
+    if not _following:
+        return ""
+    if _CALL_IMPL is None:
+        return _stack_path()
+    target = _CALL_IMPL
+    f: FrameType | None = frame if frame is not None else sys._getframe(1)
+    mods: list[torch.nn.Module] = []
+    while f is not None:
+        if f.f_code is target:
+            m = f.f_locals.get("self")
+            if isinstance(m, torch.nn.Module):
+                mods.append(m)
+        f = f.f_back
+    if not mods:
+        return ""
+    path = type(mods[-1]).__name__
+    for i in range(len(mods) - 1, 0, -1):
+        path += "." + _child_name(mods[i], mods[i - 1])
+    return path
+
+
+def _stack_path() -> str:
+    """module_path from the stack the hooks keep."""
     s = _STACK
     mods, paths = s.modules, s.paths
     n = len(mods)
@@ -239,7 +276,8 @@ def current(depth: int = 1) -> tuple[str, str]:
     The walk for the source starts `depth` frames up (1: the caller's frame); a caller that knows frames of its own
     are next skips them (`sys._getframe(n)` passes over frames without building their frame objects)."""
     try:
-        return module_path(), source(sys._getframe(depth))
+        frame = sys._getframe(depth)
+        return module_path(frame), source(frame)
     except Exception as exc:  # noqa: BLE001 - never raise into the training
         global _failed
         if not _failed:

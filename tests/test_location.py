@@ -55,8 +55,12 @@ class TinyLM(nn.Module):
         return x.sum()
 
 
-@pytest.fixture
-def hooks():
+@pytest.fixture(params=["frames", "hooks"])
+def hooks(request, monkeypatch):
+    """Modules followed as the agent does: read off the frames, and, where torch has no `nn.Module._call_impl`,
+    with global hooks (the fallback, forced here)."""
+    if request.param == "hooks":
+        monkeypatch.setattr(location, "_CALL_IMPL", None)
     location.install()
     yield
     location.uninstall()
@@ -176,17 +180,37 @@ def test_the_debugger_installs_the_hooks_only_while_started_and_removes_them(tmp
     (tmp_path / "nfs").mkdir()
     dbg = PrecisionDebugger(config_path=agent_config(str(tmp_path / "agent.json"), nfs_path=str(tmp_path / "nfs")))
     assert not location.installed()
+    model = nn.Sequential(nn.Linear(2, 2))
+    assert location.module_path() == ""
     dbg.start()
     assert location.installed()
-    assert len(torch_module._global_forward_pre_hooks) == before[0] + 1
-    assert len(torch_module._global_forward_hooks) == before[1] + 1
-    nn.Linear(2, 2)(torch.randn(1, 2))
+    # no global module hooks: torch keeps its fast path for every module call the agent does not capture
+    assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == before
+    seen = []
+    model[0].register_forward_hook(lambda m, i, o: seen.append(location.module_path()))
+    model(torch.randn(1, 2))
     dbg.stop()
+    assert seen == ["Sequential.0"]
     assert not location.installed()
+    model(torch.randn(1, 2))
+    assert seen == ["Sequential.0", ""]   # not followed while stopped
     dbg.start()
     assert location.installed()
     dbg.close()
     assert not location.installed()
+    assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == before
+
+
+def test_the_hooks_fallback_installs_and_removes_global_hooks(monkeypatch):
+    """On a torch without `nn.Module._call_impl`, the module stack is kept by global hooks, only while installed."""
+    monkeypatch.setattr(location, "_CALL_IMPL", None)
+    before = (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks))
+    location.install()
+    try:
+        assert len(torch_module._global_forward_pre_hooks) == before[0] + 1
+        assert len(torch_module._global_forward_hooks) == before[1] + 1
+    finally:
+        location.uninstall()
     assert (len(torch_module._global_forward_pre_hooks), len(torch_module._global_forward_hooks)) == before
 
 
