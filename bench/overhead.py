@@ -2,11 +2,21 @@
 
     python bench/overhead.py [--models tiny,mid] [--rounds 3] [--tiny-steps 20] [--mid-steps 3]
     python bench/overhead.py --per-call [--baseline PATH]
+    python bench/overhead.py --agent-alone [--mid-steps 3] [--rounds 3] [--memory-mb 4096] [--folder DIR]
+                             [--baseline PATH]
+
+The agent alone (`--agent-alone`, issue 25 goal 1): the mid transformer, every call checked forward and backward,
+the folder transport into a folder no server reads yet (the server would start after the training), so the agent
+is measured alone. The training thread keeps one core, the agent's threads (`online-check-*`) are moved to the
+other. Per step, off and on alternating round by round: wall time and the training thread's CPU; the MB the agent
+writes a step against the MB/s the training makes them at; and the folder's floor: the same files written and
+published bare (new file, write, fsync, rename, fsync of the folder) by one thread on the agent's core. `--folder`
+picks where the folder is made: /dev/shm shows the agent where the disk is not the limit.
 
 Per call (`--per-call`, no server; issue 25 goal 2): against its floor, a TorchFunctionMode that does nothing, in
 the same process: TinyLM (tiny) steps alternating step by step between off, the no-op mode, the agent's capture mode
-with a sampler that skips every call (after one step that met every call site; module hooks and all, as
-PrecisionDebugger.start() installs them) and the capture mode recording every call (records discarded); the
+with a sampler that skips every call (after one step that met every call site; following modules, as
+PrecisionDebugger.start() does) and the capture mode recording every call (records discarded); the
 fastest step of the training thread's CPU of each (other work on the machine only adds time), per call above off.
 Then the mode's path alone: C-bound calls (F.linear, view, add, transpose) in short loops, the fastest of 300.
 `--baseline PATH` runs the same measures first against the checkout at PATH (e.g. `git worktree add --detach
@@ -50,6 +60,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 
@@ -320,6 +331,148 @@ def collective_cost(iters: int, numel: int) -> dict[str, float]:
             result: dict[str, float] = json.load(fh)
     return result
 
+# -- the agent alone (issue 25, goal 1): the training thread on one core, the agent's threads on the other ---------
+def _agent_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("online-check")]
+
+
+def _pin_agent_threads() -> list[str]:
+    """Move the agent's threads (the sender's; the gRPC client's when there is one) to the server core: the
+    training thread keeps the training core to itself. Returns the names of the threads moved."""
+    moved = []
+    for t in _agent_threads():
+        if SERVER_CORE is not None and t.native_id is not None:
+            with contextlib.suppress(OSError):   # the thread may have ended meanwhile
+                os.sched_setaffinity(t.native_id, {SERVER_CORE})
+                moved.append(t.name)
+    return moved
+
+
+def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = None) -> dict:
+    """The mid transformer, every call checked forward and backward, the agent writing into a shared folder that
+    no server reads yet (the server would start after the training): per step, the wall time and the training
+    thread's CPU (`time.thread_time`), off and on alternating round by round. The agent's threads run on the other
+    core; the training waits for the agent only where the agent makes it wait (its hooks and copies on the
+    training thread, the interpreter lock its threads hold, a full memory budget)."""
+    kwargs, batch, dtype = MODELS["mid"]
+    torch.manual_seed(0)
+    model = TinyLM(dropout=0.1, **kwargs).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = list(batches(steps, batch=batch, seq=kwargs["seq"], vocab=kwargs["vocab"]))
+    _round(model, opt, data[:2], None)   # warm-up: lazy optimizer state, allocator
+    nfs = tempfile.mkdtemp(prefix="bench-agent-alone-", dir=where)
+    cfg = os.path.join(nfs, "agent.json")
+    folder = os.path.join(nfs, "records")
+    os.makedirs(folder)
+    with open(cfg, "w") as fh:
+        json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "nfs_path": folder,
+                                                                 "online_memory_mb": memory_mb}}, fh)
+    wall = {"off": [], "on": []}
+    cpu = {"off": [], "on": []}
+    drain = []
+    written = [0, 0.0, 0.0]   # bytes the agent wrote in the measured rounds, its wall time to write them, its CPU
+    before = sender_cpu = 0
+    try:
+        dbg = PrecisionDebugger(config_path=cfg)
+        moved = _pin_agent_threads()
+        for r in range(rounds + 1):   # round 0 of each warms up (the agent's first records, page cache, frames)
+            for name, d in (("off", None), ("on", dbg)):
+                for idx, tgt in data:
+                    c0, w0 = time.thread_time(), time.perf_counter()
+                    train_step(model, opt, idx, tgt, d)
+                    if r:
+                        wall[name].append(time.perf_counter() - w0)
+                        cpu[name].append(time.thread_time() - c0)
+                if d is not None:
+                    moved = sorted(set(moved) | set(_pin_agent_threads()))
+                    w0 = time.perf_counter()
+                    sender = dbg._sender
+                    while sender is not None and (sender._unacked or sender._queue):
+                        time.sleep(0.002)
+                    if r:
+                        drain.append(time.perf_counter() - w0)
+                        sizes = _file_sizes(folder)
+                        written[0] += sum(sizes) - before
+                        written[1] += sum(wall["on"][-steps:]) + drain[-1]
+                        written[2] += sender.sender_cpu - sender_cpu
+                    before, sender_cpu = sum(_file_sizes(folder)), sender.sender_cpu
+        counts = dbg.close()
+        floor = _write_floor(sorted(_file_sizes(folder)), nfs)
+    finally:
+        shutil.rmtree(nfs, ignore_errors=True)
+    n = steps * rounds
+    return {"steps": n, "wall": {k: sum(v) / n for k, v in wall.items()},
+            "cpu": {k: sum(v) / n for k, v in cpu.items()}, "drain": sum(drain) / max(len(drain), 1),
+            "fastest wall": {k: min(v) for k, v in wall.items()}, "fastest cpu": {k: min(v) for k, v in cpu.items()},
+            "counts": counts, "threads": moved, "bytes per step": written[0] / n,
+            "agent MB/s": written[0] / max(written[1], 1e-9) / 1e6, "agent CPU per step": written[2] / n,
+            "floor MB/s": floor}
+
+
+def _file_sizes(folder: str) -> list[int]:
+    return [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs]
+
+
+def _write_floor(sizes: list[int], where: str) -> float:
+    """The folder transport's floor, MB/s: files of the sizes the agent wrote, each written from one ready buffer
+    and published as the agent publishes one (a new file, write, fsync, rename, fsync of the folder), by one thread
+    on the agent's core. Writes each size once, at most 2 GB in all."""
+    out = os.path.join(where, "floor")
+    os.makedirs(out)
+    buf = memoryview(os.urandom(1 << 20) * (max(sizes, default=0) // (1 << 20) + 1))
+    result = [0.0]
+
+    def run() -> None:
+        if SERVER_CORE is not None:
+            os.sched_setaffinity(0, {SERVER_CORE})
+        dir_fd = os.open(out, os.O_RDONLY)
+        total, t0 = 0, time.perf_counter()
+        for i, size in enumerate(sizes):
+            if total > 2_000_000_000:
+                break
+            fd = os.open(f"f{i}.tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dir_fd)
+            os.write(fd, buf[:size])
+            os.fsync(fd)
+            os.close(fd)
+            os.replace(f"f{i}.tmp", f"f{i}", src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            os.fsync(dir_fd)
+            total += size
+        result[0] = total / (time.perf_counter() - t0) / 1e6
+        os.close(dir_fd)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    return result[0]
+
+
+def print_agent_alone(r: dict) -> None:
+    c = r["counts"]
+    print(f"the agent alone: mid transformer (float32), {r['steps']} steps a variant (off and on alternating round by "
+          f"round), every call checked forward and backward into a folder no server reads; training thread on core "
+          f"{TRAIN_CORE}, the agent's threads ({', '.join(r['threads']) or 'none found'}) on core {SERVER_CORE}")
+    print(f"  agent: {c['captured']} captured, {c['acknowledged']} written, {c['dropped']} dropped; after each round "
+          f"the agent took {r['drain'] * 1e3:.0f} ms more to write what was left (not counted in the steps)")
+    made = r["bytes per step"] / r["wall"]["on"] / 1e6
+    print(f"  records: {r['bytes per step'] / 1e6:.0f} MB a step, made at {made:.0f} MB/s by the training; the agent "
+          f"wrote {r['agent MB/s']:.0f} MB/s (steps and drain), its sender thread {r['agent CPU per step'] * 1e3:.0f} "
+          f"ms CPU a step")
+    print(f"  the floor (the same files written and published bare, one thread on the agent's core): "
+          f"{r['floor MB/s']:.0f} MB/s, {r['bytes per step'] / r['floor MB/s'] / 1e3:.0f} ms a step; the agent "
+          f"writes at {r['agent MB/s'] / r['floor MB/s']:.2f} of it")
+    if r["agent MB/s"] < made:
+        print("  the agent writes slower than the training makes records: a longer run fills the memory budget, "
+              "then the training waits")
+    for v in ("off", "on"):
+        print(f"  {v:4s} wall {r['wall'][v] * 1e3:9.2f} ms/step (fastest {r['fastest wall'][v] * 1e3:8.2f})   training "
+              f"thread CPU {r['cpu'][v] * 1e3:9.2f} ms/step (fastest {r['fastest cpu'][v] * 1e3:8.2f})")
+    print("\nratios (on / off)")
+    print(f"  wall per step                {r['wall']['on'] / r['wall']['off']:6.2f}   goal <= 1.10")
+    print(f"  training-thread CPU per step {r['cpu']['on'] / r['cpu']['off']:6.2f}   goal <= 1.05")
+    print(f"  fastest steps: wall {r['fastest wall']['on'] / r['fastest wall']['off']:.2f}, training-thread CPU "
+          f"{r['fastest cpu']['on'] / r['fastest cpu']['off']:.2f}")
+
+
 # -- per call: the agent's cost of a call against a TorchFunctionMode that does nothing (issue 25, goal 2) --------
 class _NoOpMode(TorchFunctionMode):
     """The floor: a TorchFunctionMode that only runs the call."""
@@ -486,11 +639,32 @@ def main() -> None:
                         "against a no-op TorchFunctionMode")
     p.add_argument("--per-call-steps", type=int, default=20)
     p.add_argument("--per-call-rounds", type=int, default=5)
-    p.add_argument("--baseline", metavar="PATH", help="with --per-call: the same measures of the checkout at PATH "
-                   "(a `git worktree add /tmp/base HEAD`), run first, printed before/after")
+    p.add_argument("--baseline", metavar="PATH", help="with --per-call or --agent-alone: the same measures of the "
+                   "checkout at PATH (a `git worktree add /tmp/base HEAD`), run first, printed before/after")
+    p.add_argument("--agent-alone", action="store_true",
+                   help="only the agent alone (goal 1): the mid transformer checked forward and backward into a "
+                        "folder no server reads, training thread on one core, the agent's threads on the other")
+    p.add_argument("--memory-mb", type=int, default=4096, help="with --agent-alone: tensor.online_memory_mb")
+    p.add_argument("--folder", default=None, help="with --agent-alone: where the shared folder is made (default: the "
+                   "system's temporary folder; /dev/shm shows the agent where the disk is not the limit)")
     p.add_argument("--repo", metavar="PATH", help=argparse.SUPPRESS)   # read at import (_repo_arg)
     p.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)   # --baseline's subprocess: results to PATH
     ns = p.parse_args()
+    if ns.agent_alone:
+        argv = ["--agent-alone", "--mid-steps", str(ns.mid_steps), "--rounds", str(ns.rounds), "--memory-mb",
+                str(ns.memory_mb)] + (["--folder", ns.folder] if ns.folder else [])
+        base = _baseline(ns.baseline, argv) if ns.baseline else None
+        r = agent_alone(ns.mid_steps, ns.rounds, ns.memory_mb, ns.folder)
+        if ns.json:
+            with open(ns.json, "w") as fh:
+                json.dump(r, fh)
+            return
+        if base is not None:
+            print(f"[before: {ns.baseline}]")
+            print_agent_alone(base)
+            print("\n[after: this checkout]")
+        print_agent_alone(r)
+        return
     if ns.per_call:
         argv = ["--per-call", "--per-call-steps", str(ns.per_call_steps), "--per-call-rounds", str(ns.per_call_rounds)]
         base = _baseline(ns.baseline, argv) if ns.baseline else None
