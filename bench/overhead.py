@@ -27,8 +27,8 @@ Models: TinyLM (2 layers, d=32, batch 4x16, bfloat16: many small records) and th
 d=512, 8 heads, seq 128, batch 8, float32: about 55 calls and most of a GB of inputs, outputs and gradients a step).
 
 - "capture only": the real capture mode (names, references, backward taps and hooks, each call's module path and
-  source line with the module hooks of npu_agent.location) with a sink that discards the records;
-- "no location": the same without the module path and source line (`Capturer(locate=False)`, no module hooks):
+  source line of npu_agent.location) with a sink that discards the records;
+- "no location": the same without the module path and source line (`Capturer(locate=False)`):
   the difference is what locating calls costs, printed per record; the bench also times `location.current()`'s
   work itself on every captured call of one extra capture-only round (module path and source line, us per call);
 - "online": the real agent streaming to a real gpu-server subprocess on loopback, forward and backward checked.
@@ -513,8 +513,8 @@ class _ModeOnly:
 
 
 def _skipping() -> _CaptureOnly:
-    """The capture mode (module hooks and all) with a sampler that takes only step 0: after one step, every call
-    is one the sampling skips (`online_sample_steps` = 2**30)."""
+    """The capture mode (following modules, as the debugger does) with a sampler that takes only step 0: after one
+    step, every call is one the sampling skips (`online_sample_steps` = 2**30)."""
     return _CaptureOnly(sampler=Sampler(Policy(sample_steps=1 << 30)))
 
 
@@ -565,7 +565,7 @@ def per_call_cost(steps: int, rounds: int, loops: int) -> dict:
     w = torch.randn(32, 32)
     loop_modes = {"off": None, "no-op mode": _NoOpMode(), "agent, skipped": skip.mode}
     best = dict.fromkeys(loop_modes, float("inf"))
-    skip.start()   # the module hooks as during a step; no module runs in the loop
+    skip.start()   # following modules as during a step; no module runs in the loop
     skip.stop()
     for _ in range(loops):
         for name, mode in loop_modes.items():
@@ -713,7 +713,7 @@ def main() -> None:
         hooks = (r["cpu"]["capture only"] - r["cpu"]["no location"]) / max(r["records_per_step"], 1) * 1e6
         print(f"  {r['model']:5s} location.current() {r['location_us']:6.2f} us per captured call "
               f"({r['location_calls']} calls timed); capture only - no location: {hooks:6.1f} us/record "
-              "(the module hooks included; noisy)")
+              "(noisy)")
     if coll is not None:
         print(f"\ncollectives (2 gloo ranks, float32 x {ns.collective_numel}, {ns.collective_iters} calls x 3 blocks "
               f"each; {int(coll['records'])} records captured on rank 0)")
