@@ -3,6 +3,7 @@ memory budget (gpu_server/intake/admission/budget.py) after `admit` refused a re
 `Limits.max_record_bytes`; `batch` splits a batch frame into its records."""
 from __future__ import annotations
 
+import ctypes
 import mmap
 import time
 from typing import Callable
@@ -34,7 +35,7 @@ class FrameAssembler:
         self.cancelled = cancelled
         self.share = share
         self.record: pb.Record | None = None
-        self.payload: mmap.mmap | None = None   # written as the chunks arrive: pages are taken as they are written
+        self.payload: _Payload | None = None    # written as the chunks arrive: pages are taken as they are written
         self._first: bytes | memoryview = b""     # the first frame's data, until the second frame comes
         self.filled = 0
         self.refused_seq: int | None = None
@@ -218,13 +219,13 @@ class FrameAssembler:
                             f"the payload at {self.filled} of {rec.payload_bytes}")
         self._keep(len(data))   # the rest of the message (its framing) is given back once it is handled
         if self.payload is None:
-            self.payload = mmap.mmap(-1, expected)
-            self.payload[:len(self._first)] = self._first
+            self.payload = _Payload(expected)
+            self.payload.write(0, self._first)
             self._first = b""
-        self.payload[offset:offset + len(data)] = data
+        self.payload.write(offset, data)
         self.filled += len(data)
         if self.filled == expected:
-            out = (self.record, memoryview(self.payload))
+            out = (self.record, memoryview(self.payload.map))
             self.record, self.payload, self.filled = None, None, 0
             if self.share is not None:
                 self.share.ended(id(self))
@@ -330,7 +331,7 @@ class FrameAssembler:
     def reset(self) -> None:
         """Drop the record being assembled and give back what it held."""
         if self.payload is not None:
-            self.payload.close()
+            self.payload.map.close()
         self._first = b""
         self._admitted = None
         if self.record is not None and self.share is not None:
@@ -347,3 +348,52 @@ class FrameAssembler:
         self.drop_loose()
         self._give(self.reserved, self._reserved_recv)
         self.reserved = self._reserved_recv = 0
+
+
+_PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+_HUGE_ON, _HUGE_OFF = getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_NOHUGEPAGE", None)
+HUGE_PAGE = 2 * MiB   # a transparent huge page (x86-64, and arm64 with 4 KiB pages)
+
+
+class _Payload:
+    """The buffer a record of several chunks is joined in: private anonymous memory whose pages are taken as they are
+    written (never what the header announces).
+
+    Fresh memory costs a page fault per 4 KiB page on its first touch, several times what copying the bytes in
+    costs (a shared mapping, as `mmap.mmap(-1, n)` makes, costs more still): so each stretch of whole huge pages a
+    chunk fills is asked for as huge pages (`madvise`, where the kernel has transparent huge pages). Only stretches
+    a chunk is about to fill completely: the rest of the buffer stays in 4 KiB pages, so the memory taken is still
+    the bytes received, rounded to 4 KiB at the ends."""
+
+    __slots__ = ("map", "_base")
+
+    def __init__(self, size: int):
+        self.map = mmap.mmap(-1, size, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, size)
+        self._base = -1   # the mapping's address (huge pages are aligned to it), -1: no huge pages
+        if _HUGE_ON is not None and _HUGE_OFF is not None and size >= HUGE_PAGE:
+            try:
+                self.map.madvise(_HUGE_OFF)   # whatever the system default: only what is written gets huge pages
+                pin = ctypes.c_char.from_buffer(self.map)
+                self._base = ctypes.addressof(pin)
+                del pin   # (it holds an export of the mapping, which cannot close while one is held)
+            except (OSError, ValueError):
+                self._base = -1
+
+    def write(self, off: int, data: bytes | memoryview) -> None:
+        end = off + len(data)
+        if self._base >= 0:
+            lo, hi = whole_huge_pages(self._base, off, end)
+            if hi > lo:
+                try:
+                    self.map.madvise(_HUGE_ON, lo, hi - lo)
+                except OSError:
+                    pass
+        self.map[off:end] = data
+
+
+def whole_huge_pages(base: int, start: int, end: int) -> tuple[int, int]:
+    """The offsets [lo, hi) of the whole huge pages inside [start, end) of a buffer at address `base` (lo >= hi:
+    none)."""
+    lo = -(-(base + start) // HUGE_PAGE) * HUGE_PAGE - base
+    hi = (base + end) // HUGE_PAGE * HUGE_PAGE - base
+    return lo, hi
