@@ -103,3 +103,56 @@ def test_call_finiteness_tells_the_origin_and_whose_fault():
     assert not carried.origin and not carried.inputs_finite
     assert all_finite({"a": [x, 3, None]}) and not all_finite((x, torch.tensor([INF])))
     assert not bench_nonfinite([torch.tensor([65000.0])], [torch.tensor([1.0], dtype=torch.float16)])
+
+
+def _reference_finite(t: torch.Tensor, dtype=None) -> bool:
+    """What `finite` must answer: every element, converted to `dtype`, finite (the element-by-element reading)."""
+    return bool(torch.isfinite(t if dtype is None else t.to(dtype)).all())
+
+
+def test_finite_from_the_extremes_agrees_with_reading_every_element():
+    from gpu_server.judging.nonfinite import finite
+
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        for n in (1, 2, 7, 16, 17, 33, 1000, 4099):
+            for pos in sorted({0, n // 2, n - 1}):
+                for value in (INF, -INF, NAN, None):
+                    t = torch.randn(n, generator=g).to(dtype)
+                    if value is not None:
+                        t[pos] = value
+                    views = [t, t[::2] if n > 1 else t, t.reshape(1, -1).t()]
+                    for v in views:
+                        assert finite(v) == _reference_finite(v), (dtype, n, pos, value)
+                        checked += 1
+    assert checked > 1000
+
+
+def test_finite_in_a_narrower_dtype_sees_the_overflow_of_that_dtype_only():
+    from gpu_server.judging.nonfinite import finite
+
+    # float64 bench values above float16's largest (65504) and float32's: finite in float64, not in the narrower
+    for big, narrow in ((70000.0, torch.float16), (1e39, torch.float32), (3.5e38, torch.bfloat16)):
+        for sign in (1.0, -1.0):
+            t = torch.tensor([0.5, sign * big, -2.0], dtype=torch.float64)
+            assert finite(t)
+            assert finite(t, narrow) is False == _reference_finite(t, narrow)
+    t = torch.tensor([65504.0, -65504.0, 65519.0], dtype=torch.float64)   # 65519 still rounds to 65504
+    assert finite(t, torch.float16) is True == _reference_finite(t, torch.float16)
+    t = torch.tensor([65520.0], dtype=torch.float64)                         # rounds to inf
+    assert finite(t, torch.float16) is False == _reference_finite(t, torch.float16)
+    # types aminmax does not take are read element by element, with the same answers
+    z = torch.tensor([1 + 1j, complex(INF, 0)], dtype=torch.complex64)
+    assert finite(z) is False and finite(z[:1]) is True
+    f8 = torch.tensor([1.0, 2.0]).to(torch.float8_e5m2)
+    assert finite(f8) is True
+    assert finite(torch.empty(0)) is True
+
+
+def test_bench_nonfinite_and_all_finite_keep_their_answers():
+    bench = [torch.tensor([1.0, 70000.0], dtype=torch.float32), torch.tensor([3], dtype=torch.int64)]
+    assert bench_nonfinite(bench, [torch.tensor([1.0, 2.0], dtype=torch.float16), torch.tensor([3])])
+    assert not bench_nonfinite(bench, [torch.tensor([1.0, 2.0], dtype=torch.float32), torch.tensor([3])])
+    assert all_finite(((torch.ones(3), {"k": [torch.zeros(2, dtype=torch.bfloat16)]}), torch.tensor([1, 2])))
+    assert not all_finite((torch.ones(3), {"k": [torch.tensor([1.0, NAN])]}))
