@@ -335,3 +335,21 @@ def test_file_names_that_reach_the_log_are_escaped(tmp_path, caplog):
     assert "x\\n[gpu-server] ERROR forged" in caplog.text
     assert not any(line.startswith("[gpu-server] ERROR forged") for r in caplog.records
                    for line in r.getMessage().splitlines())
+
+
+def test_ranks_with_a_backlog_take_turns_one_file_each(tmp_path):
+    """A folder written before the server started (bench/server.py --records): the reader hands the ranks' records
+    to the intake alternately, in sequence order within each rank, so that with --workers 2 (one worker per rank)
+    neither worker waits for the other rank's backlog to be read first."""
+    nfs = tmp_path / "nfs"
+    nfs.mkdir()
+    for rank in (0, 1, 2):
+        write_run(nfs, 4 if rank < 2 else 2, rank=rank)
+    c = Collect()
+    reader = c.reader(nfs)
+    assert reader.poll_once()
+    got = [(j.rank, j.seq) for j in c.jobs]
+    assert got == [(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (0, 3), (1, 3)]
+    assert sorted(e.rank for e in c.ends) == [0, 1, 2], "each rank's end marker after its records"
+    assert all(listing(nfs, r) == [] for r in (0, 1, 2))
+    assert not reader.poll_once()

@@ -13,7 +13,10 @@ Rules:
 * Each run and rank is processed in sequence order. A missing sequence number is waited for; it is skipped (with a
   warning) only when that run's end marker has been present for `gap_grace_s`, since the agent writes the marker
   after every record it will ever write. The end marker is handled after every record before it.
-* A file is deleted only after `Intake.accept` returned for it. After a restart of the server, whatever is left in
+* A file is deleted only once the intake has answered each of its records (durable in the spool, or refused). The
+  reader does not wait for that before it reads the next file (at most `UNSETTLED_FILES` wait), so the spool writes
+  while the next records are read and decoded; every file is settled before an end marker is handled and before a
+  pass ends. After a restart of the server, whatever is left in
   the folder is read again (the intake drops duplicates within a run).
 * Sizes are checked against the limits before anything is allocated: a frame is at most `max_frame_bytes`, a
   record's payload at most `max_record_bytes` and never more than the file holds.
@@ -39,6 +42,7 @@ Rules:
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import logging
@@ -47,7 +51,7 @@ import re
 import stat
 import threading
 import time
-from typing import Callable
+from typing import Callable, Generator
 
 from google.protobuf.message import DecodeError
 
@@ -68,6 +72,8 @@ REJECTED_DIR = "rejected"
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 ORIGIN = "folder"   # who sent the folder's records, for Intake.end_backed
+TURN_GROUP = 64     # rank folders whose streams take turns together in a pass (FolderReader.poll_once)
+UNSETTLED_FILES = 8   # files read whose records are not all durable yet, at most, before the reader waits for one
 
 
 class _Dir:
@@ -121,6 +127,7 @@ class FolderReader:
         self._thread: threading.Thread | None = None
         self.errors = 0
         self.swept = 0   # record files the stop's sweep processed
+        self._unsettled: collections.deque = collections.deque()   # (folder, file, answers) not deleted yet
 
     # -- lifecycle -----------------------------------------------------------------------------------------
     def start(self) -> str:
@@ -192,24 +199,60 @@ class FolderReader:
 
     # -- one pass ------------------------------------------------------------------------------------------
     def poll_once(self) -> bool:
-        """Process everything that is ready now. True when anything was processed."""
-        busy = False
+        """Process everything that is ready now. True when anything was processed.
+
+        The streams (one per run and rank) take turns, one record file each (`_take_turns`): a rank with a backlog
+        (a folder written before the server started, or a rank whose worker is slower) does not hold back the
+        others while it waits for the memory budget, so each rank's worker gets its records as soon as the budget
+        allows (gpu-server --workers 2: one worker per rank). Within a stream the order is the sequence order. The
+        rank folders take turns in groups of `TURN_GROUP` (each open folder holds a descriptor)."""
         try:
             entries = list(os.scandir(self.nfs_path))
         except OSError as exc:
             self._report_once(f"dir:{self.nfs_path}", "cannot list the shared folder %s: %s", self.nfs_path, exc)
             return False
-        for entry in sorted(entries, key=lambda e: e.name):
-            m = RANK_DIR.match(entry.name)
-            if m:
-                folder = self._open_dir(entry.name)
-                if folder is not None:
-                    try:
-                        busy |= self._poll_rank(folder, int(m.group(1)))
-                    finally:
-                        os.close(folder.fd)
-            if self._cut():
-                break
+        busy = False
+        folders: list[_Dir] = []
+        streams: list[Generator[bool, None, bool]] = []
+        try:
+            for entry in sorted(entries, key=lambda e: e.name):
+                m = RANK_DIR.match(entry.name)
+                if m:
+                    folder = self._open_dir(entry.name)
+                    if folder is not None:
+                        folders.append(folder)
+                        streams += self._poll_rank(folder, int(m.group(1)))
+                        if len(folders) >= TURN_GROUP:
+                            busy |= self._take_turns(streams)
+                            streams = []
+                            self._settle(0)   # their files are deleted before their folders close
+                            while folders:
+                                os.close(folders.pop().fd)
+                if self._cut():
+                    break
+            busy |= self._take_turns(streams)
+        finally:
+            try:
+                self._settle(0)
+            finally:
+                for folder in folders:
+                    os.close(folder.fd)
+        return busy
+
+    def _take_turns(self, streams: list[Generator[bool, None, bool]]) -> bool:
+        """Run the streams' generators (`_poll_stream`) round robin, one step (one record file) each per turn, until
+        every one has finished; True when any processed something."""
+        busy = False
+        while streams:
+            still = []
+            for stream in streams:
+                try:
+                    busy |= next(stream)
+                except StopIteration as done:
+                    busy |= bool(done.value)
+                    continue
+                still.append(stream)
+            streams = still
         return busy
 
     def _open_dir(self, name: str) -> _Dir | None:
@@ -224,11 +267,13 @@ class FolderReader:
             return None
         return _Dir(path, fd, name)
 
-    def _poll_rank(self, folder: _Dir, rank: int) -> bool:
+    def _poll_rank(self, folder: _Dir, rank: int) -> list[Generator[bool, None, bool]]:
+        """The rank's streams (one per run) with something to do, as `_poll_stream` generators; files with names
+        that are not the agent's are moved aside now."""
         try:
             names = os.listdir(folder.fd)
         except OSError:
-            return False
+            return []
         records: dict[str, dict[int, str]] = {}
         ends: dict[str, str] = {}
         for name in names:
@@ -244,14 +289,14 @@ class FolderReader:
                 continue
             self._move_aside(folder, name, f"the name is not '{{run}}.rank{rank}.{{seq:012d}}.rec' or "
                                            f"'{{run}}.rank{rank}.end'")
-        busy = False
-        for run_id in sorted(set(records) | set(ends)):
-            if self._cut():
-                break
-            busy |= self._poll_stream(folder, run_id, rank, records.get(run_id, {}), ends.get(run_id))
-        return busy
+        return [self._poll_stream(folder, run_id, rank, records.get(run_id, {}), ends.get(run_id))
+                for run_id in sorted(set(records) | set(ends))]
 
-    def _poll_stream(self, folder: _Dir, run_id: str, rank: int, files: dict[int, str], end: str | None) -> bool:
+    def _poll_stream(self, folder: _Dir, run_id: str, rank: int, files: dict[int, str],
+                     end: str | None) -> Generator[bool, None, bool]:
+        """One run and rank's ready files in sequence order, then its end marker: a generator that yields after each
+        record file it processed (whether it processed anything so far: the other streams take their turn,
+        `_take_turns`) and returns that at its end. It checks `_cut()` before each file, as before."""
         st = self._streams.setdefault((run_id, rank), _Stream())
         if st.ended and not files and end is None:
             return False
@@ -270,6 +315,7 @@ class FolderReader:
             if seq < st.next_seq:
                 # Older than what this process already handled (a re-published file): the intake dedupes it.
                 busy |= self._process_record(folder, files[seq], run_id, rank, seq) > 0
+                yield busy
                 continue
             if seq > st.next_seq and self._sweeping:
                 # stopping: the files present are all there is to read now; a missing one is read at the next start
@@ -296,6 +342,7 @@ class FolderReader:
             st.next_seq = seq + covered
             st.gap_since, st.gap_reported = None, False
             busy = True
+            yield busy
         handled = set(files.values())
         if end is not None:
             # Every record the agent wrote was published before its end marker; a listing taken before the marker
@@ -308,6 +355,7 @@ class FolderReader:
                 later = []
             if later:
                 return True
+            self._settle(0)   # the end marker counts once every record before it is durable, as before
             self._process_end(folder, end, run_id, rank, st)
             busy = True
         return busy
@@ -426,25 +474,39 @@ class FolderReader:
             stream.asm.close()   # what no record took (a file refused half-way)
         n = len(records)
         records.reverse()
+        answers = []
         try:
             while records:
                 item = records.pop()
                 before = self.intake.not_replayable
-                status, reason = stream.accept(item)
+                out = stream.answer(item)   # spooled (its ticket answers once durable), or refused at once
                 valid = self.intake.not_replayable > before   # valid, but not replayable here: not "rejected"
-                rec_seq = item.record.header.seq
+                answers.append((item.record.header.seq, valid, out))
                 del item
+        finally:
+            stream.release(records)   # records not handed to the intake (an error above): their bytes go back
+        self._unsettled.append((folder, name, answers))
+        self._settle(UNSETTLED_FILES)
+        return n
+
+    def _settle(self, keep: int) -> None:
+        """Delete the files whose records are all durable, oldest first, until at most `keep` wait (0: wait for
+        every one). A file is deleted only once the intake has answered each of its records (durable in the spool,
+        or refused), as before; the reader does not wait for that before it reads the next file (the spool writes
+        while the next record is read and decoded, and the records that came meanwhile share its next fsync)."""
+        while self._unsettled and (len(self._unsettled) > keep or all(
+                isinstance(out, pb.Ack) or out.ready() for _seq, _valid, out in self._unsettled[0][2])):
+            folder, name, answers = self._unsettled.popleft()
+            for rec_seq, valid, out in answers:
+                status, reason = (out.status, out.reason) if isinstance(out, pb.Ack) else out.wait()
                 if status == pb.Ack.REJECTED and valid:
                     log.info("shared folder: %s (record %d) is not replayable here (a SKIP row says why): %s",
                              log_text(name, 300), rec_seq, reason)
                 elif status == pb.Ack.REJECTED:
                     log.warning("shared folder: %s (record %d) rejected: %s", log_text(name, 300), rec_seq, reason)
-        finally:
-            stream.release(records)   # records not handed to the intake (an error above): their bytes go back
-        self._remove(folder, name)
-        if self._sweeping:
-            self.swept += 1
-        return n
+            self._remove(folder, name)
+            if self._sweeping:
+                self.swept += 1
 
     def _process_end(self, folder: _Dir, name: str, run_id: str, rank: int, st: _Stream) -> None:
         path = folder.join(name)
