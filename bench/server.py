@@ -13,14 +13,23 @@
    worker per rank; needs `--ranks 2`), `--exit-when-done`: from start to exit (start-up included), divided by the
    training steps recorded (all ranks).
 
+4. The replay floor on the same records, in the same run: for each worker count, one process per worker (pinned
+   to that worker's core, the ranks routed to it) decodes every record and runs exactly the replays the server runs
+   for it, timed alone: the float64 (bench) run and the same-dtype run of each forward record, keeping their
+   autograd graphs where the backward record will come, and of each backward record on those graphs
+   (gpu_server/replay/sandbox.py `InlineReplayer` over gpu_server/replay/run.py, as the checker calls them). No
+   intake, spool, metrics, spread runs or reports: what the server spends above it is its overhead.
+
 `--keep DIR` keeps the recorded folder (and the training's step time) in DIR; `--records DIR` reuses such a folder
 instead of training again. `--replay-in both` (the default) times each worker count with replays in worker
 processes (the server's default) and in the server's own threads, side by side. `--baseline SRC` also times the
 server code of another source tree (e.g. a `git archive` of main) on the same records, in the same run, so that
 before and after are printed side by side.
 
-Prints records/s, the server's seconds per training step for each worker count, and the ratio to the training's
-step time last. `--device cuda` runs the server on the GPU (bench/gpu_check.sh).
+Prints records/s, the server's seconds per training step for each worker count and the ratio to the training's
+step time, then the floor's seconds and records/s, the ratio server / floor for each worker count (wall; CPU in
+brackets), and records/s of 2 workers over 1 (the floor's own, on this machine, beside it) last.
+`--device cuda` runs the server and the floor on the GPU (bench/gpu_check.sh).
 """
 from __future__ import annotations
 
@@ -131,6 +140,141 @@ def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str 
     return seconds, sum(summary["records_received"].values()), cpu
 
 
+def _folder_records(nfs: str, rank: int):
+    """(record, payload) of every record file of `rank` in the recorded folder, in sequence order, read the way the
+    folder intake reads them (protos/folder_format.py: the magic, then length-prefixed frames; one record, its
+    chunks, or one Batch frame)."""
+    from gpu_server.intake.assembler import FrameAssembler
+    from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH, RECORD_FILE
+    from protos.framing import parse_frame, split_batch
+    from protos.limits import DEFAULT_LIMITS
+
+    folder = os.path.join(nfs, f"rank{rank}")
+    names = sorted((int(m.group(3)), m.group(0)) for m in map(RECORD_FILE.match, os.listdir(folder)) if m)
+    for _, name in names:
+        with open(os.path.join(folder, name), "rb") as fh:
+            raw = fh.read()
+        assert raw.startswith(FOLDER_MAGIC), name
+        pos, asm = len(FOLDER_MAGIC), FrameAssembler()
+        while pos < len(raw):
+            (n,) = FRAME_LENGTH.unpack_from(raw, pos)
+            frame, data = parse_frame(raw[pos + FRAME_LENGTH.size:pos + FRAME_LENGTH.size + n])
+            pos += FRAME_LENGTH.size + n
+            if frame.WhichOneof("body") == "batch":
+                yield from split_batch(frame, DEFAULT_LIMITS, data)
+            else:
+                done = asm.feed(frame, data)
+                if done is not None:
+                    yield done
+
+
+def replay_floor(nfs: str, ranks: list[int], workers: int, device_name: str = "cpu") -> dict:
+    """The replay floor of one server worker, in this process: every record of `ranks` decoded
+    (gpu_server/decode.py), then exactly the replays the server runs for it, timed alone: the bench run and the
+    same-dtype run of each forward record (with their autograd graphs kept when its backward record will come, as
+    gpu_server/checking/pending.py asks), and of each backward record on the graphs its forward kept
+    (gpu_server/replay/sandbox.py `InlineReplayer`, the functions of gpu_server/replay/run.py the checker's replays
+    run; a call whose graphs were not kept is replayed in full, as the checker does). Nothing else: no intake, spool,
+    metrics, spread runs or reports. Records the server does not replay (a SKIP reason, a collective, a record the
+    intake finds not replayable) are decoded and left out, as the server leaves them out."""
+    import torch
+
+    from gpu_server.decode import decode_job
+    from gpu_server.job import call_key
+    from gpu_server.replay import run as replay
+    from gpu_server.replay.registry import replayable
+    from gpu_server.replay.run import ReplayError, flatten_outputs
+    from gpu_server.replay.sandbox import InlineReplayer
+    from protos import online_check_pb2 as pb
+
+    device = torch.device(device_name)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)   # a GPU's time is its kernels'
+    torch.set_grad_enabled(False)            # as the server's worker threads
+    replay.warm_up()                         # as the server, before its first record
+    match = workers == 1                     # several CPU workers: no per-call thread count (checking/workers.py)
+    if workers > 1:
+        torch.set_num_threads(max(1, replay.usable_cores()))   # this process is one worker's share of the cores
+    replayer = InlineReplayer(device)
+    graph_budget = 2 << 30                   # gpu-server --graph-memory-mb's default, per worker
+    waiting: dict = {}                       # call -> (forward job, kept graphs, their bytes), oldest first
+    held = 0
+    seconds = cpu = decode = 0.0
+    records = replayed = full = 0
+
+    def timed(fn, *args):
+        nonlocal seconds, cpu
+        sync()
+        w0, c0 = time.perf_counter(), time.process_time()
+        try:
+            return fn(*args)
+        except ReplayError:
+            return None
+        finally:
+            sync()
+            seconds += time.perf_counter() - w0
+            cpu += time.process_time() - c0
+
+    for rank in ranks:
+        for record, payload in _folder_records(nfs, rank):
+            records += 1
+            d0 = time.perf_counter()
+            job = decode_job(record, payload)
+            decode += time.perf_counter() - d0
+            if job.collective is not None:
+                continue
+            if not job.skip_reason:
+                job.skip_reason = replayable(job.category, job.api, job.args, job.kwargs) or ""
+            if job.direction == pb.FORWARD:
+                runs = None
+                if not job.skip_reason:
+                    replayed += 1
+                    runs = timed(replayer.forward, job, job.backward_expected, match)
+                if job.backward_expected:
+                    old = waiting.pop(call_key(job), None)
+                    held -= old[2] if old else 0
+                    kept = runs.kept if runs is not None else None
+                    waiting[call_key(job)] = (job, kept, runs.nbytes if kept is not None else 0)
+                    held += waiting[call_key(job)][2]
+                    while held > graph_budget:   # the oldest kept graphs go first (pending.py `_evict_graphs`)
+                        key = next(k for k, v in waiting.items() if v[1] is not None)
+                        fwd, _, nbytes = waiting[key]
+                        waiting[key] = (fwd, None, 0)
+                        held -= nbytes
+                continue
+            fwd, kept, nbytes = waiting.pop(call_key(job), (None, None, 0))
+            held -= nbytes
+            if (job.skip_reason or fwd is None or fwd.skip_reason or job.grad_input is None
+                    or not flatten_outputs(job.grad_input)):
+                continue
+            replayed += 1
+            full += kept is None
+            timed(replayer.backward, fwd, job, kept, match)
+    return {"seconds": seconds, "cpu": cpu, "records": records, "replayed": replayed, "decode": decode,
+            "full_backward": full}
+
+
+def floor(keep: str, workers: int, ranks: int, device: str) -> dict:
+    """The replay floor for `workers` workers: one process per worker, pinned to the core that worker's server gets,
+    each replaying the records of the ranks routed to it (rank % workers), side by side. Seconds: the slowest one's
+    replay time (the worker that finishes last); CPU: all of theirs."""
+    procs = []
+    for i in range(workers):
+        mine = ",".join(str(r) for r in range(ranks) if r % workers == i)
+        cmd = [sys.executable, os.path.abspath(__file__), "--floor-of", keep, "--floor-ranks", mine,
+               "--floor-workers", str(workers), "--device", device]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env=dict(os.environ, PYTHONPATH=ROOT), preexec_fn=_pin([1 + i])))
+    parts = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=7200)
+        if proc.returncode:
+            sys.exit(f"the replay floor failed:\n{err[-3000:]}")
+        parts.append(_json_line(out))
+    return {"seconds": max(p["seconds"] for p in parts), "cpu": sum(p["cpu"] for p in parts),
+            "records": sum(p["records"] for p in parts), "replayed": sum(p["replayed"] for p in parts),
+            "decode": max(p["decode"] for p in parts)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
@@ -145,7 +289,14 @@ def main() -> None:
     p.add_argument("--baseline", help="also time the server code of this source tree on the same records")
     p.add_argument("--replay-in", choices=("both", "process", "thread"), default="both",
                    help="time replays in worker processes, in the server's threads, or both side by side (default)")
+    p.add_argument("--floor-of", help=argparse.SUPPRESS)          # internal: one worker's replay floor (`floor`)
+    p.add_argument("--floor-ranks", help=argparse.SUPPRESS)
+    p.add_argument("--floor-workers", type=int, default=1, help=argparse.SUPPRESS)
     ns = p.parse_args()
+    if ns.floor_of:
+        ranks = [int(r) for r in ns.floor_ranks.split(",") if r]
+        print("BENCH " + json.dumps(replay_floor(ns.floor_of, ranks, ns.floor_workers, ns.device)))
+        return
     work = tempfile.mkdtemp(prefix="bench-server-")
     try:
         nfs = os.path.join(work, "nfs")
@@ -165,11 +316,12 @@ def main() -> None:
                 with open(os.path.join(ns.keep, "bench.json"), "w", encoding="utf-8") as fh:
                     json.dump({"plain": plain, "recorded": recorded, "steps": ns.steps, "ranks": ns.ranks}, fh)
             shutil.copytree(nfs, keep, copy_function=_link_or_copy)
-        rows = []
+        rows, floors = [], {}
         modes = ("process", "thread") if ns.replay_in == "both" else (ns.replay_in,)
         codes = [(f" --replay-in {m}", ROOT, m) for m in modes] + (
             [(" (baseline)", os.path.abspath(ns.baseline), "")] if ns.baseline else [])
         for workers in (1, 2) if ns.ranks >= 2 else (1,):
+            floors[workers] = floor(keep, workers, ns.ranks, ns.device)
             for label, root, mode in codes:
                 shutil.rmtree(nfs, ignore_errors=True)
                 shutil.copytree(keep, nfs, copy_function=_link_or_copy)   # the server consumes its folder
@@ -189,6 +341,19 @@ def main() -> None:
         print("ratio (server time per training step / training CPU per step): "
               + ", ".join(f"workers={w}: {s / (ns.steps + 1) / ns.ranks / base:.1f}x (CPU "
                           f"{c / (ns.steps + 1) / ns.ranks / base:.1f}x)" for w, s, _, c in rows))
+        for workers, f in floors.items():
+            print(f"replay floor, {workers} worker(s) ({workers} process(es), one core each, side by side): "
+                  f"{f['replayed']} of {f['records']} records replayed (bench + same-dtype, forward and backward) in "
+                  f"{f['seconds']:.1f} s = {f['records'] / f['seconds']:.0f} records/s; CPU {f['cpu']:.1f} s "
+                  f"(decoding, not counted: {f['decode']:.1f} s)")
+        print("ratio (server time / its replay floor): " + ", ".join(
+            f"workers={w}: {s / floors[int(w.split()[0])]['seconds']:.2f}x (CPU "
+            f"{c / floors[int(w.split()[0])]['cpu']:.2f}x)" for w, s, _, c in rows))
+        if len(floors) == 2:
+            by = {w: r / s for w, s, r, _ in rows}
+            print("records/s, 2 workers / 1 worker: " + ", ".join(
+                f"{w[1:].strip() or 'this tree'}: {by['2' + w[1:]] / by[w]:.2f}x" for w in by if w.startswith("1"))
+                  + f"; replay floor: {floors[1]['seconds'] / floors[2]['seconds']:.2f}x")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

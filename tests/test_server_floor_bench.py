@@ -1,0 +1,49 @@
+"""bench/server.py's replay floor (issue 25): it reads a recorded folder the way the folder intake does and runs the
+replays the server runs for each record, and only those (a record with a SKIP reason is decoded, not replayed)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from npu_agent.records import PendingRecord
+from npu_agent.sender import Sender
+from npu_agent.snapshot import snapshot
+from npu_agent.transport_folder import FolderTransport
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUN = "floor0123456789ab"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_server", os.path.join(ROOT, "bench", "server.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _write(nfs: str, rank: int, n: int, skipped: set[int]) -> None:
+    transport = FolderTransport(nfs, RUN, rank, 2)
+    sender = Sender(transport, budget_bytes=64 << 20)
+    for i in range(n):
+        x = torch.arange(64, dtype=torch.float32) - 32 + rank
+        rec = PendingRecord(name=f"Functional.relu.{i}", step=0, inputs=snapshot(((x,), {})),
+                            output=snapshot(torch.relu(x)), skip_reason="not wanted" if i in skipped else "")
+        sender.submit(rec)
+    sender.close(timeout=30)
+
+
+def test_the_floor_replays_what_the_server_replays_rank_by_rank(tmp_path):
+    bench = _bench()
+    nfs = str(tmp_path / "nfs")
+    os.makedirs(nfs)
+    _write(nfs, 0, 5, skipped={3})
+    _write(nfs, 1, 2, skipped=set())
+    seqs = [int(rec.header.seq) for rec, _ in bench._folder_records(nfs, 0)]
+    assert seqs == sorted(seqs) and len(seqs) == 5, "every record of the rank, in sequence order"
+    both = bench.replay_floor(nfs, [0, 1], workers=1)
+    assert (both["records"], both["replayed"], both["full_backward"]) == (7, 6, 0)
+    one = bench.replay_floor(nfs, [1], workers=2)
+    assert (one["records"], one["replayed"]) == (2, 2)
+    assert os.listdir(os.path.join(nfs, "rank0")), "the floor reads the folder and leaves it as it is"
