@@ -11,7 +11,9 @@ is measured alone. The training thread keeps one core, the agent's threads (`onl
 other. Per step, off and on alternating round by round: wall time and the training thread's CPU; the MB the agent
 writes a step against the MB/s the training makes them at; and the folder's floor: the same files written and
 published bare (new file, write, fsync, rename, fsync of the folder) by one thread on the agent's core. `--folder`
-picks where the folder is made: /dev/shm shows the agent where the disk is not the limit.
+picks where the folder is made: /dev/shm shows the agent where the disk is not the limit. After each round the
+bench removes the round's record files, as the server would have read them (in /dev/shm they would take the
+memory: 3 rounds of the mid transformer are about 15 GB).
 
 Per call (`--per-call`, no server; issue 25 goal 2): against its floor, a TorchFunctionMode that does nothing, in
 the same process: TinyLM (tiny) steps alternating step by step between off, the no-op mode, the agent's capture mode
@@ -78,9 +80,12 @@ REPO = _repo_arg()
 sys.path.insert(0, REPO)
 
 
+ALL_CORES = sorted(os.sched_getaffinity(0))   # before this process pins itself: what --baseline's run gets back
+
+
 def _pin_training() -> tuple[int | None, int | None]:
     """Pin this process to one core before torch starts threads; return (training core, server core)."""
-    cores = sorted(os.sched_getaffinity(0))
+    cores = ALL_CORES
     if len(cores) < 2:
         return None, None
     os.sched_setaffinity(0, {cores[0]})
@@ -99,6 +104,7 @@ from examples.demo import TinyLM, batches, train_step  # noqa: E402
 from npu_agent import PrecisionDebugger, location  # noqa: E402
 from npu_agent.backward import BackwardTaps  # noqa: E402
 from npu_agent.capture import CaptureMode, Capturer  # noqa: E402
+from npu_agent.payload import FRAMES  # noqa: E402
 from npu_agent.sampling import Policy, Sampler  # noqa: E402
 
 MODELS = {
@@ -371,9 +377,11 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
     cpu = {"off": [], "on": []}
     drain = []
     written = [0, 0.0, 0.0]   # bytes the agent wrote in the measured rounds, its wall time to write them, its CPU
-    before = sender_cpu = 0
+    sender_cpu = 0.0
+    last: list[int] = []   # the sizes of the files the agent wrote in the last round, in their order
     try:
         dbg = PrecisionDebugger(config_path=cfg)
+        reused = FRAMES.reused
         moved = _pin_agent_threads()
         for r in range(rounds + 1):   # round 0 of each warms up (the agent's first records, page cache, frames)
             for name, d in (("off", None), ("on", dbg)):
@@ -389,15 +397,17 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
                     sender = dbg._sender
                     while sender is not None and (sender._unacked or sender._queue):
                         time.sleep(0.002)
+                    sizes = _take_files(folder)   # (a folder in memory, /dev/shm, would fill the memory)
                     if r:
                         drain.append(time.perf_counter() - w0)
-                        sizes = _file_sizes(folder)
-                        written[0] += sum(sizes) - before
+                        written[0] += sum(sizes)
                         written[1] += sum(wall["on"][-steps:]) + drain[-1]
                         written[2] += sender.sender_cpu - sender_cpu
-                    before, sender_cpu = sum(_file_sizes(folder)), sender.sender_cpu
+                        last = sizes
+                    sender_cpu = sender.sender_cpu
+        reused = FRAMES.reused - reused   # (read before close: the counter is the pool's, not cleared)
         counts = dbg.close()
-        floor = _write_floor(sorted(_file_sizes(folder)), nfs)
+        floor = _write_floor(last, nfs)
     finally:
         shutil.rmtree(nfs, ignore_errors=True)
     n = steps * rounds
@@ -406,15 +416,24 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
             "fastest wall": {k: min(v) for k, v in wall.items()}, "fastest cpu": {k: min(v) for k, v in cpu.items()},
             "counts": counts, "threads": moved, "bytes per step": written[0] / n,
             "agent MB/s": written[0] / max(written[1], 1e-9) / 1e6, "agent CPU per step": written[2] / n,
-            "floor MB/s": floor}
+            "floor MB/s": floor, "frames reused": reused}
 
 
-def _file_sizes(folder: str) -> list[int]:
-    return [os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs]
+def _take_files(folder: str) -> list[int]:
+    """The sizes of the record files the agent published in `folder` (every record is acknowledged, so published),
+    removing them as a server would have."""
+    sizes = []
+    for d, _, fs in os.walk(folder):
+        for f in fs:
+            if f.endswith(".rec") and not f.startswith("."):
+                path = os.path.join(d, f)
+                sizes.append(os.path.getsize(path))
+                os.unlink(path)
+    return sizes
 
 
 def _write_floor(sizes: list[int], where: str) -> float:
-    """The folder transport's floor, MB/s: files of the sizes the agent wrote, each written from one ready buffer
+    """The folder transport's floor, MB/s: files of the sizes the agent wrote in a round, each from one ready buffer
     and published as the agent publishes one (a new file, write, fsync, rename, fsync of the folder), by one thread
     on the agent's core. Writes each size once, at most 2 GB in all."""
     out = os.path.join(where, "floor")
@@ -456,10 +475,14 @@ def print_agent_alone(r: dict) -> None:
     made = r["bytes per step"] / r["wall"]["on"] / 1e6
     print(f"  records: {r['bytes per step'] / 1e6:.0f} MB a step, made at {made:.0f} MB/s by the training; the agent "
           f"wrote {r['agent MB/s']:.0f} MB/s (steps and drain), its sender thread {r['agent CPU per step'] * 1e3:.0f} "
-          f"ms CPU a step")
+          f"ms CPU a step; {r.get('frames reused', 0)} frames written into the memory of earlier ones (the rest "
+          f"into fresh memory)")
+    floor = max(r["floor MB/s"], 1e-9)
+    per_cpu = r["bytes per step"] / max(r["agent CPU per step"], 1e-9) / 1e6
     print(f"  the floor (the same files written and published bare, one thread on the agent's core): "
-          f"{r['floor MB/s']:.0f} MB/s, {r['bytes per step'] / r['floor MB/s'] / 1e3:.0f} ms a step; the agent "
-          f"writes at {r['agent MB/s'] / r['floor MB/s']:.2f} of it")
+          f"{floor:.0f} MB/s, {r['bytes per step'] / floor / 1e3:.0f} ms a step; the agent writes at "
+          f"{r['agent MB/s'] / floor:.2f} of it over the steps and drain (it cannot write faster than the training "
+          f"makes records), and {per_cpu:.0f} MB per second of its sender thread's CPU, {per_cpu / floor:.2f} of it")
     if r["agent MB/s"] < made:
         print("  the agent writes slower than the training makes records: a longer run fills the memory budget, "
               "then the training waits")
@@ -619,7 +642,8 @@ def _baseline(path: str, argv: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "baseline.json")
         subprocess.run([sys.executable, os.path.abspath(sys.argv[0]), *argv, "--repo", path, "--json", out],
-                       check=True, cwd=path, env=dict(os.environ, PYTHONPATH=path))
+                       check=True, cwd=path, env=dict(os.environ, PYTHONPATH=path),
+                       preexec_fn=lambda: os.sched_setaffinity(0, ALL_CORES))   # it pins itself as this one did
         with open(out) as fh:
             result: dict = json.load(fh)
     return result
