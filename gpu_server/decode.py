@@ -40,25 +40,21 @@ def decode_job(record: pb.Record, payload: bytes | bytearray | memoryview, limit
     h = record.header
     match = match or valid_call_name(h.name)
     dec = RecordDecoder(record, payload, limits)
-    requires_grad: set[int] = set()
-
-    def value(v):
-        return dec.value(v)
-
-    args = tuple(value(v) for v in record.args.items)
+    value = dec.value   # (a record's values are decoded in this order: the limits on their count apply across them)
+    has = record.HasField
+    args = tuple([value(v) for v in record.args.items])
     kwargs = dec.mapping(record.kwargs)
-    for i, meta in enumerate(record.tensors):
-        if meta.requires_grad:
-            requires_grad.add(id(dec.tensor(i)))
+    requires_grad = frozenset([id(dec.tensor(i)) for i, meta in enumerate(record.tensors) if meta.requires_grad])
+    autocast = record.autocast
     job = Job(
         run_id=h.run_id, rank=h.rank, step=h.step, seq=h.seq, name=h.name, category=match.group(1),
         api=match.group(2), direction=h.direction, args=args, kwargs=kwargs,
-        output=value(record.output) if record.HasField("output") else None,
-        grad_output=value(record.grad_output) if record.HasField("grad_output") else None,
-        grad_input=value(record.grad_input) if record.HasField("grad_input") else None,
-        grad_input_positions=tuple(record.grad_input_positions), requires_grad=frozenset(requires_grad),
+        output=value(record.output) if has("output") else None,
+        grad_output=value(record.grad_output) if has("grad_output") else None,
+        grad_input=value(record.grad_input) if has("grad_input") else None,
+        grad_input_positions=tuple(record.grad_input_positions), requires_grad=requires_grad,
         grad_enabled=record.grad_enabled,
-        autocast=(record.autocast.enabled, record.autocast.dtype, record.autocast.device_type),
+        autocast=(autocast.enabled, autocast.dtype, autocast.device_type),
         inplace=record.inplace, backward_expected=record.backward_expected, skip_reason=record.skip_reason[:1000],
         intra_op_threads=min(record.intra_op_threads, 1024),
         nbytes=len(payload), module=wire_text(h.module), source=wire_text(h.source), wire=(record, payload),

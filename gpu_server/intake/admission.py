@@ -26,6 +26,7 @@ from gpu_server.intake.budget import ByteBudget
 from gpu_server.job import Job
 from gpu_server.replay.registry import name_refused, replayable
 from gpu_server.seqset import SeqSet
+from gpu_server.spool.acks import Ticket
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, log_text, valid_call_name
@@ -33,7 +34,7 @@ from protos.limits import DEFAULT_LIMITS, RUN_ID, Limits, log_text, valid_call_n
 log = logging.getLogger("gpu_server")
 
 if TYPE_CHECKING:
-    from gpu_server.spool.store import Spool, Ticket
+    from gpu_server.spool.store import Spool
 
 ACCEPTED, DUPLICATE, REJECTED = pb.Ack.ACCEPTED, pb.Ack.DUPLICATE, pb.Ack.REJECTED
 
@@ -147,8 +148,6 @@ class Intake:
         connection or certificate it came over (`end_backed`). A rank at or above --world-size, or a (run, rank)
         beyond --max-run-ranks, is answered REJECTED and never reported (no report files for it).
         """
-        from gpu_server.spool.store import Ticket
-
         h = record.header
         self.received += 1
         if not RUN_ID.match(h.run_id):

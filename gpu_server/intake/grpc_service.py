@@ -164,21 +164,21 @@ class StreamHandler:
 
     async def _acks(self, answers: list) -> list[pb.Ack]:
         """The answers to one message, once each record is durable: a run of consecutive records with the same
-        answer and no reason in one Ack (`count`: a batch's), any other record in its own."""
-        out: list[pb.Ack] = []
+        answer and no reason in one Ack (`count`: a batch's), any other record in its own. A ticket that is ready
+        already (most are) is read at once, without a thread."""
+        runs: list[list] = []   # [seq, status, reason, count]
         for item in answers:
-            if isinstance(item, pb.Ack):
-                status, reason, seq = item.status, item.reason, item.seq
+            if not isinstance(item, pb.Ack) and not item.ready():
+                await self._ticket(item)
+            seq, status, reason = item.seq, item.status, item.reason
+            last = runs[-1] if runs else None
+            if (last is not None and not reason and not last[2] and last[1] == status
+                    and seq == last[0] + last[3]):
+                last[3] += 1
             else:
-                status, reason = await self._ticket(item)
-                seq = item.seq
-            last = out[-1] if out else None
-            if (last is not None and not reason and not last.reason and last.status == status
-                    and seq == last.seq + max(1, last.count)):
-                last.count = max(1, last.count) + 1
-            else:
-                out.append(pb.Ack(seq=seq, status=status, reason=reason))
-        return out
+                runs.append([seq, status, reason, 1])
+        return [pb.Ack(seq=seq, status=status, reason=reason, count=n) if n > 1
+                else pb.Ack(seq=seq, status=status, reason=reason) for seq, status, reason, n in runs]
 
     async def _read(self, request_iterator, acks: asyncio.Queue, peer: str, conn: _Connection) -> None:
         door = RecordStream(self.intake, self.limits, self.budget, conn.origin, self.on_end,

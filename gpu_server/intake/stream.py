@@ -33,8 +33,14 @@ if TYPE_CHECKING:
     from gpu_server.spool.store import Ticket
 
 log = logging.getLogger("gpu_server")
-INLINE_BYTES = 256 << 10   # records in one message up to this size are validated on the event loop, larger ones on a
-#                            thread (decoding is bounded by the size: at most ~0.1 s of loop time)
+# Validating a record costs what its header holds (values, the tensor table), not its tensor bytes (decoded tensors
+# are views into the payload), except a strided tensor, which decoding copies. The records of one message are
+# validated on the event loop when that is little work (a thread hand-off costs more than checking one large record:
+# ~0.1-0.2 ms of CPU on a busy 2-core host), on a thread otherwise: more than INLINE_RECORDS records, more
+# than INLINE_HEADER_BYTES of headers, or a strided tensor in a payload above INLINE_BYTES.
+INLINE_RECORDS = 32
+INLINE_HEADER_BYTES = 32 << 10
+INLINE_BYTES = 256 << 10
 
 
 class RecordSource(Protocol):
@@ -78,6 +84,14 @@ class Stopped(Exception):
     """The stream was cancelled while it waited for the memory budget."""
 
 
+def heavy(arrivals: list[Arrival]) -> bool:
+    """Whether validating these records (completed by one message) is worth a thread (INLINE_RECORDS)."""
+    if len(arrivals) > INLINE_RECORDS or sum(a.record.ByteSize() for a in arrivals) > INLINE_HEADER_BYTES:
+        return True
+    return (sum(len(a.payload) for a in arrivals) > INLINE_BYTES
+            and any(meta.stride for a in arrivals for meta in a.record.tensors))
+
+
 class RecordStream:
     """One stream's frames -> records handed to the intake, and the answers (Acks and Tickets) to send back."""
 
@@ -99,7 +113,6 @@ class RecordStream:
             self.asm.reset()
             return self.answers([pb.Ack(status=pb.Ack.REJECTED, reason=f"a {len(raw)}-byte message is not a valid "
                                         "Frame; this server speaks online_check.v1 protobuf only")])
-        size = len(raw)
         del raw
         body = frame.WhichOneof("body")
         if body == "hello":
@@ -112,8 +125,9 @@ class RecordStream:
             return [(yield from self.end(frame.end))]
         items = yield from self.records(frame, data)
         del frame, data
-        if any(isinstance(item, Arrival) for item in items):
-            return (yield Call(self.answers, (items,), size > INLINE_BYTES))
+        arrivals = [item for item in items if isinstance(item, Arrival)]
+        if arrivals:
+            return (yield Call(self.answers, (items,), heavy(arrivals)))
         return self.answers(items)
 
     def records(self, frame: pb.Frame, data: bytes | memoryview,
