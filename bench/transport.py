@@ -2,6 +2,9 @@
 
     python bench/transport.py            # 4 KiB (20,000 records), 64 KiB, 1 MiB, 16 MiB (~256 MiB each; ~5 min)
     python bench/transport.py --quick    # a smoke run (~32 MiB each, 5,000 small records)
+    python bench/transport.py --mib 128 --baseline /tmp/base   # also "before" rows: another checkout's agent and
+                                                                # server (e.g. the previous main), same run
+    python bench/transport.py --sizes 4k,1m --rows ours,raw     # only some sizes and transports
 
 For each tensor size it measures, with the receiving side in a separate process, after one warm-up record (the
 connection and TLS handshake are not timed):
@@ -35,6 +38,8 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if "--root" in sys.argv[:-1]:   # the code measured: another checkout's (--baseline runs this file with its root)
+    ROOT = os.path.abspath(sys.argv[sys.argv.index("--root") + 1])
 sys.path.insert(0, ROOT)
 
 MiB = 1 << 20
@@ -151,7 +156,8 @@ class Child:
 
     def __init__(self, mode: str, tls_dir: str = "", nfs: str = ""):
         env = dict(os.environ, PYTHONPATH=ROOT)
-        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", mode, "--tls", tls_dir, "--nfs", nfs],
+        self.proc = subprocess.Popen([sys.executable, __file__, "--serve", mode, "--tls", tls_dir, "--nfs", nfs,
+                                      "--root", ROOT],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         line = self.proc.stdout.readline()
         if not line.startswith("PORT"):
@@ -302,13 +308,63 @@ def make_pki(folder: str) -> str:
     return folder
 
 
+ROWS = {   # --rows key -> (label, function, needs the certificates)
+    "ours": ("ours (gRPC)", "bench_ours_grpc", False),
+    "one": ("one a message", "bench_ours_unbatched", False),
+    "tls": ("ours (mTLS)", "bench_ours_grpc_tls", True),
+    "folder": ("ours (folder)", "bench_ours_folder", False),
+    "raw": ("raw gRPC", "bench_raw_grpc", False),
+    "rawtls": ("raw mTLS", "bench_raw_grpc", True),
+    "tcp": ("raw TCP", "bench_raw_tcp", False),
+}
+BASELINE_ROWS = ("ours", "tls")   # what --baseline measures with the other checkout
+
+
+def _size(text: str) -> int:
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = {"k": 1024, "m": MiB}.get(text[-1:], 1)
+    return int(float(text.rstrip("km")) * scale)
+
+
+def _label(size: int) -> str:
+    return f"{size // 1024} KiB" if size < MiB else f"{size // MiB} MiB"
+
+
+def _print_row(size: int, name: str, n: int, dt: float, client: float, server: float) -> None:
+    print(f"{_label(size):>8} {name:<14} {size * n / dt / 1e6:9.0f} {n / dt:10.0f} {dt:7.2f} "
+          f"{client / n * 1e6:17.1f} {server / n * 1e6:19.1f}", flush=True)
+
+
+def _baseline(root: str, size: int, mib: float, quick: bool) -> dict:
+    """The BASELINE_ROWS measured with the checkout at `root` (this file, run with its code): label -> seconds."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--root", root, "--sizes", str(size), "--rows",
+           ",".join(BASELINE_ROWS), "--emit"] + (["--mib", str(mib)] if mib else []) + (["--quick"] if quick else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root))
+    rows = {}
+    for line in out.stdout.splitlines():
+        if line.startswith("ROW "):
+            _, key, n, dt, client, server = line.split()
+            label = "before " + ROWS[key][0].split(" ", 1)[1]
+            _print_row(size, label, int(n), float(dt), float(client), float(server))
+            rows[label] = float(dt)
+    if not rows:
+        raise RuntimeError(f"the baseline at {root} failed: {out.stderr[-2000:]}")
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a smoke run: ~32 MiB per size")
     p.add_argument("--mib", type=float, default=None, help="MiB sent per size and transport (default 256)")
+    p.add_argument("--sizes", default="4k,64k,1m,16m", help="tensor sizes measured (default 4k,64k,1m,16m)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"transports measured (default all: {','.join(ROWS)})")
+    p.add_argument("--baseline", default="", help="another checkout (a folder with npu_agent/ and gpu_server/): "
+                   "also measure its agent and server (ours, mTLS) in the same run, printed as 'before' rows")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--tls", default="", help=argparse.SUPPRESS)
     p.add_argument("--nfs", default="", help=argparse.SUPPRESS)
+    p.add_argument("--root", default="", help=argparse.SUPPRESS)
+    p.add_argument("--emit", action="store_true", help=argparse.SUPPRESS)   # machine-readable rows (--baseline)
     ns = p.parse_args(argv)
     if ns.serve:
         serve(ns.serve, ns.tls, ns.nfs)
@@ -317,39 +373,53 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.ERROR)
     total = (ns.mib or (32 if ns.quick else 256)) * MiB
-    print(f"transport throughput on loopback, {total / MiB:.0f} MiB per size and transport; receiver in another "
-          f"process; CPUs: {os.cpu_count()}")
+    sizes = [_size(t) for t in ns.sizes.split(",") if t.strip()]
+    keys = [k.strip() for k in ns.rows.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in ROWS]
+    if unknown:
+        p.error(f"unknown --rows {unknown}; choose from {','.join(ROWS)}")
+    if not ns.emit:
+        print(f"transport throughput on loopback, {total / MiB:.0f} MiB per size and transport; receiver in another "
+              f"process; CPUs: {os.cpu_count()}" + (f"; 'before': {ns.baseline}" if ns.baseline else ""))
     with tempfile.TemporaryDirectory(prefix="bench-pki-") as tmp:
         pki = make_pki(os.path.join(tmp, "pki"))
         client_tls, server_tls = os.path.join(pki, "clients", "bench"), os.path.join(pki, "server")
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         header = (f"{'tensor':>8} {'transport':<14} {'MB/s':>9} {'records/s':>10} {'s':>7} "
                   f"{'sender CPU us/rec':>17} {'receiver CPU us/rec':>19}")
-        print(header)
-        print("-" * len(header))
-        for size in SIZES:
+        if not ns.emit:
+            print(header)
+            print("-" * len(header))
+        for size in sizes:
             n = (5000 if ns.quick else 20000) if size <= SMALL else max(4, int(total // size))
             rows = {}
-            runs = [("ours (gRPC)", bench_ours_grpc, ()),
-                    ("one a message", bench_ours_unbatched, ()),
-                    ("ours (mTLS)", bench_ours_grpc_tls, (client_tls, server_tls)),
-                    ("ours (folder)", bench_ours_folder, ()),
-                    ("raw gRPC", bench_raw_grpc, ()),
-                    ("raw mTLS", bench_raw_grpc, (client_tls, server_tls)),
-                    ("raw TCP", bench_raw_tcp, ())]
-            for name, fn, extra in runs:
-                dt = fn(size, n, *extra)
+            if ns.baseline:
+                rows.update(_baseline(os.path.abspath(ns.baseline), size, ns.mib, ns.quick))
+            for key in keys:
+                name, fn, tls = ROWS[key]
+                dt = globals()[fn](size, n, *((client_tls, server_tls) if tls else ()))
                 rows[name] = dt
-                label = f"{size // 1024} KiB" if size < MiB else f"{size // MiB} MiB"
-                print(f"{label:>8} {name:<14} {size * n / dt / 1e6:9.0f} {n / dt:10.0f} {dt:7.2f} "
-                      f"{_RUN['client'] / n * 1e6:17.1f} {_RUN['server'] / n * 1e6:19.1f}", flush=True)
-            ours = rows["ours (gRPC)"]
-            print(f"{'':>8} ratios: ours/raw gRPC {rows['raw gRPC'] / ours:.2f}, ours (mTLS)/raw mTLS "
-                  f"{rows['raw mTLS'] / rows['ours (mTLS)']:.2f}, mTLS/raw gRPC "
-                  f"{rows['raw gRPC'] / rows['ours (mTLS)']:.2f}, ours/raw TCP {rows['raw TCP'] / ours:.2f}, "
-                  f"batched/one a message {rows['one a message'] / ours:.2f}, folder/ours "
-                  f"{ours / rows['ours (folder)']:.2f}", flush=True)
+                if ns.emit:
+                    print(f"ROW {key} {n} {dt} {_RUN['client']} {_RUN['server']}", flush=True)
+                else:
+                    _print_row(size, name, n, dt, _RUN["client"], _RUN["server"])
+            if not ns.emit:
+                _print_ratios(rows)
     return 0
+
+
+def _print_ratios(rows: dict) -> None:
+    """The ratios whose rows were measured (faster is larger: the other's seconds over these)."""
+    pairs = [("ours/raw gRPC", "ours (gRPC)", "raw gRPC"), ("before/raw gRPC", "before (gRPC)", "raw gRPC"),
+             ("ours (mTLS)/raw mTLS", "ours (mTLS)", "raw mTLS"),
+             ("before (mTLS)/raw mTLS", "before (mTLS)", "raw mTLS"),
+             ("after/before", "ours (gRPC)", "before (gRPC)"), ("after/before (mTLS)", "ours (mTLS)", "before (mTLS)"),
+             ("mTLS/raw gRPC", "ours (mTLS)", "raw gRPC"), ("ours/raw TCP", "ours (gRPC)", "raw TCP"),
+             ("batched/one a message", "ours (gRPC)", "one a message"), ("folder/ours", "ours (folder)", "ours (gRPC)")]
+    parts = [f"{label} {rows[other] / rows[mine]:.2f}" for label, mine, other in pairs
+             if mine in rows and other in rows]
+    if parts:
+        print(f"{'':>8} ratios: " + ", ".join(parts), flush=True)
 
 
 def bench_ours_grpc_tls(size: int, n: int, client_tls: str, server_tls: str) -> float:

@@ -56,7 +56,10 @@ def encode_batch(records: list[tuple[bytes, Buffers, int]]) -> bytes:
     if total:
         out += [DATA_TAG, varint(total)]
         for _, buffers, size in records:
-            out += _Cursor(buffers, size).take(size)
+            if len(buffers) == 1 and buffers[0][0] == 0 and buffers[0][1].nbytes == size:
+                out.append(buffers[0][1])   # the whole payload in one buffer (every small record): as it is
+            elif size:
+                out += _Cursor(buffers, size).take(size)
     return b"".join(out)
 
 
@@ -176,8 +179,13 @@ class _Cursor:
         return pieces
 
 
+_VARINT1 = [bytes((i,)) for i in range(0x80)]   # the one-byte varints
+
+
 def varint(n: int) -> bytes:
     """Protobuf's base-128 varint of a non-negative integer."""
+    if 0 <= n < 0x80:
+        return _VARINT1[n]
     out = bytearray()
     while True:
         b = n & 0x7F
