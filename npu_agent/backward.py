@@ -3,8 +3,12 @@
 For a call under grad mode, each differentiable input is passed to the API through a private `view_as` alias with
 a pre-hook on its autograd node: the alias is this call's own edge to the tensor, so its gradient is exactly this
 call's grad_input, also when the tensor is used elsewhere (residuals, tied weights). One pre-hook on each output's
-node gives grad_output. Hooks hold the gradients by reference (a parameter's gradient is copied: it may become the
-parameter's .grad, which later code changes in place); they never return a tensor, so no gradient is replaced.
+node gives grad_output. Where the call is one autograd node whose every input edge is one of its aliases (most
+calls: elementwise ops, views, matmul, ...), one hook after that node takes grad_output and every grad_input at
+once, the same tensors the per-tensor hooks would get; it is registered in tap_outputs, once the node is known (a
+hook registration costs the training thread a few us). Hooks hold the gradients by reference (a parameter's
+gradient is copied: it may become the parameter's .grad, which later code changes in place); they never return a
+tensor, so no gradient is replaced.
 
 A backward record is emitted when every tapped input got its gradient, or at the end of the backward pass (an
 engine callback) with what arrived. Calls whose outputs never got a gradient are closed at the step boundary
@@ -25,14 +29,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from npu_agent.records import BACKWARD, PendingRecord
-from npu_agent.snapshot import Snapshot, grads_snapshot, iter_tensors, map_tensors
+from npu_agent.snapshot import KIND_OF, NESTED, Snapshot, arg_kind, grads_snapshot, iter_tensors, map_tensors
 from protos.torch_compat import disable_torch_function, queue_backward_callback
 
 if TYPE_CHECKING:
     from npu_agent.capture import CallContext
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Entry:
     name: str
     step: int
@@ -58,6 +62,10 @@ def _hold(grad: torch.Tensor | None) -> torch.Tensor | None:
     shows our reference): the engine accumulates in place, and AccumulateGrad adopts a gradient as a parameter's
     .grad without a copy, only when it holds the last reference."""
     return grad
+
+
+_Tensor = torch.Tensor
+_TREE_OR_TENSOR = (_Tensor, tuple, list, dict, slice)
 
 
 def _map_flat(obj: Any, fn: Callable[[Any], Any]) -> Any:
@@ -87,10 +95,77 @@ class BackwardTaps:
         rec = ctx.record
         if not ctx.recompute and rec.inputs is not None and not rec.inputs.requires_grad:
             return   # no input requires grad: nothing to tap, no walk
+        args, kwargs = ctx.args, ctx.kwargs
+        # the common case: a flat tuple of tensors and scalars, no tensor (or list of them) as a keyword argument
+        if (type(args) is not tuple or (kwargs and any(isinstance(v, _TREE_OR_TENSOR) for v in kwargs.values()))
+                or not self._tap_flat(ctx, rec, args)):
+            self._tap_tree(ctx, rec)
+
+    def _tap_flat(self, ctx: CallContext, rec: PendingRecord, args: tuple[Any, ...]) -> bool:
+        """tap_inputs for a flat tuple of positional arguments: the same slots, aliases and hooks as `_tap_tree`,
+        without a call per argument. False, with nothing done, at a nested argument (a list, a dict, a slice): the
+        aliases made so far are dropped (their hooks are registered by tap_outputs only)."""
+        entry: _Entry | None = None
+        items: list[Any] | None = None
+        aliases: dict[int, torch.Tensor] = {}
+        nodes: list[tuple[Any, int]] = []   # (alias node, slot): hooked by tap_outputs
+        position = -1
+        inplace = rec.inplace
+        first = args[0] if inplace and args and isinstance(args[0], _Tensor) else None
+        hooked: list[tuple[torch.Tensor, int]] = []   # in-place `self`: a tensor hook (`_in_hook`)
+        kinds = KIND_OF
+        for i, t in enumerate(args):
+            kind = kinds.get(type(t))
+            if kind is None:
+                kind = arg_kind(type(t))
+            if kind != 1:
+                if kind == NESTED:
+                    return False
+                continue
+            position += 1
+            if not (t.requires_grad and (t.is_floating_point() or t.is_complex())):
+                continue
+            if entry is None:
+                entry = _Entry(rec.name, rec.step, [], [], module=rec.module, source=rec.source)
+            slot = len(entry.positions)
+            if first is not None and t is first:
+                # `self` of an in-place op must be mutated itself; a hook registered before the op sees the
+                # gradient with respect to the value the op read. A leaf cannot be modified in place anyway.
+                if t.is_leaf:
+                    continue
+                entry.positions.append(position)
+                entry.grad_in.append(None)
+                entry.leaf.append(False)
+                hooked.append((t, slot))
+                continue
+            alias = t.view_as(t)
+            node = alias.grad_fn
+            if node is None:   # grad mode off (view_as records no node): nothing to tap
+                continue
+            nodes.append((node, slot))
+            entry.positions.append(position)
+            entry.grad_in.append(None)
+            entry.leaf.append(t.is_leaf)
+            aliases[id(alias)] = t
+            if items is None:
+                items = list(args)
+            items[i] = alias
+        if entry is not None and entry.positions:
+            for t, slot in hooked:   # registered once no nested argument can send the call to `_tap_tree`
+                t.register_hook(self._in_hook(entry, slot))
+            entry.left = len(entry.positions)
+            if items is not None:
+                ctx.args = tuple(items)
+            ctx.taps = (entry, aliases, nodes)
+        return True
+
+    def _tap_tree(self, ctx: CallContext, rec: PendingRecord) -> None:
+        """tap_inputs for any tree of arguments (nested lists, tensor keyword arguments)."""
         first = ctx.args[0] if ctx.args and isinstance(ctx.args[0], torch.Tensor) else None
         entry = _Entry(rec.name, rec.step, [], [], module=rec.module, source=rec.source)
         position = -1
         aliases: dict[int, torch.Tensor] = {}
+        nodes: list[tuple[Any, int]] = []   # (alias node, slot): hooked by tap_outputs
 
         def tap(t: Any) -> Any:
             nonlocal position
@@ -114,7 +189,7 @@ class BackwardTaps:
             node = alias.grad_fn
             if node is None:   # grad mode off (view_as records no node): nothing to tap
                 return t
-            node.register_prehook(self._in_hook(entry, slot, pre=True))
+            nodes.append((node, slot))
             entry.positions.append(position)
             entry.grad_in.append(None)
             entry.leaf.append(t.is_leaf)
@@ -126,14 +201,50 @@ class BackwardTaps:
         if entry.positions:
             entry.left = len(entry.positions)
             ctx.args, ctx.kwargs = args, kwargs
-            ctx.taps = (entry, aliases)
+            ctx.taps = (entry, aliases, nodes)
+
+    def hook_inputs(self, ctx: CallContext) -> None:
+        """The pre-hooks on the aliases' nodes, for a call whose outputs are not hooked (tap_outputs not called)."""
+        entry, _, nodes = ctx.taps
+        self._hook_aliases(entry, nodes)
+
+    def _hook_aliases(self, entry: _Entry, nodes: list[tuple[Any, int]]) -> None:
+        for node, slot in nodes:
+            node.register_prehook(self._in_hook(entry, slot, True))
+        nodes.clear()
 
     def tap_outputs(self, ctx: CallContext, out: Any) -> Any:
-        """Hook every differentiable output; give back the original tensor where the API returned our alias."""
-        entry, aliases = ctx.taps
+        """Hook every differentiable output; give back the original tensor where the API returned our alias.
+
+        The common call, one autograd node whose every input edge is one of the call's aliases: one hook after that
+        node (`_node_hook`) takes grad_output and every grad_input at once, the very tensors the pre-hooks on its
+        output node and on the aliases' nodes would get, in place of one hook per tensor. Any other call (several
+        output nodes, a cast or a composite's inner node between an alias and the output's node, an in-place call's
+        tensor hook): a pre-hook on each alias's node and on each output's node."""
+        entry, aliases, alias_nodes = ctx.taps
+        if isinstance(out, _Tensor):   # the common case: one tensor
+            if aliases:
+                out = aliases.get(id(out), out)
+            entry.grad_out = [None]
+            fn = out.grad_fn
+            if fn is None or not out.requires_grad:
+                self._hook_aliases(entry, alias_nodes)
+                return out
+            edges = _direct_edges(fn, alias_nodes, len(entry.positions))
+            if edges is not None:
+                fn.register_hook(self._node_hook(entry, out.output_nr, edges))
+                alias_nodes.clear()
+            else:
+                self._hook_aliases(entry, alias_nodes)
+                fn.register_prehook(self._out_hook(entry, [(out.output_nr, 0)]))
+            ctx.record.backward_expected = True
+            with self._lock:
+                self._pending[(entry.step, entry.name)] = entry
+            return out
+        self._hook_aliases(entry, alias_nodes)
         if aliases:
             out = map_tensors(out, lambda t: aliases.get(id(t), t))
-        outs = [out] if isinstance(out, torch.Tensor) else list(iter_tensors(out))
+        outs = list(iter_tensors(out))
         entry.grad_out = [None] * len(outs)
         # one pre-hook per autograd node, for all its outputs we return: id(node) -> (node, [(output_nr, j)])
         nodes: dict[int, tuple[Any, list[tuple[int, int]]]] = {}
@@ -160,6 +271,28 @@ class BackwardTaps:
             return None
         return hook
 
+    def _node_hook(self, entry: _Entry, nr: int, edges: list[tuple[int, int]]
+                   ) -> Callable[[tuple[Any, ...], tuple[Any, ...]], None]:
+        """The one hook after the output's node (tap_outputs): grad_output (`nr`: the output's number on the node)
+        as `_out_hook` takes it, then each (edge, slot)'s gradient as the alias's `_in_hook` takes it."""
+        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
+            emit = False
+            with self._lock:
+                if entry.emitted:
+                    return None
+                if entry.grad_out[0] is None and nr < len(grad_outputs):
+                    entry.grad_out[0] = _hold(grad_outputs[nr])
+                for i, slot in edges:
+                    if entry.grad_in[slot] is not None:
+                        continue   # retain_graph double backward: the first gradient is the record
+                    emit = self._arrived(entry, slot, grad_inputs[i])
+                    if entry.left == 0:
+                        break
+                queue = self._queue_flush()
+            self._after(entry, emit, queue)
+            return None
+        return hook
+
     def _in_hook(self, entry: _Entry, slot: int, pre: bool = False) -> Callable[[Any], None]:
         """The hook for one tapped input: a tensor hook (grad) or, with `pre`, a pre-hook on the alias's node
         (a tuple holding grad)."""
@@ -170,24 +303,36 @@ class BackwardTaps:
             with self._lock:
                 if entry.emitted or entry.grad_in[slot] is not None:
                     return None  # retain_graph double backward: the first gradient is the record
-                # A parameter's gradient may become its .grad without a copy (AccumulateGrad steals a view of
-                # it), which later steps, clipping or zero_grad change in place: copied now.
-                entry.grad_in[slot] = _copy(grad) if entry.leaf[slot] else _hold(grad)
-                entry.left -= 1
-                if entry.left == 0:
-                    emit = self._take(entry)
-                queue = not self._flush_queued
-                self._flush_queued = True
-            if emit:
-                self._emit(entry)
-            if queue:
-                try:
-                    queue_backward_callback(self._end_of_backward)
-                except RuntimeError:
-                    with self._lock:
-                        self._flush_queued = False
+                emit = self._arrived(entry, slot, grad)
+                queue = self._queue_flush()
+            self._after(entry, emit, queue)
             return None
         return hook
+
+    def _arrived(self, entry: _Entry, slot: int, grad: Any) -> bool:
+        """Under the lock: input `slot`'s gradient arrived; True when this caller must now emit the entry."""
+        # A parameter's gradient may become its .grad without a copy (AccumulateGrad steals a view of it), which
+        # later steps, clipping or zero_grad change in place: copied now.
+        entry.grad_in[slot] = _copy(grad) if entry.leaf[slot] else _hold(grad)
+        entry.left -= 1
+        return entry.left == 0 and self._take(entry)
+
+    def _queue_flush(self) -> bool:
+        """Under the lock: whether this hook must queue the end-of-backward flush (once per backward pass)."""
+        queue = not self._flush_queued
+        self._flush_queued = True
+        return queue
+
+    def _after(self, entry: _Entry, emit: bool, queue: bool) -> None:
+        """Outside the lock, after a hook took its gradients: emit the entry, queue the flush."""
+        if emit:
+            self._emit(entry)
+        if queue:
+            try:
+                queue_backward_callback(self._end_of_backward)
+            except RuntimeError:
+                with self._lock:
+                    self._flush_queued = False
 
     def _take(self, entry: _Entry) -> bool:
         """Under the lock: mark the entry emitted; True if this caller must emit it."""
@@ -208,7 +353,7 @@ class BackwardTaps:
     def _emit(self, entry: _Entry) -> None:
         rec = PendingRecord(
             name=entry.name, step=entry.step, direction=BACKWARD,
-            grad_output=_snap(entry.grad_out), grad_input=_snap(entry.grad_in),
+            grad_output=grads_snapshot(entry.grad_out), grad_input=grads_snapshot(entry.grad_in),
             grad_input_positions=tuple(entry.positions), grad_enabled=True, module=entry.module, source=entry.source,
         )
         self.sink(rec)
@@ -223,6 +368,27 @@ class BackwardTaps:
             else:
                 self.sink(PendingRecord(name=e.name, step=e.step, direction=BACKWARD, grad_enabled=True,
                                         grad_input=_snap([]), module=e.module, source=e.source))
+
+
+def _direct_edges(fn: Any, alias_nodes: list[tuple[Any, int]], slots: int) -> list[tuple[int, int]] | None:
+    """[(edge, slot)] when every input edge of the output's node `fn` is one of the call's aliases, each alias once
+    and every tapped slot an alias: the node's gradients are then exactly the aliases' (nothing else lies between
+    them and the output). None otherwise."""
+    if not alias_nodes or len(alias_nodes) != slots:
+        return None
+    edges: list[tuple[int, int]] = []
+    for i, (node, _) in enumerate(fn.next_functions):
+        if node is None:
+            continue
+        for alias_node, slot in alias_nodes:
+            if node is alias_node:
+                edges.append((i, slot))
+                break
+        else:
+            return None   # an edge to something else: a cast, an inner node, a tensor that is not tapped
+    if len(edges) != slots or len({slot for _, slot in edges}) != slots:
+        return None
+    return edges
 
 
 def _snap(values: list[Any]) -> Snapshot:

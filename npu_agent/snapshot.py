@@ -259,6 +259,51 @@ def snapshot(obj: Any, copy: bool = False) -> Snapshot:
     return snap
 
 
+NESTED = 2
+# type -> 1: a tensor, NESTED: a container the argument walks descend into (tuple, list, dict, slice), 0: anything
+# else. Looked up by the argument's type: isinstance(v, torch.Tensor) is slow for a scalar (torch's metaclass).
+# Shared with npu_agent/backward.py's argument walk.
+KIND_OF: dict[type, int] = {}
+
+
+def arg_kind(tp: type) -> int:
+    """The KIND_OF entry of type `tp`, computed and remembered."""
+    if len(KIND_OF) > 1024:   # types made at run time: keep the table bounded
+        KIND_OF.clear()
+    kind = KIND_OF[tp] = (1 if issubclass(tp, _Tensor) else
+                          NESTED if issubclass(tp, (tuple, list, dict, slice)) else 0)
+    return kind
+
+
+def snapshot_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:
+    """`snapshot((args, kwargs))`, the same tree held the same way, for the common call: positional arguments in a
+    plain tuple and keyword arguments that are tensors or scalars, walked without a call per item (a call with
+    nested arguments takes `snapshot`'s walk). The tuple of positional arguments is kept as it is (immutable)."""
+    if type(args) is not tuple:
+        return snapshot((args, kwargs))
+    held: dict[int, list[Any]] = {}
+    grads: set[int] = set()
+    kinds = KIND_OF
+    nbytes = 0
+    for values in (args, kwargs.values()) if kwargs else (args,):
+        for v in values:
+            kind = kinds.get(type(v))
+            if kind is None:
+                kind = arg_kind(type(v))
+            if kind == 1:
+                tid = id(v)
+                if tid not in held:
+                    held[tid] = [v, tensor_version(v), None, None]
+                    if v.requires_grad:
+                        grads.add(tid)
+                    nbytes += v.numel() * v.element_size()
+            elif kind == NESTED:
+                return snapshot((args, kwargs))
+    snap = Snapshot((args, dict(kwargs)), nbytes, grads, held)
+    HELD.add(snap)
+    return snap
+
+
 def grads_snapshot(values: list[torch.Tensor | None]) -> Snapshot:
     """A list of gradients (None where none arrived), held by reference."""
     held: dict[int, list[Any]] = {}
