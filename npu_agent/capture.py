@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 
 from npu_agent import collectives, location, naming
 from npu_agent.records import PendingRecord
-from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot
+from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot, snapshot_call
 from npu_agent.snapshot import install as snapshot_install
 from protos import apis
 from protos.codec import dtype_name
@@ -48,7 +48,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("npu_agent")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class CallContext:
     record: PendingRecord
     category: str
@@ -173,16 +173,17 @@ def protect_unseen(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
 _BY_TABLE = frozenset({"Aten", "NPU", "Distributed", "Custom"})
 
 # What a call's (category, api) tells before its arguments are looked at, per API: (in place by name, its writes
-# looked up by table, a collective checked across ranks). The mode asks for every call.
-_KINDS: dict[tuple[str, str], tuple[bool, bool, bool]] = {}
+# looked up by table, a collective checked across ranks, random by name). The mode asks for every call.
+_KINDS: dict[tuple[str, str], tuple[bool, bool, bool, bool]] = {}
 _CLASSIFIED = naming.CLASSIFIED
 _is_compiling = torch.compiler.is_compiling
 _grad_enabled = torch.is_grad_enabled
 
 
-def _kind(category: str, api: str) -> tuple[bool, bool, bool]:
+def _kind(category: str, api: str) -> tuple[bool, bool, bool, bool]:
     return (naming.inplace_by_name(api), category in _BY_TABLE,
-            category == "Distributed" and (api in collectives.CAPTURED or api == collectives.WAIT))
+            category == "Distributed" and (api in collectives.CAPTURED or api == collectives.WAIT),
+            naming.is_random(api))
 
 
 _ON: list["CaptureMode"] = []   # capture modes pushed now, on any thread (for the custom backwards below)
@@ -278,22 +279,45 @@ class CaptureMode(TorchFunctionMode):
             return out
 
 
+_DEVICE_TYPES: dict[Any, str] = {}   # torch.device -> its type: `device.type` builds a new string each time
+
+
+def _device_type(device: Any) -> str:
+    try:
+        return _DEVICE_TYPES[device]
+    except KeyError:
+        if len(_DEVICE_TYPES) > 256:
+            _DEVICE_TYPES.clear()
+        kind: str = device.type
+        _DEVICE_TYPES[device] = kind
+        return kind
+
+
 def _first_device_type(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
     for v in args:   # the common case: a tensor among the positional arguments
         if isinstance(v, torch.Tensor):
-            return v.device.type
+            return _device_type(v.device)
     for t in iter_tensors((args, kwargs)):
-        return t.device.type
+        return _device_type(t.device)
     return "cpu"
+
+
+_AUTOCAST: dict[tuple[str, Any], tuple[bool, str, str]] = {}   # (device type, autocast dtype) -> the state
 
 
 def autocast_state(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, str, str]:
     device_type = _first_device_type(args, kwargs)
     try:
-        enabled = torch.is_autocast_enabled(device_type)
-        return (enabled, dtype_name(torch.get_autocast_dtype(device_type)) if enabled else "", device_type)
+        if not torch.is_autocast_enabled(device_type):
+            return (False, "", device_type)
+        dtype = torch.get_autocast_dtype(device_type)
     except (RuntimeError, TypeError):  # a device type autocast does not know
         return (False, "", device_type)
+    try:
+        return _AUTOCAST[(device_type, dtype)]
+    except KeyError:
+        state = _AUTOCAST[(device_type, dtype)] = (True, dtype_name(dtype), device_type)
+        return state
 
 
 def _dropout_params(category: str, api: str, args: tuple[Any, ...],
@@ -383,13 +407,17 @@ class Capturer:
                     kwargs: dict[str, Any]) -> CallContext | None:
         category, api = info
         try:
-            by_name, by_table, collective = _KINDS[info]
+            by_name, by_table, collective, random = _KINDS[info]
         except KeyError:
-            by_name, by_table, collective = _KINDS[info] = _kind(category, api)
+            by_name, by_table, collective, random = _KINDS[info] = _kind(category, api)
         inplace = naming.is_inplace(api, kwargs) if kwargs else by_name
         # Whether the call writes its arguments: looked up now when records hold tensors (they get their copies
         # first), else only for a call that is recorded (its inputs are then copied); a skipped call costs nothing.
-        writes = self._writes(func, info, inplace, by_table, args, kwargs) if HELD.pending else None
+        # A call neither in place, nor looked up by table, nor known to write its inputs writes nothing.
+        if inplace or by_table or info in self._writes_inputs:
+            writes = self._writes(func, info, inplace, by_table, args, kwargs) if HELD.pending else None
+        else:
+            writes = False
         if collective:
             # every collective, in forward, in a custom backward or a checkpoint recompute: checked across ranks
             return self._collective_call(func, api, args, kwargs)
@@ -408,25 +436,27 @@ class Capturer:
         sampler = self.sampler
         if sampler is not None and not sampler.take_call(category, api, args, kwargs, grad_enabled):
             return None
-        name = f"{category}.{api}.{index}"
-        rec = PendingRecord(name=name, step=self.step, grad_enabled=grad_enabled,
+        rec = PendingRecord(name=f"{category}.{api}.{index}", step=self.step, grad_enabled=grad_enabled,
                             inplace=inplace, autocast=autocast_state(args, kwargs))
         if self.locate:   # from the frame below CaptureMode.__torch_function__ (ours: this one, then that one)
             rec.module, rec.source = location.current(3)
         if category == "Distributed":
             rec.skip_reason = collectives.not_checked_reason(api)
             return CallContext(rec, category, api, args, kwargs)
-        why = self._not_replayable(info)
+        try:
+            why = self._by_name[info]
+        except KeyError:
+            why = self._not_replayable(info)
         if why is not None:
             # The server would refuse it by name (protos/apis.py): sent without tensors, reported SKIP with `why`.
             rec.skip_reason = why
             return CallContext(rec, category, api, args, kwargs)
         if writes is None:
             writes = self._writes(func, info, inplace, by_table, args, kwargs)
-        rec.inputs = snapshot((args, kwargs), copy=writes)   # inputs the call writes: their value before it
-        ctx = CallContext(rec, category, api, args, kwargs)
-        ctx.copied = writes
-        if naming.is_random(api):
+        # inputs the call writes: their value before it
+        rec.inputs = snapshot((args, kwargs), copy=True) if writes else snapshot_call(args, kwargs)
+        ctx = CallContext(rec, category, api, args, kwargs, copied=writes)
+        if random:
             ctx.dropout = self._random_state(rec, category, api, args, kwargs)
         if grad_enabled and self.backward is not None:
             self.backward.tap_inputs(ctx)
@@ -556,9 +586,11 @@ class Capturer:
             self._submit(rec)
             return out
         if not ctx.copied and self._wrote_inputs(ctx):
-            if ctx.taps is not None and ctx.taps[1]:   # give back the original where the API returned our alias
-                aliases = ctx.taps[1]
-                out = map_tensors(out, lambda t: aliases.get(id(t), t))
+            if ctx.taps is not None and self.backward is not None:
+                self.backward.hook_inputs(ctx)   # its gradients still make a backward record
+                if ctx.taps[1]:   # give back the original where the API returned our alias
+                    aliases = ctx.taps[1]
+                    out = map_tensors(out, lambda t: aliases.get(id(t), t))
             return out
         if rec.inplace and out is None and ctx.args and isinstance(ctx.args[0], torch.Tensor):
             rec.output = snapshot(ctx.args[0])   # `x[i] = v` returns None: what it produced is the new x

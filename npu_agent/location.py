@@ -117,9 +117,15 @@ _NAMES: dict[tuple[int, int], str] = {}
 _REFS: dict[tuple[int, int], tuple[Any, Any]] = {}
 
 
+# (type of the outermost module, id of each module innermost first) -> the path. Every module of a path of two or
+# more is in a pair of _NAMES, so freeing any of them empties this cache (in _forget) before its id can be reused.
+_PATHS: dict[tuple[Any, ...], str] = {}
+
+
 def _forget(key: tuple[int, int], _ref: Any) -> None:
     _NAMES.pop(key, None)
     _REFS.pop(key, None)
+    _PATHS.clear()
 
 
 def _child_name(parent: torch.nn.Module, child: torch.nn.Module) -> str:
@@ -130,7 +136,8 @@ def _child_name(parent: torch.nn.Module, child: torch.nn.Module) -> str:
     name = _find(parent, child)
     if len(_NAMES) >= _MAX_CACHE:
         _NAMES.clear()
-        _REFS.clear()
+        _REFS.clear()   # no callback empties _PATHS for these modules any more: emptied now
+        _PATHS.clear()
     forget = functools.partial(_forget, key)
     _REFS[key] = (weakref.ref(parent, forget), weakref.ref(child, forget))
     _NAMES[key] = name
@@ -180,9 +187,18 @@ def module_path(frame: FrameType | None = None) -> str:
         f = f.f_back
     if not mods:
         return ""
+    if len(mods) == 1:
+        return type(mods[0]).__name__
+    key = (type(mods[-1]), *map(id, mods))
+    path = _PATHS.get(key)
+    if path is not None:
+        return path
     path = type(mods[-1]).__name__
     for i in range(len(mods) - 1, 0, -1):
         path += "." + _child_name(mods[i], mods[i - 1])
+    if len(_PATHS) >= _MAX_CACHE:
+        _PATHS.clear()
+    _PATHS[key] = path
     return path
 
 
