@@ -169,6 +169,19 @@ def _folder_records(nfs: str, rank: int):
 
 
 def replay_floor(nfs: str, ranks: list[int], workers: int, device_name: str = "cpu") -> dict:
+    """`_replay_floor`, leaving this thread's grad mode and torch's thread count as they were (a test calls it in
+    its own process)."""
+    import torch
+
+    grad, threads = torch.is_grad_enabled(), torch.get_num_threads()
+    try:
+        return _replay_floor(nfs, ranks, workers, device_name)
+    finally:
+        torch.set_grad_enabled(grad)
+        torch.set_num_threads(threads)
+
+
+def _replay_floor(nfs: str, ranks: list[int], workers: int, device_name: str = "cpu") -> dict:
     """The replay floor of one server worker, in this process: every record of `ranks` decoded
     (gpu_server/decode.py), then exactly the replays the server runs for it, timed alone: the bench run and the
     same-dtype run of each forward record (with their autograd graphs kept when its backward record will come, as

@@ -47,3 +47,15 @@ def test_the_floor_replays_what_the_server_replays_rank_by_rank(tmp_path):
     one = bench.replay_floor(nfs, [1], workers=2)
     assert (one["records"], one["replayed"]) == (2, 2)
     assert os.listdir(os.path.join(nfs, "rank0")), "the floor reads the folder and leaves it as it is"
+
+
+def test_the_floor_leaves_the_grad_mode_and_thread_count_as_they_were(tmp_path):
+    """The floor disables grad as the server's workers do: called in a test's process, it must not leave it so
+    (the next test's autograd would find no graph)."""
+    bench = _bench()
+    nfs = str(tmp_path / "nfs")
+    os.makedirs(nfs)
+    _write(nfs, 0, 2, skipped=set())
+    threads = torch.get_num_threads()
+    assert bench.replay_floor(nfs, [0], workers=2)["replayed"] == 2
+    assert torch.is_grad_enabled() and torch.get_num_threads() == threads
