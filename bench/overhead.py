@@ -10,7 +10,10 @@ the folder transport into a folder no server reads yet (the server would start a
 is measured alone. The training thread keeps one core, the agent's threads (`online-check-*`) are moved to the
 other. Per step, off and on alternating round by round: wall time and the training thread's CPU; the MB the agent
 writes a step against the MB/s the training makes them at; and the folder's floor: the same files written and
-published bare (new file, write, fsync, rename, fsync of the folder) by one thread on the agent's core. `--folder`
+published bare (new file, write, fsync, rename, fsync of the folder) by one thread on the agent's core. And the
+floor of the training's own cost ("beside"): off steps while a thread on the agent's core copies the bytes the agent
+wrote a step out of memory and publishes them bare, so the training meets the same memory traffic and kernel work
+without any of the agent's code; on / beside is what the agent adds above that. `--folder`
 picks where the folder is made: /dev/shm shows the agent where the disk is not the limit. After each round the
 bench removes the round's record files, as the server would have read them (in /dev/shm they would take the
 memory: 3 rounds of the mid transformer are about 15 GB).
@@ -373,9 +376,11 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
     with open(cfg, "w") as fh:
         json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "nfs_path": folder,
                                                                  "online_memory_mb": memory_mb}}, fh)
-    wall = {"off": [], "on": []}
-    cpu = {"off": [], "on": []}
+    wall: dict[str, list[float]] = {"off": [], "beside": [], "on": []}
+    cpu: dict[str, list[float]] = {"off": [], "beside": [], "on": []}
     drain = []
+    beside = _BareWriter(os.path.join(nfs, "beside"))
+    per_step: list[list[int]] = []   # the files the agent wrote a step in the round before, for `beside`
     written = [0, 0.0, 0.0]   # bytes the agent wrote in the measured rounds, its wall time to write them, its CPU
     sender_cpu = 0.0
     last: list[int] = []   # the sizes of the files the agent wrote in the last round, in their order
@@ -384,13 +389,19 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
         reused = FRAMES.reused
         moved = _pin_agent_threads()
         for r in range(rounds + 1):   # round 0 of each warms up (the agent's first records, page cache, frames)
-            for name, d in (("off", None), ("on", dbg)):
-                for idx, tgt in data:
+            for name, d in (("off", None), ("beside", None), ("on", dbg)):
+                if name == "beside" and not per_step:
+                    continue
+                for i, (idx, tgt) in enumerate(data):
+                    if name == "beside":
+                        beside.start(per_step[i % len(per_step)])
                     c0, w0 = time.thread_time(), time.perf_counter()
                     train_step(model, opt, idx, tgt, d)
                     if r:
                         wall[name].append(time.perf_counter() - w0)
                         cpu[name].append(time.thread_time() - c0)
+                    if name == "beside":
+                        beside.finish()
                 if d is not None:
                     moved = sorted(set(moved) | set(_pin_agent_threads()))
                     w0 = time.perf_counter()
@@ -398,6 +409,7 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
                     while sender is not None and (sender._unacked or sender._queue):
                         time.sleep(0.002)
                     sizes = _take_files(folder)   # (a folder in memory, /dev/shm, would fill the memory)
+                    per_step = [sizes[k::steps] for k in range(steps)]
                     if r:
                         drain.append(time.perf_counter() - w0)
                         written[0] += sum(sizes)
@@ -409,8 +421,10 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
         counts = dbg.close()
         floor = _write_floor(last, nfs)
     finally:
+        beside.close()
         shutil.rmtree(nfs, ignore_errors=True)
     n = steps * rounds
+    wall, cpu = {k: v for k, v in wall.items() if v}, {k: v for k, v in cpu.items() if v}
     return {"steps": n, "wall": {k: sum(v) / n for k, v in wall.items()},
             "cpu": {k: sum(v) / n for k, v in cpu.items()}, "drain": sum(drain) / max(len(drain), 1),
             "fastest wall": {k: min(v) for k, v in wall.items()}, "fastest cpu": {k: min(v) for k, v in cpu.items()},
@@ -430,6 +444,62 @@ def _take_files(folder: str) -> list[int]:
                 sizes.append(os.path.getsize(path))
                 os.unlink(path)
     return sizes
+
+
+class _BareWriter:
+    """The floor of goal 1: what the agent's work costs the training when none of it is the agent's own. During an
+    off step (no checker), a thread on the agent's core copies the bytes of the files the agent wrote in a step of
+    the round before out of memory (as the sender copies tensors into payloads: torch's copy, without the
+    interpreter lock) and writes and publishes them bare in the same folder. What the training then loses is the
+    machine's (memory traffic, page cache, kernel work), not the interpreter's."""
+
+    def __init__(self, where: str):
+        os.makedirs(where)
+        self.where = where
+        self.src = torch.empty(0, dtype=torch.uint8)
+        self.dst = torch.empty(0, dtype=torch.uint8)
+        self.thread: threading.Thread | None = None
+        self.n = 0
+        self.written: list[str] = []
+        self.dir_fd = os.open(where, os.O_RDONLY)
+
+    def start(self, sizes: list[int]) -> None:
+        biggest = max(sizes, default=0)
+        if self.src.numel() < biggest:   # outside the step: allocating is not the copy's cost
+            self.src = torch.randint(0, 256, (biggest,), dtype=torch.uint8)
+            self.dst = torch.empty(biggest, dtype=torch.uint8)
+        self.thread = threading.Thread(target=self._write, args=(sizes,))
+        self.thread.start()
+
+    def _write(self, sizes: list[int]) -> None:
+        if SERVER_CORE is not None:
+            os.sched_setaffinity(0, {SERVER_CORE})
+        view = memoryview(self.dst.numpy())
+        for size in sizes:
+            self.dst[:size].copy_(self.src[:size])
+            self.n += 1
+            tmp, final = os.path.join(self.where, f".f{self.n}.tmp"), os.path.join(self.where, f"f{self.n}")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, view[:size])
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+            os.fsync(self.dir_fd)
+            self.written.append(final)
+
+    def finish(self) -> None:
+        """Wait (outside the measured step) for the step's files, then remove them as a server would have."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        while self.written:
+            os.unlink(self.written.pop())
+
+    def close(self) -> None:
+        self.finish()
+        os.close(self.dir_fd)
 
 
 def _write_floor(sizes: list[int], where: str) -> float:
@@ -467,9 +537,10 @@ def _write_floor(sizes: list[int], where: str) -> float:
 
 def print_agent_alone(r: dict) -> None:
     c = r["counts"]
-    print(f"the agent alone: mid transformer (float32), {r['steps']} steps a variant (off and on alternating round by "
-          f"round), every call checked forward and backward into a folder no server reads; training thread on core "
-          f"{TRAIN_CORE}, the agent's threads ({', '.join(r['threads']) or 'none found'}) on core {SERVER_CORE}")
+    print(f"the agent alone: mid transformer (float32), {r['steps']} steps a variant (off, beside and on alternating "
+          f"round by round), every call checked forward and backward into a folder no server reads; training thread "
+          f"on core {TRAIN_CORE}, the agent's threads ({', '.join(r['threads']) or 'none found'}) on core "
+          f"{SERVER_CORE}")
     print(f"  agent: {c['captured']} captured, {c['acknowledged']} written, {c['dropped']} dropped; after each round "
           f"the agent took {r['drain'] * 1e3:.0f} ms more to write what was left (not counted in the steps)")
     made = r["bytes per step"] / r["wall"]["on"] / 1e6
@@ -486,14 +557,23 @@ def print_agent_alone(r: dict) -> None:
     if r["agent MB/s"] < made:
         print("  the agent writes slower than the training makes records: a longer run fills the memory budget, "
               "then the training waits")
-    for v in ("off", "on"):
-        print(f"  {v:4s} wall {r['wall'][v] * 1e3:9.2f} ms/step (fastest {r['fastest wall'][v] * 1e3:8.2f})   training "
+    for v in ("off", "beside", "on"):
+        if v not in r["wall"]:
+            continue
+        print(f"  {v:6s} wall {r['wall'][v] * 1e3:9.2f} ms/step (fastest {r['fastest wall'][v] * 1e3:8.2f})   training "
               f"thread CPU {r['cpu'][v] * 1e3:9.2f} ms/step (fastest {r['fastest cpu'][v] * 1e3:8.2f})")
+    print("  (beside: off steps with the same bytes copied and published bare on the agent's core meanwhile, "
+          "the floor: what the training loses to the machine, not to the agent's code)")
     print("\nratios (on / off)")
     print(f"  wall per step                {r['wall']['on'] / r['wall']['off']:6.2f}   goal <= 1.10")
     print(f"  training-thread CPU per step {r['cpu']['on'] / r['cpu']['off']:6.2f}   goal <= 1.05")
     print(f"  fastest steps: wall {r['fastest wall']['on'] / r['fastest wall']['off']:.2f}, training-thread CPU "
           f"{r['fastest cpu']['on'] / r['fastest cpu']['off']:.2f}")
+    if "beside" in r["wall"]:
+        print(f"  the floor (beside / off): wall {r['wall']['beside'] / r['wall']['off']:.2f}, training-thread CPU "
+              f"{r['cpu']['beside'] / r['cpu']['off']:.2f}; on / beside: wall "
+              f"{r['wall']['on'] / r['wall']['beside']:.2f}, training-thread CPU "
+              f"{r['cpu']['on'] / r['cpu']['beside']:.2f}")
 
 
 # -- per call: the agent's cost of a call against a TorchFunctionMode that does nothing (issue 25, goal 2) --------
