@@ -1,5 +1,8 @@
 """Where a record's tensor bytes are written on the agent: the one copy each tensor gets (docs/design.md §5).
 
+For the shared folder, a large record goes straight into its file instead (`FilePayload`: the kernel copies each
+tensor from the training's memory, no frame in memory). Otherwise:
+
 A small payload is a zeroed bytearray (several such records may share one Batch frame). A large one is written
 straight into its wire frames: each frame is a `bytes` object allocated at its final size, its header copied in
 first, then the tensors, so that no payload byte is copied again before gRPC takes the message (gRPC's Python API
@@ -21,6 +24,7 @@ from __future__ import annotations
 import collections
 import ctypes
 import mmap
+import os
 import sys
 import threading
 from typing import Any
@@ -28,6 +32,7 @@ from typing import Any
 import torch
 
 from protos import online_check_pb2 as pb
+from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH
 from protos.framing import DATA_TAG, varint
 from protos.torch_compat import disable_torch_function
 
@@ -167,7 +172,7 @@ def dense_address(t: torch.Tensor, nbytes: int) -> int:
         return 0
 
 
-class _Spans:
+class Spans:
     """A payload held in pieces: payload bytes [start, end) live at address `addr`, for each (start, end, addr)."""
 
     spans: list[tuple[int, int, int]]
@@ -197,7 +202,7 @@ class _Spans:
         self.write(off, int(host.data_ptr()), nbytes)
 
 
-class SmallPayload(_Spans):
+class SmallPayload(Spans):
     """A zeroed bytearray: `buffers` for protos.framing (a record alone, or one of a Batch)."""
 
     def __init__(self, size: int):
@@ -218,7 +223,7 @@ class SmallPayload(_Spans):
         return self.data
 
 
-class FramePayload(_Spans):
+class FramePayload(Spans):
     """A large record's payload written straight into its frames: the first carries the Record (`head`, the
     serialized Frame with the Record), the others a Chunk header; at most chunk_bytes of payload each."""
 
@@ -244,3 +249,62 @@ class FramePayload(_Spans):
             end = max(end, off + nbytes)
         if size > end:
             self.zero(end, size - end)
+
+
+def pwrite_all(fd: int, data: Any, at: int) -> int:
+    """Write all of `data` (a bytes-like object) into file `fd` at offset `at`; returns its length."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], at + done)
+    return done
+
+
+class FilePayload(Spans):
+    """A large record written straight into a record file (the shared folder, npu_agent/transport_folder.py): the
+    same frames as `FramePayload` (the first carries the Record, the others a Chunk header, at most chunk_bytes of
+    payload each), laid out as `protos.folder_format.file_chunks` lays them out from offset `at` of file `fd` (the
+    magic, then each frame's length and the frame). Each tensor is copied once, by the kernel, from the training's
+    memory into the file (`os.pwrite`, without the interpreter lock): no frame in memory, no second copy. `end`:
+    the file offset after the last frame."""
+
+    def __init__(self, fd: int, at: int, head: bytes, seq: int, size: int, chunk_bytes: int,
+                 places: list[tuple[int, int, Any]]):
+        self.fd = fd
+        self.spans = []
+        heads = [FOLDER_MAGIC]
+        pos, where = 0, at + len(FOLDER_MAGIC)
+        while True:
+            n = min(chunk_bytes, size - pos)
+            prefix = head if pos == 0 else pb.Frame(chunk=pb.Chunk(seq=seq, offset=pos)).SerializeToString()
+            header = prefix + DATA_TAG + varint(n) if n else prefix
+            heads.append(FRAME_LENGTH.pack(len(header) + n) + header)
+            where += FRAME_LENGTH.size + len(header)
+            self.spans.append((pos, pos + n, where))
+            where += n
+            pos += n
+            if pos >= size:
+                break
+        self.end = where
+        pwrite_all(fd, heads[0], at)
+        for (_, _, data_at), piece in zip(self.spans, heads[1:]):
+            pwrite_all(fd, piece, data_at - len(piece))
+        end = 0
+        for off, nbytes, _ in sorted(places, key=lambda p: p[0]):   # alignment padding goes out as zeros
+            if off > end:
+                self.zero(end, off - end)
+            end = max(end, off + nbytes)
+        if size > end:
+            self.zero(end, size - end)
+
+    def write(self, off: int, src: int, n: int) -> None:
+        for start, end, file_at in self.spans:
+            lo, hi = max(start, off), min(end, off + n)
+            if lo < hi:
+                pwrite_all(self.fd, (ctypes.c_char * (hi - lo)).from_address(src + lo - off), file_at + lo - start)
+
+    def zero(self, off: int, n: int) -> None:
+        for start, end, file_at in self.spans:
+            lo, hi = max(start, off), min(end, off + n)
+            if lo < hi:
+                pwrite_all(self.fd, bytes(hi - lo), file_at + lo - start)

@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from npu_agent.location import MAX_TEXT
-from npu_agent.payload import FRAMES_IN_PLACE, FramePayload, SmallPayload
+from npu_agent.payload import FRAMES_IN_PLACE, FilePayload, FramePayload, SmallPayload, Spans, pwrite_all
 from npu_agent.snapshot import HELD, Snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import _ALIGN, RecordEncoder, dtype_name
+from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH, file_chunks
 from protos.framing import encode_batch, encode_frames
 from protos.limits import CHUNK_BYTES
 
@@ -87,16 +89,19 @@ class Encoded:
     collector tracks (a record alive across collections is promoted; enough promotions start a full collection of
     the training's whole heap): no per-buffer tuples or views until `buffers` is asked for."""
 
-    __slots__ = ("record", "_data", "size", "frames")
+    __slots__ = ("record", "_data", "size", "frames", "later", "in_file")
 
     def __init__(self, record: pb.Record, data: bytearray | None, size: int,
-                 frames: list[bytes] | None = None) -> None:
-        self.record, self._data, self.size, self.frames = record, data, size, frames
+                 frames: list[bytes] | None = None, later: _Later | None = None) -> None:
+        self.record, self._data, self.size, self.frames, self.later = record, data, size, frames, later
+        self.in_file = False   # written by write_file: the payload is in that file only (read_back gets it again)
 
     @property
     def buffers(self) -> list[tuple[int, memoryview]]:
         if self.frames is not None:
             raise ValueError("this record's payload was written straight into its frames: use wire_frames()")
+        if self.later is not None or self.in_file:
+            raise ValueError("this record's tensors are copied into a file (write_file), not into memory")
         return [(0, memoryview(self._data))] if self._data else []
 
     def wire_frames(self, chunk_bytes: int) -> Iterable[bytes]:
@@ -106,10 +111,69 @@ class Encoded:
         return encode_frames(self.record, self.buffers, self.size, chunk_bytes)
 
 
+class _Later:
+    """What a record encoded with `defer=True` keeps until its tensors are copied into a file (`write_file`): its
+    layout, its snapshots and the arguments to encode it again (skipped) should a tensor turn out changed."""
+
+    __slots__ = ("enc", "snaps", "head", "rec", "run_id", "rank", "chunk_bytes")
+
+    def __init__(self, enc: _PayloadEncoder, snaps: list[Snapshot], head: bytes, rec: PendingRecord, run_id: str,
+                 rank: int, chunk_bytes: int) -> None:
+        self.enc, self.snaps, self.head, self.rec = enc, snaps, head, rec
+        self.run_id, self.rank, self.chunk_bytes = run_id, rank, chunk_bytes
+
+
+def write_file(rec: PendingRecord, fd: int, at: int = 0) -> int:
+    """Write record `rec` (encoded with `defer=True`) into file `fd` from offset `at`, exactly the bytes
+    `file_chunks(wire_frames())` would give, each tensor copied once by the kernel straight from the training's
+    memory into the file (npu_agent/payload.py `FilePayload`), with the copy-on-write handshake of npu_agent.snapshot.
+    Returns the bytes written. A tensor found changed without a copy makes the record skipped (the file then holds
+    that record instead). On an error nothing is let go: the call may be repeated (on a fresh file)."""
+    done = rec.encoded
+    assert done is not None
+    later = done.later
+    if later is None:   # copied already (a small record, or written once before): the frames as they are
+        return write_frames(fd, at, done.wire_frames(CHUNK_BYTES))
+    target = FilePayload(fd, at, later.head, rec.seq, later.enc.size, later.chunk_bytes, later.enc.places)
+    changed = later.enc.copy_into(target, later.snaps)
+    if changed:
+        rec.encoded = None
+        os.ftruncate(fd, at)
+        _, enc = encode_record(rec, later.run_id, later.rank, later.chunk_bytes, changed=changed)
+        return write_frames(fd, at, enc.wire_frames(later.chunk_bytes))
+    done.later, done.in_file = None, True
+    _let_go(rec)
+    return target.end - at
+
+
+def read_back(rec: PendingRecord, fd: int, at: int, end: int) -> None:
+    """Take the frames of a record that `write_file` put in file `fd` (from `at` to `end`) back into memory, for a
+    record whose file could not be published after all (fsync or rename failed): it is written again from them."""
+    done = rec.encoded
+    assert done is not None and done.in_file
+    data = os.pread(fd, end - at, at)
+    if len(data) != end - at or not data.startswith(FOLDER_MAGIC):
+        raise OSError(f"record {rec.seq}: read {len(data)} of the {end - at} bytes written")
+    frames, pos = [], len(FOLDER_MAGIC)
+    while pos < len(data):
+        (n,) = FRAME_LENGTH.unpack_from(data, pos)
+        frames.append(data[pos + FRAME_LENGTH.size:pos + FRAME_LENGTH.size + n])
+        pos += FRAME_LENGTH.size + n
+    done.frames, done.in_file = frames, False
+
+
+def write_frames(fd: int, at: int, frames: Iterable[bytes]) -> int:
+    """Write serialized frames as a record file holds them (`protos.folder_format.file_chunks`) from offset `at`."""
+    pos = at
+    for piece in file_chunks(frames):
+        pos += pwrite_all(fd, piece, pos)
+    return pos - at
+
+
 def batch_frame(encoded: list[Encoded]) -> bytes | None:
     """One Batch frame carrying several encoded records, or None when they cannot share one: fewer than two, or a
-    payload that was written straight into its own frames (a large record)."""
-    if len(encoded) < 2 or any(enc.frames is not None for enc in encoded):
+    payload that was written straight into its own frames or file (a large record)."""
+    if len(encoded) < 2 or any(enc.frames is not None or enc.later is not None or enc.in_file for enc in encoded):
         return None
     return encode_batch([(enc.record.SerializeToString(), enc.buffers, enc.size) for enc in encoded])
 
@@ -124,6 +188,7 @@ class _PayloadEncoder(RecordEncoder):
         self.places: list[tuple[int, int, torch.Tensor]] = []   # (offset, nbytes, tensor as referenced)
         self.frames: list[bytes] | None = None
         self.data: bytearray | None = None
+        self.later: list[Snapshot] | None = None   # defer: the snapshots whose tensors write_file copies
 
     def tensor(self, t: torch.Tensor, requires_grad: bool | None = None, device: str | None = None) -> int:
         if t.layout != torch.strided:
@@ -153,6 +218,15 @@ class _PayloadEncoder(RecordEncoder):
             target = FramePayload(head(), seq, self.size, chunk_bytes, self.places)
         else:
             target = SmallPayload(self.size)
+        changed = self.copy_into(target, snaps)
+        if isinstance(target, FramePayload):
+            self.data, self.frames = None, target.frames
+        else:
+            self.data, self.frames = target.close(), None
+        return changed
+
+    def copy_into(self, target: Spans, snaps: list[Snapshot]) -> list[int]:
+        """Copy every tensor into `target` under the copy-on-write handshake; the ids of tensors found changed."""
         reads = [(s, HELD.begin(s)) for s in snaps]
         source = {tid: src for _, read in reads for tid, src in read}
         for off, nbytes, t in self.places:
@@ -168,10 +242,6 @@ class _PayloadEncoder(RecordEncoder):
             for off, nbytes, t in self.places:
                 if id(t) in again and nbytes:
                     target.copy(off, nbytes, again[id(t)])
-        if isinstance(target, FramePayload):
-            self.data, self.frames = None, target.frames
-        else:
-            self.data, self.frames = target.close(), None
         return changed
 
 
@@ -200,14 +270,21 @@ def _clone_stride(t: torch.Tensor) -> tuple[int, ...] | None:
     return t.stride()
 
 
-def encode_record(rec: PendingRecord, run_id: str, rank: int,
-                  chunk_bytes: int = CHUNK_BYTES) -> tuple[pb.Record, Encoded]:
+def encode_record(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int = CHUNK_BYTES,
+                  defer: bool = False, changed: list[int] | None = None) -> tuple[pb.Record, Encoded]:
     """Build the protobuf Record and its payload (each tensor copied once from the training's memory; a large
     payload straight into frames of at most chunk_bytes). A record is encoded once; later calls (re-sends) return
-    the same encoding."""
+    the same encoding. `defer`: a large payload is only laid out; `write_file` copies it later, straight into a
+    file. `changed`: tensors found changed already (the record goes out skipped)."""
     if rec.encoded is not None:
         return rec.encoded.record, rec.encoded
-    out, enc, changed = _encode(rec, run_id, rank, chunk_bytes)
+    if not changed:
+        out, enc, changed = _encode(rec, run_id, rank, chunk_bytes, defer=defer)
+        if enc.later is not None:
+            rec.encoded = Encoded(out, None, enc.size, None,
+                                  _Later(enc, enc.later, pb.Frame(record=out).SerializeToString(), rec, run_id, rank,
+                                         chunk_bytes))
+            return out, rec.encoded
     if changed:
         with HELD.lock:
             first = HELD.changed == len(changed)
@@ -220,17 +297,22 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int,
                 s.tree = None
         out, enc, _ = _encode(rec, run_id, rank, chunk_bytes, with_tensors=False)
     done = rec.encoded = Encoded(out, enc.data, enc.size, enc.frames)
-    for s in (rec.inputs, rec.output, rec.grad_output, rec.grad_input):
-        if s is not None:   # the payload holds the values now: let the training's tensors go
-            s.tree = None
-            s.held = {}
-    # ... and the snapshots and the mask: an encoded record waiting for its acknowledgement holds only `done`
-    rec.inputs = rec.output = rec.grad_output = rec.grad_input = rec.mask = None
+    _let_go(rec)
     return out, done
 
 
-def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int,
-            with_tensors: bool = True) -> tuple[pb.Record, _PayloadEncoder, list[int]]:
+def _let_go(rec: PendingRecord) -> None:
+    """The payload holds the values now: let the training's tensors go, and the snapshots and the mask (an encoded
+    record waiting for its acknowledgement holds only its encoding)."""
+    for s in (rec.inputs, rec.output, rec.grad_output, rec.grad_input):
+        if s is not None:
+            s.tree = None
+            s.held = {}
+    rec.inputs = rec.output = rec.grad_output = rec.grad_input = rec.mask = None
+
+
+def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int, with_tensors: bool = True,
+            defer: bool = False) -> tuple[pb.Record, _PayloadEncoder, list[int]]:
     # Every message is built where it lives in the Record (no temporary messages, no CopyFrom).
     out = pb.Record()
     h = out.header
@@ -274,6 +356,9 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int,
             out.random.mask = enc.tensor(rec.mask, requires_grad=False)
             out.random.has_mask = True
     out.payload_bytes = enc.size
+    if defer and enc.size > _SMALL:
+        enc.later = snaps
+        return out, enc, []
     changed = enc.copy_payload(snaps, lambda: pb.Frame(record=out).SerializeToString(), rec.seq, chunk_bytes)
     return out, enc, changed
 

@@ -76,8 +76,10 @@ class Sender:
         self._ack_clocks: dict[int, int] = {}   # thread ident -> its CPU clock id
         self._ack_cpu: dict[int, float] = {}    # thread ident -> its CPU at the last reading
         self._ended_cpu = 0.0                   # the CPU of such threads that ended
-        # acknowledged large frames kept for reuse: at most a quarter of the budget more (npu_agent/payload.py)
-        FRAMES.limit = max(FRAMES.limit, budget_bytes // 4)
+        # a transport that writes files copies large records' tensors straight into them (no frames in memory)
+        self._defer = bool(getattr(transport, "copies_into_files", False))
+        if not self._defer:   # acknowledged large frames kept for reuse: at most a quarter of the budget more
+            FRAMES.limit = max(FRAMES.limit, budget_bytes // 4)   # (npu_agent/payload.py)
         self._thread = threading.Thread(target=self._run, name="online-check-sender", daemon=True)
         self._thread.start()
         transport.start(self)   # the transport connects only now: no stream notification can be missed
@@ -190,7 +192,7 @@ class Sender:
         """Encode `rec` once (its copy of the tensors). False when that failed: the record is counted as lost."""
         who = self.transport.identity
         try:
-            encode_record(rec, who.run_id, who.rank, self.transport.chunk_bytes)
+            encode_record(rec, who.run_id, who.rank, self.transport.chunk_bytes, defer=self._defer)
             return True
         except Exception as exc:  # noqa: BLE001 - an encoding bug must not stop the sender
             log.warning("online check: could not encode %s (%s: %s); it is reported as lost", rec.name,

@@ -75,6 +75,8 @@ class Transport(Protocol):
     identity: StreamIdentity
     connect_timeout_s: float   # how long `close()` waits for a server (or folder) that was never reached
     chunk_bytes: int           # the most payload bytes one frame carries
+    copies_into_files: bool    # large records come to send_records laid out only (encode_record(defer=True)): their
+                               # tensors are copied straight into the files written (records.write_file)
 
     def start(self, events: TransportEvents) -> None:
         """Begin connecting in the background; events go to `events` from now on (so none is ever missed)."""

@@ -33,15 +33,15 @@ import stat
 import threading
 from collections.abc import Callable, Iterable
 
-from npu_agent.records import PendingRecord, batch_frame, encode_record
+from npu_agent.records import PendingRecord, batch_frame, encode_record, read_back, write_file, write_frames
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
-from protos.folder_format import file_chunks, folder_end_name, folder_record_name, rank_dir_name
+from protos.folder_format import folder_end_name, folder_record_name, rank_dir_name
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
 
 _DIR_FLAGS = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-_FILE_FLAGS = (os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
+_FILE_FLAGS = (os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0))
 
 
 class SymlinkRefused(OSError):
@@ -72,26 +72,32 @@ def open_rank_dir(folder: str) -> int:
         raise
 
 
-def publish(dir_fd: int, name: str, frames: Iterable[bytes]) -> int:
-    """Write `frames` (serialized Frames) durably to `name` inside the open folder `dir_fd`. Returns the bytes
-    written. The temporary file is created exclusively (never through a planted file or link) and renamed."""
+def publish(dir_fd: int, name: str, content: Iterable[bytes] | Callable[[int], int],
+            unpublished: Callable[[int, int], None] | None = None) -> int:
+    """Write a record file durably as `name` inside the open folder `dir_fd`: `content` is its serialized Frames, or
+    a function that writes the file's bytes into the open file it is given and returns how many (a large record's
+    tensors copied straight from memory: npu_agent/records.py `write_file`). Returns the bytes written. The
+    temporary file is created exclusively (never through a planted file or link) and renamed. Should the file not be
+    published after `content` was written, `unpublished(fd, size)` is called before it is removed."""
     tmp = f".{name}.{os.getpid()}.{secrets.token_hex(8)}.tmp"
     fd = os.open(tmp, _FILE_FLAGS, 0o666, dir_fd=dir_fd)
-    written = 0
+    written = -1
     try:
-        with os.fdopen(fd, "wb") as fh:
-            for piece in file_chunks(frames):
-                fh.write(piece)
-                written += len(piece)
-            fh.flush()
-            os.fsync(fh.fileno())
+        written = content(fd) if callable(content) else write_frames(fd, 0, content)
+        os.fsync(fd)
         os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         try:
-            os.unlink(tmp, dir_fd=dir_fd)
-        except OSError:
-            pass
+            if written >= 0 and unpublished is not None:
+                unpublished(fd, written)
+        finally:
+            os.close(fd)
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
         raise
+    os.close(fd)
     try:
         os.fsync(dir_fd)
     except OSError:  # some network file systems refuse fsync on a directory; the rename is still atomic
@@ -101,6 +107,8 @@ def publish(dir_fd: int, name: str, frames: Iterable[bytes]) -> int:
 
 class FolderTransport:
     """Implements `npu_agent.transport.Transport` with files: one stream (generation 1), acknowledged on write."""
+
+    copies_into_files = True
 
     def __init__(self, nfs_path: str, run_id: str, rank: int, world_size: int, chunk_bytes: int = CHUNK_BYTES,
                  max_retry_s: float = 10.0, connect_timeout_s: float = 30.0):
@@ -133,14 +141,15 @@ class FolderTransport:
     def describe_state(self) -> str:
         return f"Shared folder {self.folder}: {self._state}."
 
-    def _write(self, name: str, make_frames: Callable[[], Iterable[bytes]], what: str) -> bool:
+    def _write(self, name: str, make_frames: Callable[[], Iterable[bytes] | Callable[[int], int]], what: str,
+               unpublished: Callable[[int, int], None] | None = None) -> bool:
         """Publish with retries until it works or the transport is closed. True when written."""
         backoff = 0.2
         while not self._closed.is_set():
             try:
                 dir_fd = open_rank_dir(self.folder)
                 try:
-                    self.bytes_written += publish(dir_fd, name, make_frames())
+                    self.bytes_written += publish(dir_fd, name, make_frames(), unpublished)
                 finally:
                     os.close(dir_fd)
             except SymlinkRefused:
@@ -194,12 +203,30 @@ class FolderTransport:
             self._events.on_ack(first.seq, "ACCEPTED", "", len(recs))
             return True
         for rec, enc in zip(recs, encoded):
-            frames = functools.partial(enc.wire_frames, self.chunk_bytes)
-            if not self._write(folder_record_name(who.run_id, who.rank, rec.seq), frames,
-                               f"record {rec.seq} ({rec.name})"):
+            content: Callable[[], Iterable[bytes] | Callable[[int], int]]
+            if enc.later is not None:   # a large record not copied yet: its tensors go straight into the file
+                content = functools.partial(functools.partial, write_file, rec)
+            else:
+                content = functools.partial(enc.wire_frames, self.chunk_bytes)
+            if not self._write(folder_record_name(who.run_id, who.rank, rec.seq), content,
+                               f"record {rec.seq} ({rec.name})", functools.partial(self._unpublished, rec)):
                 return False
             self._events.on_ack(rec.seq, "ACCEPTED", "")
         return True
+
+    def _unpublished(self, rec: PendingRecord, fd: int, size: int) -> None:
+        """A record file written but not published (fsync or rename failed): when its payload was copied straight
+        from the training's memory, that memory is let go already, so the record's frames are read back from the
+        file to be written again. Should that fail too, the record goes out skipped, with the reason."""
+        if rec.encoded is None or not rec.encoded.in_file:
+            return
+        try:
+            read_back(rec, fd, 0, size)
+        except OSError as exc:
+            reason = f"the agent could not write this record to the shared folder ({type(exc).__name__}: {exc})"
+            log.warning("online check: record %d (%s): %s; it is sent skipped", rec.seq, rec.name, reason)
+            rec.encoded, rec.skip_reason = None, reason
+            encode_record(rec, self.identity.run_id, self.identity.rank, self.chunk_bytes)
 
     def send_end(self, frame: bytes, timeout: float) -> bool:
         timer = threading.Timer(max(0.1, timeout), self._closed.set)

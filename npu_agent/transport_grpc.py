@@ -44,6 +44,8 @@ _CLOSE = b""   # never a real frame (a serialized Frame is never empty): ends a 
 class GrpcTransport:
     """Implements `npu_agent.transport.Transport` over one gRPC stream at a time."""
 
+    copies_into_files = False
+
     def __init__(self, endpoint: Endpoint, tls_dir: str, run_id: str, rank: int, world_size: int,
                  connect_timeout_s: float = 30.0, max_retry_s: float = 10.0, chunk_bytes: int = CHUNK_BYTES):
         self.endpoint = endpoint
