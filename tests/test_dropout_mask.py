@@ -1,0 +1,57 @@
+"""The keep-mask a dropout record carries is the true one, whichever way the agent finds it (npu_agent/capture.py
+`_dropout_mask`): read off the output where every input value is finite and not zero, rebuilt from the generator
+state otherwise (zeros, NaN, inf in the input). Pinned here against the mask rebuilt from the generator state, and
+the training's random stream is left where the real call left it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.support import capture
+
+CALLS = {
+    "F.dropout": lambda x: F.dropout(x, 0.3, training=True),
+    "F.dropout inplace": lambda x: F.dropout(x, 0.3, training=True, inplace=True),
+    "torch.dropout": lambda x: torch.dropout(x, 0.25, True),
+    "F.dropout2d": lambda x: F.dropout2d(x, 0.5, training=True),
+    "F.dropout p=0.9": lambda x: F.dropout(x, 0.9, training=True),
+}
+
+
+def _input(kind: str, dtype: torch.dtype) -> torch.Tensor:
+    x = torch.randn(6, 5, 7, 9, generator=torch.Generator().manual_seed(3)).to(dtype)
+    if kind == "relu":    # exact zeros: the output alone cannot tell a dropped zero from a kept one
+        x = x.relu()
+    elif kind == "nan":   # NaN * 0 is NaN: a dropped NaN is not zero
+        x[1, 2, 3, 4] = float("nan")
+    elif kind == "inf":
+        x[0, 0, 0, 0] = float("inf")
+    return x
+
+
+def _true_mask(call, x: torch.Tensor, seed: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return call(torch.ones_like(x)) != 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["dense", "relu", "nan", "inf"])
+@pytest.mark.parametrize("name", list(CALLS))
+def test_the_recorded_mask_is_the_true_keep_mask(name, kind, dtype):
+    call = CALLS[name]
+    x = _input(kind, dtype)
+    expected = _true_mask(call, x, 11)
+    torch.manual_seed(11)
+    with capture(backward=False) as (mode, sink):
+        with mode:
+            y = call(x.clone())
+    after = torch.rand(4)   # the stream goes on from where the real call left it
+    torch.manual_seed(11)
+    call(x.clone())
+    assert torch.equal(after, torch.rand(4))
+    recs = [r for r in sink if r.mask is not None]
+    assert len(recs) == 1, [r.name for r in sink]
+    assert recs[0].mask.dtype == torch.bool and torch.equal(recs[0].mask, expected), name
+    if kind == "dense":
+        assert torch.equal(recs[0].mask, y != 0)
