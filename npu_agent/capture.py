@@ -665,8 +665,12 @@ class Capturer:
         x = ctx.record.inputs.tree[0][0]  # type: ignore[union-attr]  # a dropout call has inputs
         if (isinstance(out, torch.Tensor) and out.shape == x.shape and x.is_floating_point() and x.numel()
                 and p < 1):
-            low, high = torch.aminmax(x.detach().abs())
-            if low.item() > 0 and high.item() < math.inf:
+            try:
+                low, high = torch.aminmax(x.detach().abs())
+                usable = bool(((low > 0) & (high < math.inf)).item())   # one device sync
+            except (RuntimeError, TypeError):   # a dtype without aminmax: rebuild it below
+                usable = False
+            if usable:
                 return out.detach() != 0
         device_type = ctx.record.rng_device
         state_after = generator_state(device_type)
