@@ -546,8 +546,9 @@ def print_agent_alone(r: dict) -> None:
     made = r["bytes per step"] / r["wall"]["on"] / 1e6
     print(f"  records: {r['bytes per step'] / 1e6:.0f} MB a step, made at {made:.0f} MB/s by the training; the agent "
           f"wrote {r['agent MB/s']:.0f} MB/s (steps and drain), its sender thread {r['agent CPU per step'] * 1e3:.0f} "
-          f"ms CPU a step; {r.get('frames reused', 0)} frames written into the memory of earlier ones (the rest "
-          f"into fresh memory)")
+          f"ms CPU a step; " + (f"{r['frames reused']} frames written into the memory of earlier ones (the rest "
+                                 f"into fresh memory)" if r.get("frames reused") else
+                                 "large records copied straight into their files (no frames in memory)"))
     floor = max(r["floor MB/s"], 1e-9)
     per_cpu = r["bytes per step"] / max(r["agent CPU per step"], 1e-9) / 1e6
     print(f"  the floor (the same files written and published bare, one thread on the agent's core): "
