@@ -7,7 +7,9 @@ Model: TinyLM with 16 layers (d=64, 4 heads, seq 32, batch 4, float32): each lay
 others, as in a real deep model. Each policy is the real agent (its own PrecisionDebugger and config) streaming to
 one real gpu-server subprocess on another core; the training runs on one core (bench/overhead.py's set-up). Cost
 per step includes waiting until the server acknowledged every record of the round. Coverage: the distinct call
-sites (API, input shapes and dtypes, direction) captured at least once, of those met; calls captured, of all calls.
+sites (API, input shapes and dtypes, direction) captured at least once, of those met; calls captured, of the calls
+the sampler saw (the calls of a step the agent does not watch are not seen: npu_agent.sampling, "Steps the agent
+does not watch"; their number is printed as "steps not watched").
 The floor: a TorchFunctionMode that does nothing, pushed around forward and backward as the agent's mode is ("no-op
 mode"); each policy's CPU is also given as a ratio of it, and its training thread's CPU (`time.thread_time`: the
 sender's and gRPC's threads left out). `--baseline PATH` runs the same measures first against the checkout at PATH
@@ -139,7 +141,8 @@ def _lines(r: dict) -> list[tuple[str, str]]:
         out.append((name, f"CPU x{cpu[name] / cpu['off']:5.2f} of off, x{cpu[name] / cpu['no-op mode']:5.2f} of the "
                           f"no-op mode; training thread x{thread[name] / thread['off']:5.2f} of off, "
                           f"x{thread[name] / thread['no-op mode']:5.2f} of the no-op mode; wall "
-                          f"x{wall[name] / wall['off']:5.2f}; calls captured {100 * captured / max(calls, 1):5.1f} %; "
+                          f"x{wall[name] / wall['off']:5.2f}; calls captured "
+                          f"{100 * captured / max(calls, 1):5.1f} % of those seen; "
                           f"call sites covered {sites}"))
     return out
 
@@ -158,7 +161,7 @@ def report(r: dict, base: dict | None) -> None:
             s = c.get("sampling")
             extra = (f"call sites {s['call_sites']}, skipped: steps {s['skipped_steps']}, ranks {s['skipped_ranks']}, "
                      f"repeats {s['skipped_repeats']}, budget {s['skipped_budget']} ({s['steps_skipped_budget']} "
-                     "steps)" if s else "no sampling")
+                     f"steps); steps not watched {s.get('steps_unwatched', 0)}" if s else "no sampling")
             if s and "agent_cpu_us" in s:   # what the budget charged: the senders' CPU, a captured call's estimate
                 extra += (f"; the budget charged the senders' CPU {s['agent_cpu_us'] / 1e3:.1f} ms and "
                           f"{s['call_cost_us'] / 1e3:.2f} ms a captured call in the training thread")

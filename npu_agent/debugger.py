@@ -68,6 +68,7 @@ class PrecisionDebugger:
         self._home_sender: Sender | None = None   # this rank's own server's sender, until every sender is closed
         self._routes_closed = False
         self._route_lock = threading.Lock()
+        self._unwatched_step = -1               # the last step start() left unwatched (counted once)
         if not self.config.online_run_ut:
             log.warning("online check: tensor.online_run_ut is false in the config; nothing will be captured")
         atexit.register(self.close)
@@ -99,6 +100,8 @@ class PrecisionDebugger:
         # the overhead budget charges the agent's CPU outside the training thread too (the senders' threads)
         sampler = Sampler(policy, rank, agent_cpu=self._agent_cpu if cfg.overhead_budget > 0 else None) \
             if policy.active else None
+        if sampler is not None:   # the budget may leave steps unwatched only in a training of one process
+            sampler.single_process = world == 1
         self._capturer = Capturer(self._route, cfg.api_list, cfg.scope, backward, sampler, ranks=cfg.ranks)
         self._sender.job = self._job()
         self._capturer.next_step(self.current_step)
@@ -197,6 +200,14 @@ class PrecisionDebugger:
                 return
             if self._mode in function_mode_stack():
                 return
+            sampler = self._capturer.sampler if self._capturer is not None else None
+            if sampler is not None and not sampler.watched:
+                # nothing known to capture in this step (npu_agent.sampling, "Steps the agent does not watch"):
+                # the training runs without the mode, as between stop() and start()
+                if self._unwatched_step != self.current_step:
+                    self._unwatched_step = self.current_step
+                    sampler.unwatched()
+                return
             self._mode.__enter__()
             try:   # the module stack, followed only while capture is on
                 location.install()
@@ -207,6 +218,8 @@ class PrecisionDebugger:
         with self._lock:
             mode = self._mode
             if mode is None:
+                return
+            if self._unwatched_step == self.current_step:   # start() did not push the mode in this step
                 return
             stack = function_mode_stack()
             if stack and stack[-1] is mode:

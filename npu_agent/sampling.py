@@ -29,7 +29,24 @@ never captured whole: its call sites are spread over the first steps as the budg
 (every call, subject to coverage) when the budget left pays for what the last step taken whole captured (before
 one, every call of the previous step), and cut short if the budget runs out within it. What the budget does not
 govern: the mode's own cost on every call, captured or not (bench/overhead.py --per-call, "the no-op mode" and the
-sampler's skip), which the agent adds whenever it watches a step.
+sampler's skip), which the agent adds whenever it watches a step (below: in a training of one process, the steps
+watched are few).
+
+Steps the agent does not watch. Without a budget, when the step and coverage policies leave nothing known to capture
+in a step, the capture mode is not pushed for it at all (PrecisionDebugger.start()), so such a step costs what the
+training costs without the checker: with `online_sample_steps` N and `online_coverage_steps` K the steps watched are
+those with `step % P == 0`, P = N * ceil(K / N) (P = N without coverage; a call site captured in one of them is due
+again at the next; before that, every step until a first call site is met), and besides them a deterministic
+pseudo-random 1 in `PROBE` of the others (the probes: a call site met only in a pattern of steps off the period, an
+evaluation every 100 steps, is still met). A call site first met in a step not watched is captured at its first
+occurrence in a watched one; coverage "within K steps" becomes "at the first watched step K or more steps later".
+The steps watched depend only on the step and the policy, never on the rank, shapes or time: every rank watches the
+same steps, as collectives need. The rank rotation alone (`online_sample_ranks`, N = 1, no coverage) watches every
+step. The overhead budget, in a training of one process only (its decisions differ between ranks) and until a
+collective is met, watches the steps it takes, those where a call site met was never captured yet (the budget did
+not pay for it), and the probes: the mode's own cost in a taken step is then part of what the budget measures per
+captured call (the training thread's extra CPU over the median step capturing nothing, most of them not watched).
+The calls of a step not watched are not seen, hence not counted; `steps_unwatched` counts those steps.
 
 torch.distributed collectives (npu_agent.collectives) are checked across the ranks of their group, so every rank
 of the group must take the same decision for the same collective: for them the decision depends only on the step
@@ -65,6 +82,13 @@ CALL_COST_PRIOR = 0.5e-3
 RECORD_CPU_PRIOR = 0.5e-3
 EARN_CAP_STEPS = 3.0   # a step earns budget for at most 3 times the median step without capture
 MEASURE_CALLS = 32     # the cost per captured call is measured over recent steps that captured this many calls
+PROBE = 8              # of the steps with nothing known to capture, 1 in PROBE is watched all the same
+
+
+def probe(step: int) -> bool:
+    """A deterministic pseudo-random 1 in PROBE of the steps (Knuth's multiplicative hash of the step): not a
+    fixed period, so a call site met only in a periodic pattern of steps (evaluation every 100 steps) is met too."""
+    return ((step * 2654435761) & 0xFFFFFFFF) >> 29 == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +102,15 @@ class Policy:
     def active(self) -> bool:
         return self.sample_steps > 1 or self.sample_ranks > 1 or self.coverage_steps > 0 or self.overhead_budget > 0
 
+    @property
+    def period(self) -> int:
+        """The steps watched are those with `step % period == 0` (and the probes); 1: every step is watched (the
+        module docstring, "Steps the agent does not watch")."""
+        if self.overhead_budget > 0:
+            return 1
+        n, k = self.sample_steps, self.coverage_steps
+        return n * max(1, -(-k // n))
+
 
 class Sampler:
     """Per-rank sampling state. `take_step(step)` at each step boundary; `take(site)` for every call."""
@@ -90,11 +123,17 @@ class Sampler:
         self.rank = rank
         self.step = 0
         self.step_taken = True
+        self.watched = True                          # this step is watched (the capture mode pushed for it)
+        self._period = policy.period
+        # the budget leaves steps unwatched only in a training of one process (PrecisionDebugger sets it): its
+        # decisions differ between ranks, and every rank must watch the steps of a collective alike
+        self.single_process = False
         self.last: dict[CallSite, int] = {}          # call site -> last step it was captured
         self.seen: set[CallSite] = set()             # call sites met (captured or not)
         self.collective_last: dict[CollectiveSite, int] = {}   # collective call site -> last step it was captured
         self.counts = {"calls": 0, "captured": 0, "new_call_sites": 0, "skipped_steps": 0, "skipped_ranks": 0,
-                       "skipped_repeats": 0, "skipped_budget": 0, "steps_taken": 0, "steps_skipped_budget": 0}
+                       "skipped_repeats": 0, "skipped_budget": 0, "steps_taken": 0, "steps_skipped_budget": 0,
+                       "steps_unwatched": 0}
         # step times (s) measured with capture and without, as moving medians (reported)
         self._t_step = clock()
         self._t_on: float | None = None
@@ -152,7 +191,20 @@ class Sampler:
         self._reason = reason
         if taken:
             self.counts["steps_taken"] += 1
+        if not self.seen and not self.collective_last:   # nothing met yet: every call site is new
+            self.watched = True
+        elif self._budget:
+            # nothing to capture unless the step is taken, a call site met was never captured (the budget did not
+            # pay for it yet), or a collective was met (every rank must watch the steps of a collective alike)
+            self.watched = (taken or not self.single_process or len(self.seen) > len(self.last)
+                            or bool(self.collective_last) or probe(step))
+        else:
+            self.watched = self._period == 1 or step % self._period == 0 or probe(step)
         return taken
+
+    def unwatched(self) -> None:
+        """PrecisionDebugger.start() did not push the capture mode for this step (`watched` false): counted."""
+        self.counts["steps_unwatched"] += 1
 
     def _measure(self, seconds: float) -> None:
         """Step times are kept as medians of the last 9 steps of each kind: a pause between steps (evaluation, a
@@ -198,7 +250,9 @@ class Sampler:
         if self._full:
             self._n_full = n
         calls = self.counts["calls"]
-        self._calls_prev, self._calls_at_step = calls - self._calls_at_step, calls
+        if calls != self._calls_at_step:   # a step not watched counts no calls: the last watched one stands
+            self._calls_prev = calls - self._calls_at_step
+        self._calls_at_step = calls
         self._n_step = 0
         self._cpu_step = cpu
 
