@@ -20,6 +20,7 @@ journals the record done.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
@@ -122,6 +123,18 @@ class Worker:
         self.checker.close()
 
 
+_FROZEN = []
+
+
+def _freeze_start_up() -> None:
+    """Once per process: what start-up made (torch's modules, the warm-up, the replayers) lives as long as the
+    server; out of the collector's reach, a full collection no longer walks it again and again while records are
+    checked."""
+    if not _FROZEN:
+        _FROZEN.append(True)
+        gc.freeze()
+
+
 class WorkerPool:
     def __init__(self, devices: list[torch.device], out_dir: str, ts: str, summary: Summary,
                  pending: PendingCalls, queue_size: int = 65536,
@@ -168,6 +181,7 @@ class WorkerPool:
         self.queues: list[queue.Queue] = [queue.Queue() for _ in devices]
         self.threads = [threading.Thread(target=self._run, args=(i,), name=f"gpu-server-worker-{i}", daemon=True)
                         for i in range(len(devices))]
+        _freeze_start_up()
         for t in self.threads:
             t.start()
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import gc
 import os
 import resource
 import sys
@@ -229,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     if ns.threads > 0:
         torch.set_num_threads(ns.threads)
     _warm_up()
+    # what start-up made (torch's modules, the warm-up) lives as long as the process: out of the collector's reach,
+    # a full collection no longer walks it again and again while records are replayed
+    gc.freeze()
     worker = Worker(ns)
     if worker.device.type == "cuda":
         total = torch.cuda.get_device_properties(worker.device).total_memory
