@@ -189,6 +189,16 @@ class Spans:
             if lo < hi:
                 ctypes.memset(addr + lo - start, 0, hi - lo)
 
+    def zero_padding(self, size: int, places: list[tuple[int, int, Any]]) -> None:
+        """Zero what no tensor of `places` [(offset, nbytes, tensor)] covers: alignment padding goes out as zeros."""
+        end = 0
+        for off, nbytes, _ in sorted(places, key=lambda p: p[0]):
+            if off > end:
+                self.zero(end, off - end)
+            end = max(end, off + nbytes)
+        if size > end:
+            self.zero(end, size - end)
+
     def copy(self, off: int, nbytes: int, t: torch.Tensor) -> None:
         """Write tensor `t` (nbytes of it) at payload offset `off`."""
         src = dense_address(t, nbytes)
@@ -242,13 +252,7 @@ class FramePayload(Spans):
             pos += n
             if pos >= size:
                 break
-        end = 0
-        for off, nbytes, _ in sorted(places, key=lambda p: p[0]):   # alignment padding goes out as zeros
-            if off > end:
-                self.zero(end, off - end)
-            end = max(end, off + nbytes)
-        if size > end:
-            self.zero(end, size - end)
+        self.zero_padding(size, places)
 
 
 def pwrite_all(fd: int, data: Any, at: int) -> int:
@@ -289,13 +293,7 @@ class FilePayload(Spans):
         pwrite_all(fd, heads[0], at)
         for (_, _, data_at), piece in zip(self.spans, heads[1:]):
             pwrite_all(fd, piece, data_at - len(piece))
-        end = 0
-        for off, nbytes, _ in sorted(places, key=lambda p: p[0]):   # alignment padding goes out as zeros
-            if off > end:
-                self.zero(end, off - end)
-            end = max(end, off + nbytes)
-        if size > end:
-            self.zero(end, size - end)
+        self.zero_padding(size, places)
 
     def write(self, off: int, src: int, n: int) -> None:
         for start, end, file_at in self.spans:

@@ -107,6 +107,20 @@ class _Events:
         raise AssertionError(refusal)
 
 
+def _fail_first_rename(monkeypatch) -> list[str]:
+    """os.replace fails once (the first publication), then works; returns where it failed."""
+    real_replace, failed = os.replace, []
+
+    def replace_once(src, dst, **kw):
+        if not failed:
+            failed.append(dst)
+            raise OSError(5, "Input/output error (injected)")
+        return real_replace(src, dst, **kw)
+
+    monkeypatch.setattr(os, "replace", replace_once)
+    return failed
+
+
 def test_the_transport_writes_large_records_straight_and_a_failed_rename_loses_nothing(tmp_path, monkeypatch):
     """Through FolderTransport as the Sender drives it: the first rename fails once after the payload was copied
     (the training's tensors are let go by then): the frames are read back from the unpublished file and the retry
@@ -117,15 +131,7 @@ def test_the_transport_writes_large_records_straight_and_a_failed_rename_loses_n
     recs = [_record("several", 0), _record("one", 1)]
     for rec in recs:
         encode_record(rec, RUN, 2, t.chunk_bytes, defer=t.copies_into_files)
-    real_replace, failed = os.replace, []
-
-    def replace_once(src, dst, **kw):
-        if not failed:
-            failed.append(dst)
-            raise OSError(5, "Input/output error (injected)")
-        return real_replace(src, dst, **kw)
-
-    monkeypatch.setattr(os, "replace", replace_once)
+    failed = _fail_first_rename(monkeypatch)
     assert t.send_records(recs, 1)
     assert ev.acks == [0, 1] and failed
     folder = tmp_path / "rank2"
@@ -141,18 +147,10 @@ def test_a_record_whose_file_cannot_be_read_back_goes_out_skipped_with_the_reaso
     t.start(ev)
     rec = _record("one", 0)
     encode_record(rec, RUN, 2, t.chunk_bytes, defer=True)
-    real_replace, failed = os.replace, []
-
-    def replace_once(src, dst, **kw):
-        if not failed:
-            failed.append(dst)
-            raise OSError(5, "Input/output error (injected)")
-        return real_replace(src, dst, **kw)
-
     def no_read(*a, **kw):
         raise OSError(5, "read failed (injected)")
 
-    monkeypatch.setattr(os, "replace", replace_once)
+    _fail_first_rename(monkeypatch)
     monkeypatch.setattr(os, "pread", no_read)
     assert t.send_records([rec], 1)
     assert ev.acks == [0]
