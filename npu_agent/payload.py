@@ -27,6 +27,7 @@ import mmap
 import os
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -240,19 +241,26 @@ class FramePayload(Spans):
     def __init__(self, head: bytes, seq: int, size: int, chunk_bytes: int, places: list[tuple[int, int, Any]]):
         self.frames: list[bytes] = []
         self.spans = []
-        pos = 0
-        while True:
-            n = min(chunk_bytes, size - pos)
-            prefix = head if pos == 0 else pb.Frame(chunk=pb.Chunk(seq=seq, offset=pos)).SerializeToString()
-            header = prefix + DATA_TAG + varint(n) if n else prefix
+        for pos, n, header in frame_headers(head, seq, size, chunk_bytes):
             frame, addr = _uninitialised_bytes(len(header) + n)
             ctypes.memmove(addr, header, len(header))
             self.frames.append(frame)
             self.spans.append((pos, pos + n, addr + len(header)))
-            pos += n
-            if pos >= size:
-                break
         self.zero_padding(size, places)
+
+
+def frame_headers(head: bytes, seq: int, size: int, chunk_bytes: int) -> Iterator[tuple[int, int, bytes]]:
+    """A large record's frames, as (payload offset, payload bytes, the frame's bytes before them): the first frame
+    carries the Record (`head`, the serialized Frame with the Record), the others a Chunk header; at most
+    chunk_bytes of payload each."""
+    pos = 0
+    while True:
+        n = min(chunk_bytes, size - pos)
+        prefix = head if pos == 0 else pb.Frame(chunk=pb.Chunk(seq=seq, offset=pos)).SerializeToString()
+        yield pos, n, (prefix + DATA_TAG + varint(n) if n else prefix)
+        pos += n
+        if pos >= size:
+            return
 
 
 def pwrite_all(fd: int, data: Any, at: int) -> int:
@@ -277,18 +285,12 @@ class FilePayload(Spans):
         self.fd = fd
         self.spans = []
         heads = [FOLDER_MAGIC]
-        pos, where = 0, at + len(FOLDER_MAGIC)
-        while True:
-            n = min(chunk_bytes, size - pos)
-            prefix = head if pos == 0 else pb.Frame(chunk=pb.Chunk(seq=seq, offset=pos)).SerializeToString()
-            header = prefix + DATA_TAG + varint(n) if n else prefix
+        where = at + len(FOLDER_MAGIC)
+        for pos, n, header in frame_headers(head, seq, size, chunk_bytes):
             heads.append(FRAME_LENGTH.pack(len(header) + n) + header)
             where += FRAME_LENGTH.size + len(header)
             self.spans.append((pos, pos + n, where))
             where += n
-            pos += n
-            if pos >= size:
-                break
         self.end = where
         pwrite_all(fd, heads[0], at)
         for (_, _, data_at), piece in zip(self.spans, heads[1:]):

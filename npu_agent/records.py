@@ -115,11 +115,11 @@ class _Later:
     """What a record encoded with `defer=True` keeps until its tensors are copied into a file (`write_file`): its
     layout, its snapshots and the arguments to encode it again (skipped) should a tensor turn out changed."""
 
-    __slots__ = ("enc", "snaps", "head", "rec", "run_id", "rank", "chunk_bytes")
+    __slots__ = ("enc", "snaps", "head", "run_id", "rank", "chunk_bytes")
 
-    def __init__(self, enc: _PayloadEncoder, snaps: list[Snapshot], head: bytes, rec: PendingRecord, run_id: str,
-                 rank: int, chunk_bytes: int) -> None:
-        self.enc, self.snaps, self.head, self.rec = enc, snaps, head, rec
+    def __init__(self, enc: _PayloadEncoder, snaps: list[Snapshot], head: bytes, run_id: str, rank: int,
+                 chunk_bytes: int) -> None:
+        self.enc, self.snaps, self.head = enc, snaps, head
         self.run_id, self.rank, self.chunk_bytes = run_id, rank, chunk_bytes
 
 
@@ -282,7 +282,7 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int =
         out, enc, changed = _encode(rec, run_id, rank, chunk_bytes, defer=defer)
         if enc.later is not None:
             rec.encoded = Encoded(out, None, enc.size, None,
-                                  _Later(enc, enc.later, pb.Frame(record=out).SerializeToString(), rec, run_id, rank,
+                                  _Later(enc, enc.later, pb.Frame(record=out).SerializeToString(), run_id, rank,
                                          chunk_bytes))
             return out, rec.encoded
     if changed:
