@@ -136,3 +136,51 @@ def test_an_agent_over_the_limit_logs_why_and_gets_in_once_a_slot_frees(tmp_path
     assert counts["captured"] > 0 and counts["acknowledged"] == counts["captured"], counts
     assert "RESOURCE_EXHAUSTED" in proc.stderr and "--max-streams 1" in proc.stderr, proc.stderr[-3000:]
     assert "the limit (--max-streams) is 1" in srv.log()
+
+
+class _SlowToFinish:
+    """A stream handler whose streams, once cancelled, take a while to finish (as ours do while an intake or ack
+    thread answers): `GrpcServer.stop` must wait for them, or stopping the loop destroys them mid-flight and gRPC
+    logs a `GeneratorExit` traceback per stream."""
+    budget = None
+    peak = refused = cut = 0
+
+    def __init__(self, limits):
+        self.limits = limits
+        self.open = 0
+        self.finished = 0
+
+    async def stream(self, request_iterator, context):
+        self.open += 1
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            await asyncio.sleep(0.3)
+            self.finished += 1
+        yield pb.Ack()
+
+    def close(self) -> None:
+        pass
+
+
+def test_stopping_the_server_lets_every_stream_finish_before_its_loop_ends():
+    from gpu_server.intake.admission import Limits
+    from gpu_server.intake.grpc_service import GrpcServer
+
+    handler = _SlowToFinish(Limits())
+    server = GrpcServer(handler, "127.0.0.1:0", handler.limits)
+    server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        stub = channel.stream_stream(METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
+        calls = [stub(iter(()), timeout=60) for _ in range(20)]
+        deadline = time.time() + 30
+        while handler.open < len(calls) and time.time() < deadline:
+            time.sleep(0.05)
+        assert handler.open == len(calls)
+        server.stop(grace=0.1).wait()
+        pending = [t for t in asyncio.all_tasks(server._loop) if not t.done()]
+        assert not pending, f"{len(pending)} tasks left pending on the stopped loop, e.g. {pending[0]!r}"
+        assert handler.finished == len(calls)
+    finally:
+        channel.close()

@@ -406,6 +406,7 @@ class GrpcServer:
         if not self._stopped.is_set():
             try:
                 self._call(self._server.stop(grace))
+                self._call(_settle_tasks(self._loop))
             finally:
                 self.handler.close()
                 self._close_loop()
@@ -420,6 +421,21 @@ class GrpcServer:
         if not self._thread.is_alive():
             self._loop.close()
         self._stopped.set()
+
+
+async def _settle_tasks(loop: asyncio.AbstractEventLoop, timeout: float = 10.0) -> None:
+    """Once `server.stop(grace)` has returned, gRPC has cancelled every stream, but their tasks may still be
+    finishing (a handler's clean-up waiting on an intake or ack thread). Stopping the loop then would destroy them
+    mid-flight, and gRPC logs a `GeneratorExit` traceback per stream. Let them finish, at most `timeout` seconds;
+    cancel what is still left after that."""
+    me = asyncio.current_task(loop)
+    left = {t for t in asyncio.all_tasks(loop) if t is not me and not t.done()}
+    if left:
+        _, left = await asyncio.wait(left, timeout=timeout)
+    for t in left:
+        t.cancel()
+    if left:
+        await asyncio.wait(left, timeout=1.0)
 
 
 def raise_open_file_limit(streams: int) -> None:
