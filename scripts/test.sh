@@ -5,7 +5,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check .
 .venv/bin/mypy   # --strict over npu_agent/ and protos/ ([tool.mypy] in pyproject.toml)
-.venv/bin/python -m pytest -q -p no:cacheprovider --durations=15 "$@"   # the slowest 15 listed
+# two test processes (TEST_WORKERS=1 runs them one at a time): most tests wait on servers and trainings they start
+.venv/bin/python -m pytest -q -p no:cacheprovider -n "${TEST_WORKERS:-2}" --durations=15 "$@"   # the slowest 15 listed
 CONTRACT=../shared/acceptance/contract_check.py
 if [ -f "$CONTRACT" ]; then
   .venv/bin/python "$CONTRACT"
