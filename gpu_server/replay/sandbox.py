@@ -22,11 +22,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from typing import Any, Callable
@@ -34,7 +32,7 @@ from typing import Any, Callable
 import torch
 
 from gpu_server.job import Job
-from gpu_server.replay import extensions, spread
+from gpu_server.replay import extensions, shm_folder, spread
 from gpu_server.replay.run import (
     KeptForward,
     ReplayError,
@@ -161,8 +159,10 @@ class ProcessReplayer:
         self.threads = threads
         self.max_record_bytes = max_record_bytes
         self.name = name
-        self.folder = tempfile.mkdtemp(prefix="gpu-server-replay-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                       else None)
+        parent = shm_folder.shm_parent()
+        shm_folder.sweep_once(parent)   # the folders of servers killed before they could remove theirs
+        self._owned = shm_folder.OwnedFolder(parent)
+        self.folder = self._owned.path
         self.inbox = Arena(self.folder, "in")
         self.outbox = Mapped(self.folder, "out")
         self.generation = 0
@@ -357,7 +357,7 @@ class ProcessReplayer:
                 self._kill()
             self.inbox.close()
             self.outbox.close()
-            shutil.rmtree(self.folder, ignore_errors=True)
+            self._owned.close()
 
 
 Replayer = InlineReplayer | ProcessReplayer
