@@ -29,8 +29,11 @@ def _owner_in_a_process(parent: str) -> tuple[subprocess.Popen, str]:
 
 
 def _dead(path: str) -> bool:
-    """Whether the owner lock of `path` is free (its owner is gone)."""
-    fd = os.open(os.path.join(path, shm_folder.LOCK), os.O_RDONLY)
+    """Whether the owner lock of `path` is free (its owner is gone), or the folder is gone already."""
+    try:
+        fd = os.open(os.path.join(path, shm_folder.LOCK), os.O_RDONLY)
+    except FileNotFoundError:
+        return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -76,15 +79,29 @@ def test_only_the_folders_of_dead_owners_are_swept(tmp_path, caplog):
     assert shm_folder.sweep(parent) == [alive_path]
 
 
-def _replay_folders() -> set[str]:
+def _folders_locked_by(pid: int) -> set[str]:
+    """The replay folders whose owner lock process `pid` holds (/proc/locks: other tests' servers run meanwhile)."""
+    inodes = set()
+    with open("/proc/locks") as fh:
+        for line in fh:
+            f = line.split()   # "1: FLOCK  ADVISORY  WRITE <pid> <major>:<minor>:<inode> 0 EOF" ("->" for waiters)
+            if len(f) >= 6 and f[1] == "FLOCK" and f[4] == str(pid):
+                inodes.add(int(f[5].rsplit(":", 1)[1]))
     parent = shm_folder.shm_parent() or "/tmp"
-    return {os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(shm_folder.PREFIX)}
+    held = set()
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        try:
+            if name.startswith(shm_folder.PREFIX) and os.stat(os.path.join(path, shm_folder.LOCK)).st_ino in inodes:
+                held.add(path)
+        except OSError:
+            continue
+    return held
 
 
 def test_a_server_killed_with_kill_9_has_its_shared_memory_freed_by_the_next(tmp_path):
     work = str(tmp_path)
     out = os.path.join(work, "out")
-    before = _replay_folders()
     first = support.Server(work, out=out).start()
     try:
         cfg = support.agent_config(os.path.join(work, "agent.json"), first.port)
@@ -93,8 +110,8 @@ def test_a_server_killed_with_kill_9_has_its_shared_memory_freed_by_the_next(tmp
         while not support.read_csv(out, "accuracy_checking_result") and time.time() < deadline:
             time.sleep(0.05)
         assert support.read_csv(out, "accuracy_checking_result"), "nothing was replayed"
-        ours = {p for p in _replay_folders() - before if os.path.exists(os.path.join(p, shm_folder.LOCK))}
-        assert ours, "the server made no replay folder"
+        ours = _folders_locked_by(first.proc.pid)
+        assert ours, "the server holds no replay folder"
         assert any(n.startswith("in-") for p in ours for n in os.listdir(p)), "no arena in the replay folder"
     finally:
         first.kill()   # SIGKILL: the server cannot remove its folder
