@@ -12,8 +12,15 @@ correct same-dtype implementations ("spread members"):
    rounded (error < 1 ULP of its own output, unbiased), so each run is a correct implementation whose rounding
    decisions differ from the host's, op by op, through the whole call (forward outputs that a backward reuses
    included). Exact ops (copies, indexing, max, relu ...) are unchanged by construction.
+3. one sequential-accumulation run, for calls with a matrix product: the same replay where every `mm`, `addmm`,
+   `bmm` and `baddbmm` sums its K products one at a time in the accumulation dtype (float32; each product and each
+   running sum rounded, no fused multiply-add), the other ops as on the host. That is the textbook order, and the
+   least accurate one a correct device uses: a bench whose own products are blocked or split along K (cuBLAS on a
+   GPU) otherwise accuses a device that sums more sequentially (a CPU's float32 `mm` on a CUDA bench, measured with
+   bench/gpu_check.sh). Faithfully rounded runs (2.) carry no accumulation error at all. A call without a matrix
+   product gets no such run (it would repeat the host's).
 
-`forward_members` / `backward_members` return the outputs of the stochastic-rounding runs (flattened like
+`forward_members` / `backward_members` return the outputs of these runs (flattened like
 `replay.flatten_outputs`); the checker passes them, with the host's run, to the two-way status and the standards.
 Randomness is seeded from the call's place in the training (rank, step, call name), not from the run id, so that
 two runs of the same training give the same report (tests/report_identity.py compares them byte for byte).
@@ -29,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpu_server.replay.run import ReplayError, flatten_outputs, run_backward, run_forward
 
 SPREAD_RUNS = 2             # stochastic-rounding runs per call (besides the host's same-dtype run)
+SEQUENTIAL_RUNS = 1         # sequential-accumulation runs per call with a matrix product
 _ROUNDED = (torch.float16, torch.bfloat16, torch.float32)
 _WIDE = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.float32: torch.float64}
 _INT = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
@@ -129,6 +137,68 @@ class StochasticRounding(TorchDispatchMode):
         return gen
 
 
+_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.baddbmm.default}
+
+
+def sequential_product(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """`a @ b` (2-D, or 3-D batched) summed over k = 0, 1, ..., K-1 one product at a time in `acc`: each product
+    and each running sum rounded to `acc` (no fused multiply-add)."""
+    a, b = a.to(acc), b.to(acc)
+    out = torch.zeros(*a.shape[:-1], b.shape[-1], dtype=acc, device=a.device)
+    for k in range(a.shape[-1]):
+        out.add_(a[..., :, k:k + 1] * b[..., k:k + 1, :])
+    return out
+
+
+def _sequential(func, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """The product op `func` with a sequential sum, rounded to its output dtype; None where it does not apply."""
+    if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default):
+        bias, (a, b), beta, alpha = None, args[:2], 0, 1
+    else:
+        bias, a, b = args[:3]
+        beta, alpha = kwargs.get("beta", 1), kwargs.get("alpha", 1)
+    tensors = [t for t in (a, b, bias) if t is not None]
+    if (not all(isinstance(t, torch.Tensor) for t in tensors) or a.dtype not in _ROUNDED
+            or any(t.dtype != a.dtype or t.device != a.device for t in tensors) or a.shape[-1] < 2):
+        return None
+    acc = torch.float32
+    out = sequential_product(a, b, acc)
+    if alpha != 1:
+        out = out * alpha
+    if bias is not None and beta != 0:
+        out = out + (bias.to(acc) if beta == 1 else bias.to(acc) * beta)
+    return out.to(a.dtype)
+
+
+class SequentialAccumulation(TorchDispatchMode):
+    """Every matrix product (`_PRODUCTS`) summed sequentially in float32; every other op as on the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.touched = False   # a product was replaced: without one the run repeats the host's and is not kept
+        self.random = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.random = True
+        if func in _PRODUCTS:
+            out = _sequential(func, args, kwargs)
+            if out is not None:
+                self.touched = True
+                return out
+        return func(*args, **kwargs)
+
+
+def _modes(seeded: Any) -> Iterator[tuple[TorchDispatchMode, bool]]:
+    """The spread runs' modes, each with whether its run is kept only when it changed something."""
+    for run in range(SPREAD_RUNS):
+        yield StochasticRounding(_seed(seeded, run)), False
+    for _ in range(SEQUENTIAL_RUNS):
+        yield SequentialAccumulation(), True
+
+
 def _usable(job: Any) -> bool:
     # a call with a replayed random stream draws it once per run; the stochastic runs would draw it again
     return not getattr(job, "rng_state", None)
@@ -146,14 +216,13 @@ def backward_members(fwd: Any, bwd: Any, device: torch.device, match_threads: bo
 
 
 def _members(fwd: Any, seeded: Any, replay: Callable[[], list]) -> list[list]:
-    """`replay()` under SPREAD_RUNS stochastic-rounding modes seeded from `seeded`: the runs that completed (those
-    before a failing one); [] when the call cannot have a spread (`fwd` replays a random stream, or the replay draws
-    randomness of its own)."""
+    """`replay()` under each spread mode (`_modes`, the stochastic ones seeded from `seeded`): the runs that
+    completed (those before a failing one; a sequential run only where the call has a matrix product); [] when the
+    call cannot have a spread (`fwd` replays a random stream, or the replay draws randomness of its own)."""
     if not _usable(fwd):
         return []
     members = []
-    for run in range(SPREAD_RUNS):
-        mode = StochasticRounding(_seed(seeded, run))
+    for mode, only_if_touched in _modes(seeded):
         try:
             with mode:
                 out = replay()
@@ -161,7 +230,8 @@ def _members(fwd: Any, seeded: Any, replay: Callable[[], list]) -> list[list]:
             return members
         if mode.random:   # internal randomness (dropout inside a fused op ...): no spread from this call
             return []
-        members.append(out)
+        if not only_if_touched or mode.touched:
+            members.append(out)
     return members
 
 
