@@ -91,6 +91,11 @@ _EXACT = {torch.ops.aten._to_copy, torch.ops.aten.clone, torch.ops.aten.copy, to
           torch.ops.aten.new_full, torch.ops.aten.empty_strided}
 
 
+# Matrix products: their sums may run in any order on a correct device (the sequential run).
+_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+             torch.ops.aten.baddbmm.default}
+
+
 class StochasticRounding(TorchDispatchMode):
     """Every rounding aten op: computed in the wider dtype, stochastically rounded to its output dtype."""
 
@@ -99,11 +104,14 @@ class StochasticRounding(TorchDispatchMode):
         self.seed = seed
         self._gens: dict[torch.device, torch.Generator] = {}
         self.random = False   # the run drew random numbers: it is no reproduction of the call, discard it
+        self.products = False   # the run met a matrix product (`_PRODUCTS`): the call gets a sequential run too
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags:
             self.random = True
+        if func in _PRODUCTS:
+            self.products = True
         out = func(*args, **kwargs)
         if not _roundable(func):
             return out
@@ -135,10 +143,6 @@ class StochasticRounding(TorchDispatchMode):
         if gen is None:
             gen = self._gens[device] = torch.Generator(device=device).manual_seed(self.seed)
         return gen
-
-
-_PRODUCTS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten.baddbmm.default}
 
 
 def sequential_product(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
@@ -176,7 +180,7 @@ class SequentialAccumulation(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.touched = False   # a product was replaced: without one the run repeats the host's and is not kept
+        self.touched = False   # a product was replaced
         self.random = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -189,14 +193,6 @@ class SequentialAccumulation(TorchDispatchMode):
                 self.touched = True
                 return out
         return func(*args, **kwargs)
-
-
-def _modes(seeded: Any) -> Iterator[tuple[TorchDispatchMode, bool]]:
-    """The spread runs' modes, each with whether its run is kept only when it changed something."""
-    for run in range(SPREAD_RUNS):
-        yield StochasticRounding(_seed(seeded, run)), False
-    for _ in range(SEQUENTIAL_RUNS):
-        yield SequentialAccumulation(), True
 
 
 def _usable(job: Any) -> bool:
@@ -216,13 +212,16 @@ def backward_members(fwd: Any, bwd: Any, device: torch.device, match_threads: bo
 
 
 def _members(fwd: Any, seeded: Any, replay: Callable[[], list]) -> list[list]:
-    """`replay()` under each spread mode (`_modes`, the stochastic ones seeded from `seeded`): the runs that
-    completed (those before a failing one; a sequential run only where the call has a matrix product); [] when the
-    call cannot have a spread (`fwd` replays a random stream, or the replay draws randomness of its own)."""
+    """`replay()` under SPREAD_RUNS stochastic-rounding modes seeded from `seeded`, then, where those runs met a
+    matrix product, under SEQUENTIAL_RUNS sequential-accumulation modes: the runs that completed (those before a
+    failing one); [] when the call cannot have a spread (`fwd` replays a random stream, or the replay draws
+    randomness of its own)."""
     if not _usable(fwd):
         return []
-    members = []
-    for mode, only_if_touched in _modes(seeded):
+    members: list[list] = []
+    modes: list[TorchDispatchMode] = [StochasticRounding(_seed(seeded, run)) for run in range(SPREAD_RUNS)]
+    while modes:
+        mode = modes.pop(0)
         try:
             with mode:
                 out = replay()
@@ -230,8 +229,9 @@ def _members(fwd: Any, seeded: Any, replay: Callable[[], list]) -> list[list]:
             return members
         if mode.random:   # internal randomness (dropout inside a fused op ...): no spread from this call
             return []
-        if not only_if_touched or mode.touched:
-            members.append(out)
+        if isinstance(mode, StochasticRounding) and mode.products and not modes:
+            modes = [SequentialAccumulation() for _ in range(SEQUENTIAL_RUNS)]
+        members.append(out)
     return members
 
 
