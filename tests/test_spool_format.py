@@ -200,3 +200,43 @@ def test_long_sessions_compact_the_journal_and_resume_from_it(tmp_path, monkeypa
     assert [e.key for e in rec.replay] == [("run1", 0, 7)] and rec.half == {("run1", 0, 7)}
     assert rec.done_count == 59 and not rec.truncated and not rec.journal_damaged
     sp.close()
+
+
+def test_a_worker_adding_to_the_journal_never_waits_for_its_fsync(tmp_path, monkeypatch):
+    """`Journal.add` runs on a worker thread after every record: while the journal thread is inside an fsync (which
+    can take tens of ms on a real disk) it must not wait. Lines keep their order, `add_now`'s included."""
+    import threading
+
+    import gpu_server.spool.journal as spool_journal
+
+    path = str(tmp_path / "journal.log")
+    journaled: list = []
+    journal = spool_journal.Journal(path, fsync=True, on_journaled=journaled.extend)
+    journal.open(JournalState())
+    inside, release = threading.Event(), threading.Event()
+    real_fsync = os.fsync
+
+    def held_fsync(fd: int) -> None:
+        inside.set()
+        release.wait(10)
+        real_fsync(fd)
+
+    monkeypatch.setattr(spool_journal.os, "fsync", held_fsync)
+    journal.add({"d": [["r", 0, 1]], "h": [], "f": {}}, [("r", 0, 1)], [])
+    assert inside.wait(10)                      # the journal thread now waits inside its fsync
+    adder = threading.Thread(target=journal.add, args=({"d": [["r", 0, 2]], "h": [], "f": {}}, [("r", 0, 2)], []))
+    adder.start()
+    adder.join(5)
+    assert not adder.is_alive() and not release.is_set()   # added while the fsync is still held
+    release.set()
+    journal.add_now({"q": [["r", 0, 3, "why"]]})
+    journal.add({"d": [["r", 0, 4]], "h": [], "f": {}}, [("r", 0, 4)], [])
+    journal.close()
+    monkeypatch.undo()
+    with open(path) as fh:
+        lines = [json.loads(line) for line in fh.read().splitlines()[1:]]
+    assert lines == [{"d": [["r", 0, 1]], "h": [], "f": {}}, {"d": [["r", 0, 2]], "h": [], "f": {}},
+                     {"q": [["r", 0, 3, "why"]]}, {"d": [["r", 0, 4]], "h": [], "f": {}}]
+    assert journaled == [("r", 0, 1), ("r", 0, 2), ("r", 0, 4)]
+    state = read_journal(path)
+    assert all(state.is_done(("r", 0, s)) for s in (1, 2, 4)) and ("r", 0, 3) in state.quarantined

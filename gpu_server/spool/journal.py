@@ -149,7 +149,11 @@ def read_journal(path: str) -> JournalState:
 class Journal:
     """Appends journal lines and fsyncs them in groups, after the report files they describe. Keeps `state` (what
     the journal says) up to date, and compacts the file into one snapshot line once COMPACT_BYTES were appended, so
-    a long session's journal stays bounded."""
+    a long session's journal stays bounded.
+
+    Two locks: `_cv` guards only the lines waiting to be written, so `add` (a worker thread's, after every record)
+    never waits for a write or fsync in progress; `_io` serialises the writing (take what waits, fsync the report
+    files, write, fsync, apply to `state`), so the lines reach the file in the order they were added."""
 
     def __init__(self, path: str, fsync: bool, on_journaled: Callable[[list[Key]], None]):
         self.path = path
@@ -159,6 +163,7 @@ class Journal:
         self.appended = 0
         self.compactions = 0
         self._cv = threading.Condition()
+        self._io = threading.Lock()
         self._buf: list[dict] = []
         self._keys: list[Key] = []
         self._files: set[str] = set()
@@ -193,11 +198,17 @@ class Journal:
         """Append and fsync at once (an end message, before it is acknowledged)."""
         with self._cv:
             self._buf.append(line)
-            self._flush_locked()
+        self.flush()
 
     def flush(self) -> None:
-        with self._cv:
-            self._flush_locked()
+        """Write and fsync every line added so far (those a flush in progress took are written before)."""
+        with self._io:
+            if self._fd < 0:   # not opened yet, or closed: what waits stays
+                return
+            with self._cv:
+                lines, keys, files = self._buf, self._keys, self._files
+                self._buf, self._keys, self._files = [], [], set()
+            self._write(lines, keys, files)
 
     def _loop(self) -> None:
         while True:
@@ -206,13 +217,13 @@ class Journal:
                     self._cv.wait()
                 if not self._buf and self._closed:
                     return
-                self._flush_locked()
+            self.flush()
             time.sleep(INTERVAL_S)
 
-    def _flush_locked(self) -> None:
-        if not self._buf or self._fd < 0:
+    def _write(self, lines: list[dict], keys: list[Key], files: set[str]) -> None:
+        """(Under `_io`.) Append `lines`, after the report files they describe are on disk."""
+        if not lines:
             return
-        lines, keys, files = self._buf, self._keys, self._files
         if self.fsync:  # the rows first, then the journal that says they are there
             for path in files:
                 try:
@@ -241,9 +252,7 @@ class Journal:
                 self.failed += 1
                 log.error("spool: cannot write %s (%s); %d records stay in the spool and are checked again after a "
                           "restart", self.path, exc, len(keys))
-                self._buf, self._keys, self._files = [], [], set()
                 return
-        self._buf, self._keys, self._files = [], [], set()
         for item in lines:
             _apply(self.state, item, first=False)
         self.on_journaled(keys)
@@ -262,8 +271,8 @@ class Journal:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(timeout=30)
-        with self._cv:
-            self._flush_locked()
+        self.flush()
+        with self._io:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
