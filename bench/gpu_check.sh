@@ -3,6 +3,8 @@
 #   bash bench/gpu_check.sh [extra bench/server.py options]
 # Records one CPU training's forward and backward records into a shared folder, then checks them with gpu-server
 # --device cuda, and prints records/s and the server's time per training step (bench/server.py).
+# PYTHON picks the interpreter (default .venv/bin/python): one with a CUDA build of torch and the packages of
+# pyproject.toml, e.g. `PYTHON=python3 bash bench/gpu_check.sh` on a GPU host whose torch is installed system-wide.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}

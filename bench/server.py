@@ -124,7 +124,10 @@ def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str 
                                                 "is_online": True, "nfs_path": nfs, "host": "127.0.0.1", "port": 0,
                                                 "rank_list": [], "tls_path": ""}}, fh)
     exe = os.path.join(os.path.dirname(sys.executable), "gpu-server")
-    cmd = [exe, "--config", cfg, "--out", out, "--quiet", "--exit-when-done", "--world-size", str(ranks),
+    # an interpreter the project is not installed into (PYTHON=python3 bash bench/gpu_check.sh): the same CLI as a
+    # module, from `root` (PYTHONPATH below)
+    launcher = [exe] if os.path.exists(exe) else [sys.executable, "-m", "gpu_server.cli"]
+    cmd = [*launcher, "--config", cfg, "--out", out, "--quiet", "--exit-when-done", "--world-size", str(ranks),
            "--device", device, "--workers", str(workers)] + (["--replay-in", replay_in] if replay_in else [])
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
