@@ -79,10 +79,19 @@ def parse_frame(raw: bytes) -> tuple[pb.Frame, bytes | memoryview]:
     return frame, memoryview(raw)[data_at:]
 
 
-def _data_field(raw: bytes) -> tuple[int, int] | None:
-    """(where Frame.data's tag starts, where its bytes start) when it is the last field of `raw`, the only one of
-    its number, and every top-level field before it is well formed; else None."""
-    n, pos, found = len(raw), 0, None
+def data_field_at(head: bytes, n: int) -> tuple[int, int] | None:
+    """What `_data_field` says of an `n`-byte message, from its first bytes `head` alone: the folder reads the
+    fields before Frame.data first and then the data straight into its place (gpu_server/intake/folder.py). When
+    Frame.data is the last field, every field before it lies in `head` and nothing follows it, so the answer is the
+    same as from the whole message; None also when `head` ends before the data's bytes start."""
+    return _data_field(head, n)
+
+
+def _data_field(raw: bytes, n: int | None = None) -> tuple[int, int] | None:
+    """(where Frame.data's tag starts, where its bytes start) when it is the last field of `raw` (of `n` bytes, of
+    which `raw` may hold only the first: `data_field_at`), the only one of its number, and every top-level field
+    before it is well formed; else None."""
+    n, pos = len(raw) if n is None else n, 0
     try:
         while pos < n:
             at = pos
@@ -93,7 +102,7 @@ def _data_field(raw: bytes) -> tuple[int, int] | None:
                 if field == _DATA_FIELD:
                     if pos + length != n:   # not the last field (so also not the only one): protobuf decides
                         return None
-                    found = (at, pos)
+                    return at, pos   # the last field: nothing follows it
                 pos += length
             elif wire == 0:
                 _, pos = _read_varint(raw, pos)
@@ -103,9 +112,9 @@ def _data_field(raw: bytes) -> tuple[int, int] | None:
                 return None   # groups and invalid wire types: protobuf decides
             if field == _DATA_FIELD and wire != 2:
                 return None
-    except IndexError:
+    except IndexError:   # a cut-off message (or `raw` ends before the data's bytes start)
         return None
-    return found if pos == n else None
+    return None   # no Frame.data, or the last field runs past the end: protobuf decides
 
 
 def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:

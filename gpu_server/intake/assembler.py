@@ -37,6 +37,7 @@ class FrameAssembler:
         self.record: pb.Record | None = None
         self.payload: _Payload | None = None    # written as the chunks arrive: pages are taken as they are written
         self._first: bytes | memoryview = b""     # the first frame's data, until the second frame comes
+        self._placed: memoryview | None = None   # where `place` had the next chunk's data read (already in place)
         self.filled = 0
         self.refused_seq: int | None = None
         self._admitted: pb.Frame | None = None   # the record frame `before` admitted, until it is fed
@@ -218,11 +219,9 @@ class FrameAssembler:
             raise WireError(f"record {rec.header.seq}: chunk at offset {offset} (+{len(data)} bytes) does not continue "
                             f"the payload at {self.filled} of {rec.payload_bytes}")
         self._keep(len(data))   # the rest of the message (its framing) is given back once it is handled
-        if self.payload is None:
-            self.payload = _Payload(expected)
-            self.payload.write(0, self._first)
-            self._first = b""
-        self.payload.write(offset, data)
+        placed, self._placed = self._placed, None
+        if data is not placed:
+            self._buffer().write(offset, data)
         self.filled += len(data)
         if self.filled == expected:
             out = (self.record, memoryview(self.payload.map))
@@ -232,6 +231,31 @@ class FrameAssembler:
             self._hand_over()
             return out
         return None
+
+    def place(self, frame: pb.Frame, n: int) -> memoryview | None:
+        """Where the `n` data bytes of this chunk frame go in the payload being joined, for a reader that can put
+        them there itself (the folder reads them from the file straight into it: the only copy they get); None when
+        the frame is not the chunk that continues the record (`feed` then refuses it or takes it as it is). `feed`
+        the frame with the view returned as its data after filling it; nothing else of the frame is checked here,
+        so what `before` and `feed` check and refuse stays where and as it was."""
+        rec = self.record
+        if (rec is None or frame.WhichOneof("body") != "chunk" or frame.chunk.seq != rec.header.seq
+                or frame.chunk.offset != self.filled or self.filled + n > rec.payload_bytes):
+            return None
+        payload = self._buffer()
+        payload.prepare(self.filled, self.filled + n)
+        self._placed = memoryview(payload.map)[self.filled:self.filled + n]
+        return self._placed
+
+    def _buffer(self) -> _Payload:
+        """The buffer the record being assembled is joined in, made (with the first frame's data) when its second
+        frame comes."""
+        if self.payload is None:
+            assert self.record is not None
+            self.payload = _Payload(self.record.payload_bytes)
+            self.payload.write(0, self._first)
+            self._first = b""
+        return self.payload
 
     def _hand_over(self) -> None:
         self.reserved += self.held + self.extra
@@ -331,8 +355,12 @@ class FrameAssembler:
     def reset(self) -> None:
         """Drop the record being assembled and give back what it held."""
         if self.payload is not None:
-            self.payload.map.close()
+            try:
+                self.payload.map.close()
+            except BufferError:   # a view `place` handed out is still held (a read cut off): freed with it
+                pass
         self._first = b""
+        self._placed = None
         self._admitted = None
         if self.record is not None and self.share is not None:
             self.share.ended(id(self))
@@ -381,6 +409,11 @@ class _Payload:
 
     def write(self, off: int, data: bytes | memoryview) -> None:
         end = off + len(data)
+        self.prepare(off, end)
+        self.map[off:end] = data
+
+    def prepare(self, off: int, end: int) -> None:
+        """[off, end) is about to be filled: its whole huge pages are asked for as such."""
         if self._base >= 0:
             lo, hi = whole_huge_pages(self._base, off, end)
             if hi > lo:
@@ -388,7 +421,6 @@ class _Payload:
                     self.map.madvise(_HUGE_ON, lo, hi - lo)
                 except OSError:
                     pass
-        self.map[off:end] = data
 
 
 def whole_huge_pages(base: int, start: int, end: int) -> tuple[int, int]:

@@ -61,7 +61,7 @@ from gpu_server.intake.budget import ByteBudget
 from gpu_server.intake.stream import Arrival, RecordStream, Stopped
 from protos import online_check_pb2 as pb
 from protos.folder_format import END_FILE, FOLDER_MAGIC, FRAME_LENGTH, RANK_DIR, RECORD_FILE
-from protos.framing import parse_frame
+from protos.framing import data_field_at, parse_frame
 from protos.limits import DEFAULT_LIMITS, Limits, log_text
 
 log = logging.getLogger("gpu_server")
@@ -74,6 +74,7 @@ _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLO
 ORIGIN = "folder"   # who sent the folder's records, for Intake.end_backed
 TURN_GROUP = 64     # rank folders whose streams take turns together in a pass (FolderReader.poll_once)
 UNSETTLED_FILES = 8   # files read whose records are not all durable yet, at most, before the reader waits for one
+HEAD_BYTES = 512      # a frame's first bytes read apart, to put a chunk's data straight into place (_read_frames)
 
 
 class _Dir:
@@ -364,7 +365,8 @@ class FolderReader:
     def _read_frames(self, folder: _Dir, name: str, asm: FrameAssembler | None = None):
         """Yield (frame, its data, bytes left in the file) of a published file, checking every size before reading
         it (the data: a view into the frame's bytes where it could be parsed apart, protos.framing.parse_frame).
-        With `asm`, each frame's bytes are reserved in the memory budget before they are read."""
+        With `asm`, each frame's bytes are reserved in the memory budget before they are read, and a chunk that
+        continues the record being joined is read straight into its place (`_read_in_place`)."""
         # O_NOFOLLOW | O_NONBLOCK, relative to the folder opened without following links: a symlink or a FIFO
         # planted under a record's name is refused, never followed or waited on.
         fd = os.open(name, _FILE_FLAGS, dir_fd=folder.fd)
@@ -389,6 +391,15 @@ class FolderReader:
                     raise BadFile(f"a {n}-byte frame at byte {pos} runs past the end of the {size}-byte file")
                 if asm is not None and not asm.reserve(n):
                     raise Stopped()   # halted (the stop's time limit is over): the file is read at the next start
+                if asm is not None and n > HEAD_BYTES:
+                    placed = self._read_in_place(fh, pos, n, asm)
+                    if placed is not None:
+                        pos += n
+                        try:
+                            yield placed[0], placed[1], size - pos
+                        finally:
+                            placed[1].release()   # fed (or refused): the payload no longer needs it exported
+                        continue
                 raw = fh.read(n)
                 if len(raw) != n:
                     raise BadFile(f"truncated frame at byte {pos}")
@@ -399,6 +410,37 @@ class FolderReader:
                     raise BadFile(f"the {n}-byte frame at byte {pos - n} is not a valid Frame") from None
                 del raw
                 yield frame, data, size - pos
+
+    @staticmethod
+    def _read_in_place(fh, pos: int, n: int, asm: FrameAssembler) -> tuple[pb.Frame, memoryview] | None:
+        """The `n`-byte frame at byte `pos` of the file as (frame, its data), when it is a chunk that continues the
+        record `asm` is joining: its first bytes are read and parsed apart (protos.framing.data_field_at), then its
+        data is read from the file straight into its place in the record's payload (FrameAssembler.place), not
+        into a message of its own that `feed` would copy again. Else None, with the file back at `pos`: the frame
+        is read as a whole and checked as before (every layout that is not the agent's, every frame that is not
+        such a chunk, every error). A file cut short meanwhile is refused with the same words as there."""
+        head = fh.read(HEAD_BYTES)
+        at = data_field_at(head, n) if len(head) == HEAD_BYTES else None
+        view = None
+        if at is not None:
+            try:
+                frame = pb.Frame.FromString(head[:at[0]])
+            except DecodeError:
+                frame = None   # refused by the whole read, in its order (a truncation first)
+            if frame is not None:
+                view = asm.place(frame, n - at[1])
+        if view is None:
+            fh.seek(pos)
+            return None
+        got = HEAD_BYTES - at[1]
+        view[:got] = head[at[1]:]
+        while got < len(view):
+            k = fh.readinto(view[got:])
+            if not k:
+                view.release()
+                raise BadFile(f"truncated frame at byte {pos}")
+            got += k
+        return frame, view
 
     def _load_records(self, folder: _Dir, name: str, run_id: str, rank: int, seq: int,
                       stream: RecordStream) -> list[Arrival]:
