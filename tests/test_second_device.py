@@ -112,9 +112,9 @@ def test_second_device_is_correct_and_rounds_differently():
     assert {key for key in differ if key.endswith("float32")} <= differing, sorted(set(differ) - differing)
     assert {key.split("|")[0] for key in differing} == {key.split("|")[0] for key in differ}, sorted(differing)
     # the pairs left identical are 16-bit outputs of float32 accumulations: rounding to 8 or 11 bits hides the
-    # other summation order (second_device.IDENTICAL_16BIT); at most those
+    # other summation order (second_device.MAY_MATCH_16BIT; which of them depends on the host CPU's kernels)
     same = set(differ) - differing
-    assert len(differing) >= 16 and same <= second_device.IDENTICAL_16BIT, sorted(same)
+    assert same <= second_device.MAY_MATCH_16BIT, sorted(same - second_device.MAY_MATCH_16BIT)
 
 
 @pytest.mark.slow
