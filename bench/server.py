@@ -2,7 +2,7 @@
 """The server's checking time per training step against the training's own step time, side by side in one run.
 
     python bench/server.py [--steps 6] [--layers 4] [--d 512] [--seq 128] [--batch 8] [--device cpu|cuda]
-                           [--keep DIR | --records DIR] [--baseline SRC]
+                           [--keep DIR | --records DIR] [--baseline SRC] [--rounds N]
 
 1. The training alone: a mid-size transformer (d=512, 4 layers, seq 128, batch 8, float32, SGD), pinned to one
    core, no checker: seconds per step.
@@ -29,6 +29,9 @@ before and after are printed side by side.
 Prints records/s, the server's seconds per training step for each worker count and the ratio to the training's
 step time, then the floor's seconds and records/s, the ratio server / floor for each worker count (wall; CPU in
 brackets), and records/s of 2 workers over 1 (the floor's own, on this machine, beside it) last.
+`--rounds N` runs each server code N times per worker count, every other round in the reverse order, and prints
+the fastest of each: timed once each, the code that runs first after the floor came out 3-4 s slower on 45 s than the
+same code run second, which a one-order `--baseline` comparison reads as a change (use `--rounds 2` or more there).
 `--device cuda` runs the server and the floor on the GPU (bench/gpu_check.sh).
 """
 from __future__ import annotations
@@ -303,6 +306,8 @@ def main() -> None:
     p.add_argument("--keep", help="keep the recorded folder and the training's step time in this folder")
     p.add_argument("--records", help="time the server on a folder kept with --keep instead of training again")
     p.add_argument("--baseline", help="also time the server code of this source tree on the same records")
+    p.add_argument("--rounds", type=int, default=1, help="times each server code runs per worker count, every "
+                   "other round in the reverse order; the fastest is printed (2 or more with --baseline)")
     p.add_argument("--replay-in", choices=("both", "process", "thread"), default="both",
                    help="time replays in worker processes, in the server's threads, or both side by side (default)")
     p.add_argument("--floor-of", help=argparse.SUPPRESS)          # internal: one worker's replay floor (`floor`)
@@ -338,15 +343,22 @@ def main() -> None:
             [(" (baseline)", os.path.abspath(ns.baseline), "")] if ns.baseline else [])
         for workers in (1, 2) if ns.ranks >= 2 else (1,):
             floors[workers] = floor(keep, workers, ns.ranks, ns.device)
-            for label, root, mode in codes:
-                shutil.rmtree(nfs, ignore_errors=True)
-                shutil.copytree(keep, nfs, copy_function=_link_or_copy)   # the server consumes its folder
-                seconds, records, cpu = serve(work, nfs, workers, ns.ranks, ns.device, root, mode)
-                rows.append((f"{workers}{label}", seconds, records, cpu))
+            runs: dict[str, list[tuple[float, int, float]]] = {label: [] for label, _, _ in codes}
+            for r in range(ns.rounds):
+                # every other round in the reverse order: on this machine the code timed first after the floor ran
+                # 3-4 s slower on 45 s than the same code timed second, so one order alone favours the second
+                for label, root, mode in (codes if r % 2 == 0 else codes[::-1]):
+                    shutil.rmtree(nfs, ignore_errors=True)
+                    shutil.copytree(keep, nfs, copy_function=_link_or_copy)   # the server consumes its folder
+                    runs[label].append(serve(work, nfs, workers, ns.ranks, ns.device, root, mode))
+            for label, got in runs.items():   # the fastest round of each (wall and CPU apart): other work only adds
+                rows.append((f"{workers}{label}", min(g[0] for g in got), got[0][1], min(g[2] for g in got)))
         base = plain["cpu_per_step"]
         print(f"training alone (1 core): {base * 1e3:.0f} ms CPU/step ({plain['wall_per_step'] * 1e3:.0f} ms wall); "
               f"with the agent writing to a folder: {recorded[0]['cpu_per_step'] * 1e3:.0f} ms CPU/step; "
               f"{recorded[0]['captured']} records per rank ({ns.steps + 1} steps, {ns.ranks} ranks)")
+        if ns.rounds > 1:
+            print(f"each server code ran {ns.rounds} times per worker count, in alternating order: the fastest below")
         for workers, seconds, records, cpu in rows:
             per_step = seconds / (ns.steps + 1) / ns.ranks
             cores = workers.split()[0]
