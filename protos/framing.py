@@ -70,7 +70,7 @@ def parse_frame(raw: bytes) -> tuple[pb.Frame, bytes | memoryview]:
     one reading the field): when Frame.data appears once, as the last field (as every agent writes it), it is a
     view into `raw` and only the fields before it are parsed (the Frame returned then has no data). Any other
     layout, valid or not, is parsed by protobuf as a whole: same results, with the copies."""
-    start = _data_field(raw)
+    start = data_field_at(raw, len(raw))
     if start is None:
         frame = pb.Frame.FromString(raw)
         return frame, frame.data
@@ -79,19 +79,14 @@ def parse_frame(raw: bytes) -> tuple[pb.Frame, bytes | memoryview]:
     return frame, memoryview(raw)[data_at:]
 
 
-def data_field_at(head: bytes, n: int) -> tuple[int, int] | None:
-    """What `_data_field` says of an `n`-byte message, from its first bytes `head` alone: the folder reads the
-    fields before Frame.data first and then the data straight into its place (gpu_server/intake/folder.py). When
-    Frame.data is the last field, every field before it lies in `head` and nothing follows it, so the answer is the
-    same as from the whole message; None also when `head` ends before the data's bytes start."""
-    return _data_field(head, n)
-
-
-def _data_field(raw: bytes, n: int | None = None) -> tuple[int, int] | None:
-    """(where Frame.data's tag starts, where its bytes start) when it is the last field of `raw` (of `n` bytes, of
-    which `raw` may hold only the first: `data_field_at`), the only one of its number, and every top-level field
-    before it is well formed; else None."""
-    n, pos = len(raw) if n is None else n, 0
+def data_field_at(raw: bytes, n: int) -> tuple[int, int] | None:
+    """(where Frame.data's tag starts, where its bytes start) in an `n`-byte message of which `raw` holds the first
+    bytes (all of them for `parse_frame`; the folder reads only a head first, then the data straight into its place,
+    gpu_server/intake/folder.py), when Frame.data is the last field, the only one of its number, and every
+    top-level field before it is well formed; else None. Every field before the data lies in `raw` when the data's
+    bytes start there, and nothing follows the last field, so a head gives the answer the whole message gives; None
+    also when `raw` ends before the data's bytes start."""
+    pos = 0
     try:
         while pos < n:
             at = pos
