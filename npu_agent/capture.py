@@ -244,6 +244,9 @@ class CaptureMode(TorchFunctionMode):
         if _is_compiling():  # must stay the first statement: compiled regions are opaque
             return func(*args, **kwargs)
         cap = self.capturer
+        skip = cap.skip   # the compiled answer for a call the sampling skips (npu_agent.fastskip), or None
+        if skip is not None and skip(func, args, kwargs):
+            return func(*args, **kwargs)
         try:
             info = _CLASSIFIED[func]   # naming.classify's cache, looked up without the call
         except Exception:  # noqa: BLE001 - not cached yet, or unhashable: the full path
@@ -366,6 +369,10 @@ class Capturer:
         # torch.distributed collectives (npu_agent.collectives); `ranks`: the config's ranks that capture (empty: all)
         self.collectives = collectives.Collectives(self._submit_direct, ranks)
         collectives.install()
+        # a call the sampling skips, answered in C where built: the same bookkeeping as before_call's
+        from npu_agent import fastskip  # here: `python -m npu_agent.fastskip` imports the package first
+
+        self.skip = fastskip.skipper(self)
 
     # -- step boundary -------------------------------------------------------------------------------------
     def next_step(self, step: int) -> None:

@@ -69,8 +69,8 @@ import torch
 
 log = logging.getLogger("npu_agent")
 
-# (category, api, ((shape, dtype) of each input tensor, ...), grad enabled): calls alike for coverage sampling
-CallSite = tuple[str, str, tuple[tuple[torch.Size, torch.dtype], ...], bool]
+# (category, api, (shape, dtype, shape, dtype, ...) of the input tensors, grad enabled): calls alike for coverage
+CallSite = tuple[str, str, tuple[torch.Size | torch.dtype, ...], bool]
 # a collective's call site: (api, process group, reduce op); p2p: ("p2p", "source->destination", "")
 CollectiveSite = tuple[str, str, str]
 # the agent's CPU outside the training thread: (seconds so far, records submitted, records the sender has sent)
@@ -328,8 +328,15 @@ class Sampler:
 
     def take_call(self, category: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
                   grad_enabled: bool) -> bool:
-        """`take(call_site(...))`: the capture mode asks it for every call it may record."""
-        return self.take((category, api, _signature(args, kwargs), grad_enabled))
+        """`take(call_site(...))`, the capture mode's question for every call it may record. A call in a step not
+        taken, at a call site met before, is the common case under sampling: it is answered here without `take`."""
+        site = (category, api, _signature(args, kwargs), grad_enabled)
+        if not self.step_taken and site in self.last:
+            c = self.counts
+            c["calls"] += 1
+            c[self._reason] += 1
+            return False
+        return self.take(site)
 
     def take_collective(self, site: CollectiveSite) -> bool:
         """A collective's decision: the same on every rank of its group (only the step and the call site count)."""
@@ -385,21 +392,38 @@ def _kind(tp: type) -> int:
     return kind
 
 
-def _signature(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[tuple[torch.Size, torch.dtype], ...]:
-    """(shape, dtype) of each tensor argument in order, of the tensors in a list or tuple argument, and of tensor
-    keyword arguments."""
-    sig: list[tuple[torch.Size, torch.dtype]] = []
+def _signature(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[torch.Size | torch.dtype, ...]:
+    """Shape and dtype of each tensor argument in order, of the tensors in a list or tuple argument, and of tensor
+    keyword arguments: one flat tuple (shape, dtype, shape, dtype, ...), cheaper to build and to hash than pairs."""
     kinds = _KIND_OF
+    if len(args) == 2 and not kwargs:   # the common call: two arguments, a binary op or a linear without bias
+        a, b = args
+        ka = kinds.get(type(a))
+        if ka is None:
+            ka = _kind(type(a))
+        kb = kinds.get(type(b))
+        if kb is None:
+            kb = _kind(type(b))
+        if ka == 1:
+            if kb == 1:
+                return (a.shape, a.dtype, b.shape, b.dtype)
+            if kb == 0:
+                return (a.shape, a.dtype)
+        elif ka == 0 and kb == 0:
+            return ()
+    sig: list[torch.Size | torch.dtype] = []
     for v in args:
         kind = kinds.get(type(v))
         if kind is None:
             kind = _kind(type(v))
         if kind == 1:
-            sig.append((v.shape, v.dtype))
+            sig += (v.shape, v.dtype)
         elif kind == 2:
-            sig.extend([(t.shape, t.dtype) for t in v if isinstance(t, _Tensor)])
+            for t in v:
+                if isinstance(t, _Tensor):
+                    sig += (t.shape, t.dtype)
     if kwargs:
         for v in kwargs.values():
             if isinstance(v, _Tensor):
-                sig.append((v.shape, v.dtype))
+                sig += (v.shape, v.dtype)
     return tuple(sig)

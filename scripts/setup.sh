@@ -11,3 +11,6 @@ fi
 # pyproject keeps an open range (torch>=2.13) for users who bring their own CUDA/NPU torch.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,fast]'
+# The agent's compiled answer for calls the sampling skips (npu_agent/_fastskip.c, plain C, a few seconds). Where it
+# cannot be compiled the agent answers them in Python, with the same records: setup goes on.
+.venv/bin/python -m npu_agent.fastskip --build || true
