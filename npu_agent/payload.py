@@ -214,13 +214,22 @@ class Spans:
 
 
 class SmallPayload(Spans):
-    """A zeroed bytearray: `buffers` for protos.framing (a record alone, or one of a Batch)."""
+    """A record's whole payload in one buffer: `buffers` for protos.framing (a record alone, or one of a Batch).
+    Where bytes can be written in place (FRAMES_IN_PLACE), a new bytes object whose tensors' bytes are copied in
+    and whose padding is zeroed, nothing written twice; else a zeroed bytearray."""
 
-    def __init__(self, size: int):
-        self.data = bytearray(size)
+    def __init__(self, size: int, places: list[tuple[int, int, Any]]):
         self._pin: Any = None
         self.spans = []
         self._addr = 0
+        self.data: bytes | bytearray
+        if size and FRAMES_IN_PLACE:
+            self.data = _new_bytes(None, size)
+            self._addr = id(self.data) + _BYTES_DATA
+            self.spans = [(0, size, self._addr)]
+            self.zero_padding(size, places)
+            return
+        self.data = bytearray(size)
         if size:
             self._pin = (ctypes.c_char * size).from_buffer(self.data)   # the bytearray cannot move while we write
             self._addr = ctypes.addressof(self._pin)
@@ -229,7 +238,7 @@ class SmallPayload(Spans):
     def write(self, off: int, src: int, n: int) -> None:   # one span: no search
         ctypes.memmove(self._addr + off, src, n)
 
-    def close(self) -> bytearray:
+    def close(self) -> bytes | bytearray:
         self._pin = None
         return self.data
 

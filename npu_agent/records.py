@@ -9,6 +9,7 @@ references to the training's tensors are dropped.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
@@ -18,12 +19,20 @@ from typing import Any
 import torch
 
 from npu_agent.location import MAX_TEXT
-from npu_agent.payload import FRAMES_IN_PLACE, FilePayload, FramePayload, SmallPayload, Spans, pwrite_all
+from npu_agent.payload import (
+    FRAMES_IN_PLACE,
+    FilePayload,
+    FramePayload,
+    SmallPayload,
+    Spans,
+    _uninitialised_bytes,
+    pwrite_all,
+)
 from npu_agent.snapshot import HELD, Snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import _ALIGN, RecordEncoder, dtype_name
 from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH, file_chunks
-from protos.framing import encode_batch, encode_frames
+from protos.framing import batch_head, encode_batch, encode_frames
 from protos.limits import CHUNK_BYTES
 
 FORWARD, BACKWARD = pb.FORWARD, pb.BACKWARD
@@ -82,19 +91,20 @@ class PendingRecord:
 
 
 class Encoded:
-    """A record ready for the wire: the Record, and its payload as one bytearray (small records) or its complete
+    """A record ready for the wire: the Record, and its payload in one buffer (small records) or its complete
     `frames` (large ones, written straight into them: npu_agent/payload.py).
 
     It is what an encoded record keeps until the server acknowledges it, so it is kept to few objects the garbage
     collector tracks (a record alive across collections is promoted; enough promotions start a full collection of
     the training's whole heap): no per-buffer tuples or views until `buffers` is asked for."""
 
-    __slots__ = ("record", "_data", "size", "frames", "later", "in_file")
+    __slots__ = ("record", "_data", "size", "frames", "later", "in_file", "batch")
 
-    def __init__(self, record: pb.Record, data: bytearray | None, size: int,
+    def __init__(self, record: pb.Record, data: bytes | bytearray | memoryview | None, size: int,
                  frames: list[bytes] | None = None, later: _Later | None = None) -> None:
         self.record, self._data, self.size, self.frames, self.later = record, data, size, frames, later
         self.in_file = False   # written by write_file: the payload is in that file only (read_back gets it again)
+        self.batch: _Together | None = None   # encoded with others straight into their Batch frame
 
     @property
     def buffers(self) -> list[tuple[int, memoryview]]:
@@ -172,10 +182,60 @@ def write_frames(fd: int, at: int, frames: Iterable[bytes]) -> int:
 
 def batch_frame(encoded: list[Encoded]) -> bytes | None:
     """One Batch frame carrying several encoded records, or None when they cannot share one: fewer than two, or a
-    payload that was written straight into its own frames or file (a large record)."""
+    payload that was written straight into its own frames or file (a large record). Records encoded together
+    (`encode_together`) and sent together as they were get the frame they were written into."""
     if len(encoded) < 2 or any(enc.frames is not None or enc.later is not None or enc.in_file for enc in encoded):
         return None
+    shared = encoded[0].batch
+    if shared is not None and shared.seqs == tuple(enc.record.header.seq for enc in encoded) \
+            and all(enc.batch is shared for enc in encoded):
+        return shared.frame
     return encode_batch([(enc.record.SerializeToString(), enc.buffers, enc.size) for enc in encoded])
+
+
+class _Together:
+    """The Batch frame records were encoded into together, and their sequence numbers in its order."""
+
+    __slots__ = ("frame", "seqs")
+
+    def __init__(self, frame: bytes, seqs: tuple[int, ...]) -> None:
+        self.frame, self.seqs = frame, seqs
+
+
+def encode_together(recs: list[PendingRecord], run_id: str, rank: int) -> bool:
+    """Encode small records that travel in one Batch frame straight into that frame: each tensor is copied once,
+    from the training's memory into the frame (not into a payload, then with the others into the frame). Each
+    record's payload is its slice of the frame (for a re-send in another batch). The frame's bytes are exactly
+    `encode_batch`'s. False, with nothing done, when that does not apply (fewer than two, one encoded already, a
+    large one, or frames cannot be written in place): then each is encoded alone. A record with a tensor found
+    changed goes out skipped, as `encode_record` sends it; the others keep their slices, in a frame not sent."""
+    if len(recs) < 2 or not FRAMES_IN_PLACE or any(rec.encoded is not None for rec in recs):
+        return False
+    laid = [_encode(rec, run_id, rank, CHUNK_BYTES, layout_only=True) for rec in recs]
+    if any(enc.size > _SMALL for _, enc, _ in laid):
+        return False
+    head = batch_head([out.SerializeToString() for out, _, _ in laid], sum(enc.size for _, enc, _ in laid))
+    frame, addr = _uninitialised_bytes(len(head) + sum(enc.size for _, enc, _ in laid))
+    ctypes.memmove(addr, head, len(head))
+    view = memoryview(frame)
+    at = len(head)
+    changed: list[list[int]] = []
+    for _, enc, snaps in laid:
+        region = Spans()
+        region.spans = [(0, enc.size, addr + at)] if enc.size else []
+        region.zero_padding(enc.size, enc.places)
+        changed.append(enc.copy_into(region, snaps))
+        enc.data = view[at:at + enc.size] if enc.size else None
+        at += enc.size
+    shared = None if any(changed) else _Together(frame, tuple(rec.seq for rec in recs))
+    for rec, (out, enc, _), bad in zip(recs, laid, changed):
+        if bad:
+            encode_record(rec, run_id, rank, changed=bad)
+            continue
+        rec.encoded = Encoded(out, enc.data, enc.size)
+        rec.encoded.batch = shared
+        _let_go(rec)
+    return True
 
 
 class _PayloadEncoder(RecordEncoder):
@@ -187,7 +247,7 @@ class _PayloadEncoder(RecordEncoder):
         self.table = table
         self.places: list[tuple[int, int, torch.Tensor]] = []   # (offset, nbytes, tensor as referenced)
         self.frames: list[bytes] | None = None
-        self.data: bytearray | None = None
+        self.data: bytes | bytearray | memoryview | None = None
         self.later: list[Snapshot] | None = None   # defer: the snapshots whose tensors write_file copies
 
     def tensor(self, t: torch.Tensor, requires_grad: bool | None = None, device: str | None = None) -> int:
@@ -217,7 +277,7 @@ class _PayloadEncoder(RecordEncoder):
         if self.size > _SMALL and FRAMES_IN_PLACE:
             target = FramePayload(head(), seq, self.size, chunk_bytes, self.places)
         else:
-            target = SmallPayload(self.size)
+            target = SmallPayload(self.size, self.places)
         changed = self.copy_into(target, snaps)
         if isinstance(target, FramePayload):
             self.data, self.frames = None, target.frames
@@ -312,7 +372,9 @@ def _let_go(rec: PendingRecord) -> None:
 
 
 def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int, with_tensors: bool = True,
-            defer: bool = False) -> tuple[pb.Record, _PayloadEncoder, list[int]]:
+            defer: bool = False, layout_only: bool = False) -> tuple[pb.Record, _PayloadEncoder, Any]:
+    """(the Record, its encoder, the ids of tensors found changed); `layout_only`: the Record and the layout, with
+    the snapshots to copy from in place of the ids (encode_together copies them)."""
     # Every message is built where it lives in the Record (no temporary messages, no CopyFrom).
     out = pb.Record()
     h = out.header
@@ -356,6 +418,8 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int, with_t
             out.random.mask = enc.tensor(rec.mask, requires_grad=False)
             out.random.has_mask = True
     out.payload_bytes = enc.size
+    if layout_only:
+        return out, enc, snaps
     if defer and enc.size > _SMALL:
         enc.later = snaps
         return out, enc, []

@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from npu_agent.payload import FRAMES
-from npu_agent.records import PendingRecord, encode_record
+from npu_agent.records import PendingRecord, encode_record, encode_together
 from npu_agent.transport import Counts, Refusal, Transport, end_frame
 
 log = logging.getLogger("npu_agent")
@@ -155,7 +155,7 @@ class Sender:
                     continue
                 batch = self._take_batch()
                 gen = self._gen
-            ready = [rec for rec in batch if self._encode(rec)]
+            ready = batch if self._encode_together(batch) else [rec for rec in batch if self._encode(rec)]
             if not ready:
                 continue
             sent = self.transport.send_records(ready, gen)
@@ -187,6 +187,19 @@ class Sender:
             batch.append(self._queue.popleft())
             total += size
         return batch
+
+    def _encode_together(self, batch: list[PendingRecord]) -> bool:
+        """Small records that go out in one Batch frame are encoded straight into it (npu_agent.records.
+        encode_together). False when that does not apply, or failed: each is then encoded alone."""
+        if len(batch) < 2:
+            return False
+        who = self.transport.identity
+        try:
+            return encode_together(batch, who.run_id, who.rank)
+        except Exception as exc:  # noqa: BLE001 - each record is then encoded alone, and counted lost if that fails
+            log.debug("online check: records %d.. could not be encoded together (%s: %s)", batch[0].seq,
+                      type(exc).__name__, exc)
+            return False
 
     def _encode(self, rec: PendingRecord) -> bool:
         """Encode `rec` once (its copy of the tensors). False when that failed: the record is counted as lost."""

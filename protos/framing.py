@@ -44,17 +44,25 @@ def encode_frames(record: pb.Record, buffers: Buffers, payload_bytes: int, chunk
             return
 
 
+def batch_head(serialized: list[bytes], total: int) -> bytes:
+    """A Batch frame up to its data: the records (serialized, payload_bytes set), then the data field's tag and
+    length when their payloads, `total` bytes in all, follow (each record's in order, nothing between them)."""
+    parts: list[bytes] = []
+    for record in serialized:
+        parts += [_RECORD_TAG, varint(len(record)), record]
+    batch = b"".join(parts)
+    head = [_BATCH_TAG, varint(len(batch)), batch]
+    if total:
+        head += [DATA_TAG, varint(total)]
+    return b"".join(head)
+
+
 def encode_batch(records: list[tuple[bytes, Buffers, int]]) -> bytes:
     """One Batch frame of several complete records, given as (serialized Record with its payload_bytes set,
     payload buffers, payload bytes)."""
-    parts: list[bytes | memoryview] = []
-    for serialized, _, _ in records:
-        parts += [_RECORD_TAG, varint(len(serialized)), serialized]
-    batch = b"".join(parts)
     total = sum(size for _, _, size in records)
-    out: list[bytes | memoryview] = [_BATCH_TAG, varint(len(batch)), batch]
+    out: list[bytes | memoryview] = [batch_head([serialized for serialized, _, _ in records], total)]
     if total:
-        out += [DATA_TAG, varint(total)]
         for _, buffers, size in records:
             if len(buffers) == 1 and buffers[0][0] == 0 and buffers[0][1].nbytes == size:
                 out.append(buffers[0][1])   # the whole payload in one buffer (every small record): as it is

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from npu_agent.config import Endpoint
-from npu_agent.records import PendingRecord, encode_record
+from npu_agent.records import CHANGED_REASON, PendingRecord, batch_frame, encode_record, encode_together
+from npu_agent.records import _PayloadEncoder as PayloadEncoder
 from npu_agent.sender import Sender
 from npu_agent.snapshot import snapshot
 from npu_agent.transport import StreamIdentity
@@ -50,6 +51,66 @@ def test_batch_bytes_are_protobufs_own_encoding():
     split = split_batch(pb.Frame.FromString(frame), DEFAULT_LIMITS)
     assert [r.header.seq for r, _ in split] == [0, 1, 2]
     assert [p for _, p in split] == payloads
+
+
+
+def _mixed(seq: int) -> PendingRecord:
+    """Tensors whose layout needs padding, a strided one, a zero-size one and a half-precision one."""
+    g = torch.Generator().manual_seed(seq)
+    a = torch.randn(7, 5, generator=g).to(torch.bfloat16)   # 70 bytes: padding follows
+    b = torch.randn(6, 4, generator=g).t()                    # strided: copied dense
+    c = torch.empty(0, 3)
+    return PendingRecord(name=f"Functional.mix.{seq}", step=1, inputs=snapshot(((a, b, c), {"k": a + 1})),
+                         output=snapshot((a * 2, b.sum())), seq=seq)
+
+
+@pytest.mark.parametrize("makers", [[_mixed] * 3, [_relu, _mixed, _relu], [lambda s: _relu(s, 0)] * 2])
+def test_records_encoded_together_are_the_batch_of_records_encoded_alone(makers):
+    alone = [make(seq) for seq, make in enumerate(makers)]
+    together = [make(seq) for seq, make in enumerate(makers)]
+    expect = encode_batch(_encoded(alone))
+    assert encode_together(together, "batch", 0)
+    encoded = [rec.encoded for rec in together]
+    assert batch_frame(encoded) == expect                                       # the frame they were written into
+    assert batch_frame(encoded) is batch_frame(encoded)
+    assert [enc.record for enc in encoded] == [rec.encoded.record for rec in alone]
+    for enc, rec in zip(encoded, alone):   # each payload on its own: its slice of the frame
+        assert [bytes(v) for _, v in enc.buffers] == [bytes(v) for _, v in rec.encoded.buffers]
+    # sent again in another grouping (after a reconnect): joined from the slices, the same bytes as alone
+    if len(encoded) > 2:
+        assert batch_frame(encoded[1:]) == encode_batch(_encoded(alone)[1:])
+    assert batch_frame(encoded[::-1]) == encode_batch(_encoded(alone)[::-1])
+
+
+def test_encoding_together_leaves_what_it_cannot_do_alone():
+    one, large = [_relu(0)], [_relu(0), _large_record(1)]
+    assert not encode_together(one, "batch", 0) and one[0].encoded is None
+    assert not encode_together(large, "batch", 0) and all(rec.encoded is None for rec in large)
+    done = [_relu(0), _relu(1)]
+    encode_record(done[0], "batch", 0)
+    assert not encode_together(done, "batch", 0) and done[1].encoded is None
+
+
+def test_a_changed_tensor_skips_its_record_and_the_others_keep_their_values(monkeypatch):
+    recs = [_relu(0), _mixed(1), _relu(2)]
+    alone = [_relu(0), _mixed(1), _relu(2)]
+    real = PayloadEncoder.copy_into
+    calls = []
+
+    def copy_into(self, target, snaps):
+        calls.append(1)
+        changed = real(self, target, snaps)
+        return [12345] if len(calls) == 2 else changed   # the second record's tensor "changed"
+
+    monkeypatch.setattr(PayloadEncoder, "copy_into", copy_into)
+    assert encode_together(recs, "batch", 0)
+    assert recs[1].skip_reason == CHANGED_REASON and recs[1].encoded.size == 0
+    assert all(rec.encoded.batch is None for rec in recs)   # that frame is not sent: the batch is joined again
+    frame = batch_frame([rec.encoded for rec in recs])
+    monkeypatch.setattr(PayloadEncoder, "copy_into", real)
+    skipped = _mixed(1)
+    encode_record(skipped, "batch", 0, changed=[12345])
+    assert frame == encode_batch(_encoded([alone[0], skipped, alone[2]]))
 
 
 def _large_record(seq: int) -> PendingRecord:
