@@ -6,7 +6,8 @@
 Model: TinyLM with 16 layers (d=64, 4 heads, seq 32, batch 4, float32): each layer repeats the call sites of the
 others, as in a real deep model. Each policy is the real agent (its own PrecisionDebugger and config) streaming to
 one real gpu-server subprocess on another core; the training runs on one core (bench/overhead.py's set-up). Cost
-per step includes waiting until the server acknowledged every record of the round. Coverage: the distinct call
+per step includes waiting until the server acknowledged every record of the round; each agent's start-up (its
+connection to the server, its hooks: once per training) is timed apart, before the rounds. Coverage: the distinct call
 sites (API, input shapes and dtypes, direction) captured at least once, of those met; calls captured, of the calls
 the sampler saw (the calls of a step the agent does not watch are not seen: npu_agent.sampling, "Steps the agent
 does not watch"; their number is printed as "steps not watched").
@@ -110,6 +111,14 @@ def measure(steps: int, rounds: int, layers: int, policies: dict) -> dict:
             overhead._round(model, opt, data[:1], counting)
             variants = {"off": None, "no-op mode": overhead._ModeOnly(overhead._NoOpMode()),
                         **{name: overhead._Online(cfg) for name, cfg in cfgs.items()}}
+            # Each agent's start-up (its connection, its hooks) happens once per training, not per step: it is
+            # timed here, apart, and the rounds measure steps only.
+            startup = {}
+            for name, variant in variants.items():
+                if name in cfgs:
+                    c0 = time.process_time()
+                    variant.dbg._ensure_started()
+                    startup[name] = time.process_time() - c0
             cpu = dict.fromkeys(variants, 0.0)
             wall = dict.fromkeys(variants, 0.0)
             thread = dict.fromkeys(variants, 0.0)
@@ -125,7 +134,7 @@ def measure(steps: int, rounds: int, layers: int, policies: dict) -> dict:
     n = steps * rounds
     return {"repo": overhead.REPO, "layers": layers, "steps": n, "calls": counting.mode.calls,
             "cpu": {k: v / n for k, v in cpu.items()}, "wall": {k: v / n for k, v in wall.items()},
-            "thread": {k: v / n for k, v in thread.items()}, "counts": counts,
+            "thread": {k: v / n for k, v in thread.items()}, "counts": counts, "startup": startup,
             "train_core": overhead.TRAIN_CORE, "server_core": overhead.SERVER_CORE}
 
 
@@ -165,6 +174,8 @@ def report(r: dict, base: dict | None) -> None:
             if s and "agent_cpu_us" in s:   # what the budget charged: the senders' CPU, a captured call's estimate
                 extra += (f"; the budget charged the senders' CPU {s['agent_cpu_us'] / 1e3:.1f} ms and "
                           f"{s['call_cost_us'] / 1e3:.2f} ms a captured call in the training thread")
+            start = run.get("startup", {}).get(name)
+            extra += f"; start-up {start * 1e3:.0f} ms CPU, once (not in the steps)" if start is not None else ""
             print(f"  {name:15s} CPU {run['cpu'][name] * 1e3:7.2f} ms/step (thread {run['thread'][name] * 1e3:7.2f}); "
                   f"records {c['captured']:6d} (acknowledged {c['acknowledged']}); {extra}")
     print(f"\nno-op mode (the floor): CPU x{r['cpu']['no-op mode'] / r['cpu']['off']:5.2f} of off")
