@@ -14,7 +14,7 @@ from npu_agent import PrecisionDebugger, fastskip
 from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.sampling import Policy, Sampler
 from npu_agent.snapshot import HELD
-from tests.support import ListSink, agent_config, free_port
+from tests.support import ListSink, agent_config
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +51,10 @@ class Block(torch.nn.Module):
 
 
 def _train(tmp_path, tag: str, compiled_path: bool, steps: int = 14, **policy) -> tuple[list, dict, list, int]:
-    cfg = agent_config(os.path.join(str(tmp_path), f"{tag}.json"), port=free_port(), online_connect_timeout_s=1,
-                       online_close_timeout_s=1, **policy)
+    folder = tmp_path / f"{tag}-folder"   # the shared-folder transport: no server, nothing to connect to
+    folder.mkdir()
+    cfg = agent_config(os.path.join(str(tmp_path), f"{tag}.json"), nfs_path=str(folder), online_close_timeout_s=1,
+                       **policy)
     dbg = PrecisionDebugger(config_path=cfg)
     assert dbg._ensure_started() and dbg._capturer is not None
     cap = dbg._capturer
