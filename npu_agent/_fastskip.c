@@ -179,6 +179,18 @@ signature(Skipper *self, PyObject *args, PyObject *kwargs)
     return sig;
 }
 
+/* *out = int(obj.name): 0, or -1 with an error set */
+static int
+long_attr(PyObject *obj, PyObject *name, long *out)
+{
+    PyObject *v = PyObject_GetAttr(obj, name);
+    if (v == NULL)
+        return -1;
+    *out = PyLong_AsLong(v);
+    Py_DECREF(v);
+    return *out == -1 && PyErr_Occurred() ? -1 : 0;
+}
+
 /* counts[key] = counts.get(key, 0) + 1 */
 static int
 bump(PyObject *counts, PyObject *key)
@@ -267,21 +279,12 @@ decide(Skipper *self, PyObject *func, PyObject *args, PyObject *kwargs)
             goto error;
     }
     else {   /* a taken step: skipped only as a repeat within the coverage period */
-        tmp = PyObject_GetAttr(sampler, s_coverage);
-        if (tmp == NULL)
-            goto error;
-        long k = PyLong_AsLong(tmp);
-        Py_CLEAR(tmp);
-        if (k == -1 && PyErr_Occurred())
+        long k, step;
+        if (long_attr(sampler, s_coverage, &k) < 0)
             goto error;
         if (k <= 0)
             goto check;
-        tmp = PyObject_GetAttr(sampler, s_step);
-        if (tmp == NULL)
-            goto error;
-        long step = PyLong_AsLong(tmp);
-        Py_CLEAR(tmp);
-        if (step == -1 && PyErr_Occurred())
+        if (long_attr(sampler, s_step, &step) < 0)
             goto error;
         if (step - was >= k)
             goto check;   /* due for its check */
