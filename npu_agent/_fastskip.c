@@ -13,6 +13,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#define MAX_REASONS 8   /* skipped_steps, _ranks, _repeats, _budget: far fewer */
+
 static PyObject *s_step_taken, *s_reason, *s_coverage, *s_step, *s_shape, *s_dtype, *s_calls, *s_repeats,
     *s_inplace, *s_out;
 
@@ -29,7 +31,13 @@ typedef struct {
     PyObject *index_counts; /* Capturer._counts: (category, api) -> calls so far this step */
     PyObject *sampler;      /* Capturer.sampler */
     PyObject *last;         /* Sampler.last: call site -> the step it was last captured */
-    PyObject *counts;       /* Sampler.counts */
+    PyObject *counts;       /* Sampler._counts: what flush() adds the pending counts to */
+    /* The sampler's counts of the calls skipped here, kept here until flush() (Sampler.counts calls it before
+     * anyone reads them): a dict update of a large int costs more than the rest of a skipped call's bookkeeping */
+    long calls_pending;
+    int nreasons;
+    PyObject *reasons[MAX_REASONS];
+    long reason_pending[MAX_REASONS];
 } Skipper;
 
 static int
@@ -49,9 +57,19 @@ skipper_clear(Skipper *self)
 }
 
 static void
+drop_reasons(Skipper *self)
+{
+    for (int i = 0; i < self->nreasons; i++)
+        Py_CLEAR(self->reasons[i]);
+    self->nreasons = 0;
+    self->calls_pending = 0;
+}
+
+static void
 skipper_dealloc(Skipper *self)
 {
     PyObject_GC_UnTrack(self);
+    drop_reasons(self);
     skipper_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -191,9 +209,9 @@ long_attr(PyObject *obj, PyObject *name, long *out)
     return *out == -1 && PyErr_Occurred() ? -1 : 0;
 }
 
-/* counts[key] = counts.get(key, 0) + 1 */
+/* counts[key] = counts.get(key, 0) + by */
 static int
-bump(PyObject *counts, PyObject *key)
+add_to(PyObject *counts, PyObject *key, long by)
 {
     PyObject *old = PyDict_GetItemWithError(counts, key);
     long n;
@@ -207,12 +225,52 @@ bump(PyObject *counts, PyObject *key)
         if (n == -1 && PyErr_Occurred())
             return -1;
     }
-    PyObject *nv = PyLong_FromLong(n + 1);
+    PyObject *nv = PyLong_FromLong(n + by);
     if (nv == NULL)
         return -1;
     int rc = PyDict_SetItem(counts, key, nv);
     Py_DECREF(nv);
     return rc;
+}
+
+/* Sampler._counts["calls"] and [reason] += what was counted here: 0, or -1 with an error set (what could not be
+ * added stays pending) */
+static int
+flush_pending(Skipper *self)
+{
+    while (self->nreasons > 0) {
+        int i = self->nreasons - 1;
+        if (add_to(self->counts, self->reasons[i], self->reason_pending[i]) < 0)
+            return -1;
+        Py_CLEAR(self->reasons[i]);
+        self->nreasons = i;
+    }
+    if (self->calls_pending) {
+        if (add_to(self->counts, s_calls, self->calls_pending) < 0)
+            return -1;
+        self->calls_pending = 0;
+    }
+    return 0;
+}
+
+/* One more skipped call for `reason` (a new reference is taken when it is new here): 0, or -1 with an error set */
+static int
+count_skip(Skipper *self, PyObject *reason)
+{
+    int i;
+    for (i = 0; i < self->nreasons && self->reasons[i] != reason; i++)
+        ;
+    if (i == self->nreasons) {
+        if (i == MAX_REASONS && flush_pending(self) < 0)
+            return -1;
+        i = self->nreasons++;
+        Py_INCREF(reason);
+        self->reasons[i] = reason;
+        self->reason_pending[i] = 0;
+    }
+    self->reason_pending[i]++;
+    self->calls_pending++;
+    return 0;
 }
 
 /* 1: skipped and counted; 0: not plainly a skip, nothing changed; -1: an error (nothing changed either). */
@@ -292,7 +350,7 @@ decide(Skipper *self, PyObject *func, PyObject *args, PyObject *kwargs)
         Py_INCREF(reason);
     }
     /* the bookkeeping of a skipped call: its index in the step's names, the sampler's counts */
-    if (bump(self->index_counts, info) < 0 || bump(self->counts, s_calls) < 0 || bump(self->counts, reason) < 0)
+    if (add_to(self->index_counts, info, 1) < 0 || count_skip(self, reason) < 0)
         goto error;
     rc = 1;
     goto done;
@@ -319,7 +377,17 @@ skipper_skip(Skipper *self, PyObject *const *argv, Py_ssize_t nargs)
     return PyBool_FromLong(rc);
 }
 
+static PyObject *
+skipper_flush(Skipper *self, PyObject *unused)
+{
+    if (flush_pending(self) < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef skipper_methods[] = {
+    {"flush", (PyCFunction)skipper_flush, METH_NOARGS,
+     "flush() adds the calls skipped here to the sampler's counts (Sampler.counts calls it before they are read)."},
     {"skip", (PyCFunction)(void (*)(void))skipper_skip, METH_FASTCALL,
      "skip(func, args, kwargs) -> True: a call the sampling skips, counted; False: nothing changed, ask Python."},
     {NULL, NULL, 0, NULL},

@@ -240,13 +240,13 @@ class CaptureMode(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
                            kwargs: dict[str, Any] | None = None) -> Any:
-        kwargs = kwargs or {}
         if _is_compiling():  # must stay the first statement: compiled regions are opaque
-            return func(*args, **kwargs)
+            return func(*args, **(kwargs or {}))
         cap = self.capturer
         skip = cap.skip   # the compiled answer for a call the sampling skips (npu_agent.fastskip), or None
         if skip is not None and skip(func, args, kwargs):
-            return func(*args, **kwargs)
+            return func(*args, **kwargs) if kwargs else func(*args)
+        kwargs = kwargs or {}
         try:
             info = _CLASSIFIED[func]   # naming.classify's cache, looked up without the call
         except Exception:  # noqa: BLE001 - not cached yet, or unhashable: the full path

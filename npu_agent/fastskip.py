@@ -87,7 +87,7 @@ def load() -> ModuleType | None:
     return module
 
 
-def skipper(capturer: "Capturer") -> Callable[[Any, tuple[Any, ...], dict[str, Any]], bool] | None:
+def skipper(capturer: "Capturer") -> Callable[[Any, tuple[Any, ...], dict[str, Any] | None], bool] | None:
     """`skip(func, args, kwargs)` for this capturer's calls, or None where the Python path answers alone: no
     compiled module, no sampler, or a scope or an api list (their selection comes first, in Python)."""
     sampler = capturer.sampler
@@ -107,8 +107,9 @@ def skipper(capturer: "Capturer") -> Callable[[Any, tuple[Any, ...], dict[str, A
     # the Python path's own containers: mutated in place, never replaced (tests/test_fastskip.py checks it)
     s = module.Skipper(naming.CLASSIFIED, capture._KINDS, sampling._KIND_OF, torch.Tensor, HELD.pending,
                        torch.is_grad_enabled, torch._C._current_graph_task_id, capturer._writes_inputs,
-                       capturer._counts, sampler, sampler.last, sampler.counts)
-    skip: Callable[[Any, tuple[Any, ...], dict[str, Any]], bool] = s.skip
+                       capturer._counts, sampler, sampler.last, sampler._counts)
+    sampler.flush_skipped = s.flush   # the sampler's counts of the calls skipped in C, added before they are read
+    skip: Callable[[Any, tuple[Any, ...], dict[str, Any] | None], bool] = s.skip
     return skip
 
 

@@ -131,9 +131,11 @@ class Sampler:
         self.last: dict[CallSite, int] = {}          # call site -> last step it was captured
         self.seen: set[CallSite] = set()             # call sites met (captured or not)
         self.collective_last: dict[CollectiveSite, int] = {}   # collective call site -> last step it was captured
-        self.counts = {"calls": 0, "captured": 0, "new_call_sites": 0, "skipped_steps": 0, "skipped_ranks": 0,
+        self._counts = {"calls": 0, "captured": 0, "new_call_sites": 0, "skipped_steps": 0, "skipped_ranks": 0,
                        "skipped_repeats": 0, "skipped_budget": 0, "steps_taken": 0, "steps_skipped_budget": 0,
                        "steps_unwatched": 0}
+        # the compiled skip path (npu_agent.fastskip) counts the calls it skips on its side; this adds them here
+        self.flush_skipped: Callable[[], None] | None = None
         # step times (s) measured with capture and without, as moving medians (reported)
         self._t_step = clock()
         self._t_on: float | None = None
@@ -163,6 +165,14 @@ class Sampler:
         self._cpu_step = 0.0                  # the agent's other threads' CPU when this step began
 
     # -- step boundary ---------------------------------------------------------------------------------------
+    @property
+    def counts(self) -> dict[str, int]:
+        """What the sampler decided so far (calls, captured, skipped by reason, steps), the compiled path's skips
+        included."""
+        if self.flush_skipped is not None:
+            self.flush_skipped()
+        return self._counts
+
     def take_step(self, step: int) -> bool:
         """Called at each step boundary (before the step's calls): is this step taken by the step, rank and
         budget policies? Measures the step that just ended for the budget."""
@@ -180,17 +190,17 @@ class Sampler:
             taken, reason = False, "skipped_ranks"
         if taken and self._budget and not self._budget_allows():
             taken, reason = False, "skipped_budget"
-            if not self.counts["steps_skipped_budget"]:
+            if not self._counts["steps_skipped_budget"]:
                 _, cost = self._credit(now)
                 log.info("online check: step %d and others are not captured to keep the checker under its overhead "
                          "budget (%g of the training's time; a captured call costs about %.2f ms, training thread "
                          "and sender together); call sites never seen are captured as the budget allows, and the "
                          "counts are reported at close()", step, p.overhead_budget, cost * 1e3)
-            self.counts["steps_skipped_budget"] += 1
+            self._counts["steps_skipped_budget"] += 1
         self.step_taken = self._full = taken
         self._reason = reason
         if taken:
-            self.counts["steps_taken"] += 1
+            self._counts["steps_taken"] += 1
         if not self.seen and not self.collective_last:   # nothing met yet: every call site is new
             self.watched = True
         elif self._budget:
@@ -204,7 +214,7 @@ class Sampler:
 
     def unwatched(self) -> None:
         """PrecisionDebugger.start() did not push the capture mode for this step (`watched` false): counted."""
-        self.counts["steps_unwatched"] += 1
+        self._counts["steps_unwatched"] += 1
 
     def _measure(self, seconds: float) -> None:
         """Step times are kept as medians of the last 9 steps of each kind: a pause between steps (evaluation, a
@@ -296,12 +306,12 @@ class Sampler:
         """In a step taken whole, the budget ran out: the rest of the step is not captured."""
         self.step_taken = self._full = False
         self._reason = "skipped_budget"
-        self.counts["skipped_budget"] += 1
+        self._counts["skipped_budget"] += 1
         return False
 
     # -- each call ---------------------------------------------------------------------------------------------
     def take(self, site: CallSite) -> bool:
-        c = self.counts
+        c = self._counts
         c["calls"] += 1
         last = self.last.get(site)
         if last is None:
@@ -332,7 +342,7 @@ class Sampler:
         taken, at a call site met before, is the common case under sampling: it is answered here without `take`."""
         site = (category, api, _signature(args, kwargs), grad_enabled)
         if not self.step_taken and site in self.last:
-            c = self.counts
+            c = self._counts
             c["calls"] += 1
             c[self._reason] += 1
             return False
@@ -340,7 +350,7 @@ class Sampler:
 
     def take_collective(self, site: CollectiveSite) -> bool:
         """A collective's decision: the same on every rank of its group (only the step and the call site count)."""
-        c = self.counts
+        c = self._counts
         c["calls"] += 1
         last = self.collective_last.get(site)
         if last is None:

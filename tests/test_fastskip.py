@@ -278,3 +278,19 @@ def test_the_binary_is_named_by_its_source(tmp_path, monkeypatch):
     first = fastskip.binary_path()
     src.write_text("int b;\n")
     assert fastskip.binary_path() != first and first.parent == tmp_path
+
+
+def test_the_skips_counted_in_c_reach_the_sampler_once_when_its_counts_are_read(compiled):
+    cap, x, w = _skipping_capturer(compiled)
+    sampler = cap.sampler
+    assert sampler is not None
+    before = dict(sampler.counts)
+    for _ in range(1000):
+        assert cap.skip(F.linear, (x, w), {}) is True
+    assert sampler._counts["calls"] == before["calls"]          # kept on the C side meanwhile ...
+    after = sampler.counts                                       # ... and added when the counts are read
+    assert after["calls"] == before["calls"] + 1000 and after["skipped_steps"] == before["skipped_steps"] + 1000
+    assert sampler.counts == after                               # once
+    for _ in range(10):
+        assert cap.skip(F.linear, (x, w), {}) is True
+    assert sampler.report()["calls"] == before["calls"] + 1010   # the report reads them too
