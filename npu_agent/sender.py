@@ -36,8 +36,9 @@ log = logging.getLogger("npu_agent")
 
 WAIT_LOG_S = 30.0   # the period of the "still waiting" lines
 # Small records waiting together go out as one message (protos/framing.py, "Batch"): records up to
-# BATCH_RECORD_BYTES each, at most BATCH_RECORDS and BATCH_BYTES of tensors a message.
-BATCH_RECORD_BYTES = 64 << 10
+# BATCH_RECORD_BYTES each, at most BATCH_RECORDS and BATCH_BYTES of tensors a message. A record up to 256 KiB is
+# encoded into one buffer, or straight into its batch's frame (npu_agent.records: larger ones into their own frames).
+BATCH_RECORD_BYTES = 256 << 10
 BATCH_BYTES = 1 << 20
 BATCH_RECORDS = 512
 _THREAD_CLOCKS = hasattr(time, "pthread_getcpuclockid")   # Unix: another thread's CPU clock

@@ -198,7 +198,7 @@ def test_sender_batches_only_small_records_that_queued_up():
             return True
 
     sender = Sender(Recording(), budget_bytes=1 << 30)
-    big = torch.zeros(1 << 16)   # 256 KiB of tensor: above the batching limit, always alone
+    big = torch.zeros((1 << 16) + 1)   # just over 256 KiB of tensor: above the batching limit, always alone
     for seq in range(6):
         sender.submit(_relu(seq) if seq != 3 else PendingRecord(name="Functional.relu.3", step=0,
                                                                 inputs=snapshot(((big,), {}))))
