@@ -213,30 +213,39 @@ class Spans:
         self.write(off, int(host.data_ptr()), nbytes)
 
 
-class SmallPayload(Spans):
+class Region(Spans):
+    """`size` payload bytes in one piece at address `addr`, inside a buffer held elsewhere (a record's own buffer,
+    or its place in a Batch frame: npu_agent.records.encode_together). With `places` [(offset, nbytes, tensor)],
+    what they do not cover (the alignment padding) is zeroed now; None: the memory is zeroed already."""
+
+    def __init__(self, addr: int, size: int, places: list[tuple[int, int, Any]] | None):
+        self._addr = addr
+        self.spans = [(0, size, addr)] if size else []
+        if places is not None:
+            self.zero_padding(size, places)
+
+    def write(self, off: int, src: int, n: int) -> None:   # one span: no search
+        ctypes.memmove(self._addr + off, src, n)
+
+
+class SmallPayload(Region):
     """A record's whole payload in one buffer: `buffers` for protos.framing (a record alone, or one of a Batch).
     Where bytes can be written in place (FRAMES_IN_PLACE), a new bytes object whose tensors' bytes are copied in
     and whose padding is zeroed, nothing written twice; else a zeroed bytearray."""
 
     def __init__(self, size: int, places: list[tuple[int, int, Any]]):
         self._pin: Any = None
-        self.spans = []
-        self._addr = 0
         self.data: bytes | bytearray
         if size and FRAMES_IN_PLACE:
             self.data = _new_bytes(None, size)
-            self._addr = id(self.data) + _BYTES_DATA
-            self.spans = [(0, size, self._addr)]
-            self.zero_padding(size, places)
+            super().__init__(id(self.data) + _BYTES_DATA, size, places)
             return
         self.data = bytearray(size)
+        addr = 0
         if size:
             self._pin = (ctypes.c_char * size).from_buffer(self.data)   # the bytearray cannot move while we write
-            self._addr = ctypes.addressof(self._pin)
-            self.spans = [(0, size, self._addr)]
-
-    def write(self, off: int, src: int, n: int) -> None:   # one span: no search
-        ctypes.memmove(self._addr + off, src, n)
+            addr = ctypes.addressof(self._pin)
+        super().__init__(addr, size, None)
 
     def close(self) -> bytes | bytearray:
         self._pin = None

@@ -23,6 +23,7 @@ from npu_agent.payload import (
     FRAMES_IN_PLACE,
     FilePayload,
     FramePayload,
+    Region,
     SmallPayload,
     Spans,
     _uninitialised_bytes,
@@ -214,17 +215,15 @@ def encode_together(recs: list[PendingRecord], run_id: str, rank: int) -> bool:
     laid = [_encode(rec, run_id, rank, CHUNK_BYTES, layout_only=True) for rec in recs]
     if any(enc.size > _SMALL for _, enc, _ in laid):
         return False
-    head = batch_head([out.SerializeToString() for out, _, _ in laid], sum(enc.size for _, enc, _ in laid))
-    frame, addr = _uninitialised_bytes(len(head) + sum(enc.size for _, enc, _ in laid))
+    total = sum(enc.size for _, enc, _ in laid)
+    head = batch_head([out.SerializeToString() for out, _, _ in laid], total)
+    frame, addr = _uninitialised_bytes(len(head) + total)
     ctypes.memmove(addr, head, len(head))
     view = memoryview(frame)
     at = len(head)
     changed: list[list[int]] = []
     for _, enc, snaps in laid:
-        region = Spans()
-        region.spans = [(0, enc.size, addr + at)] if enc.size else []
-        region.zero_padding(enc.size, enc.places)
-        changed.append(enc.copy_into(region, snaps))
+        changed.append(enc.copy_into(Region(addr + at, enc.size, enc.places), snaps))
         enc.data = view[at:at + enc.size] if enc.size else None
         at += enc.size
     shared = None if any(changed) else _Together(frame, tuple(rec.seq for rec in recs))
