@@ -338,15 +338,9 @@ class Sampler:
 
     def take_call(self, category: str, api: str, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
                   grad_enabled: bool) -> bool:
-        """`take(call_site(...))`, the capture mode's question for every call it may record. A call in a step not
-        taken, at a call site met before, is the common case under sampling: it is answered here without `take`."""
-        site = (category, api, _signature(args, kwargs), grad_enabled)
-        if not self.step_taken and site in self.last:
-            c = self._counts
-            c["calls"] += 1
-            c[self._reason] += 1
-            return False
-        return self.take(site)
+        """`take(call_site(...))`: the capture mode asks it for every call it may record (npu_agent/_fastskip.c
+        answers the calls it skips before they get here, where built)."""
+        return self.take((category, api, _signature(args, kwargs), grad_enabled))
 
     def take_collective(self, site: CollectiveSite) -> bool:
         """A collective's decision: the same on every rank of its group (only the step and the call site count)."""
@@ -404,23 +398,9 @@ def _kind(tp: type) -> int:
 
 def _signature(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> tuple[torch.Size | torch.dtype, ...]:
     """Shape and dtype of each tensor argument in order, of the tensors in a list or tuple argument, and of tensor
-    keyword arguments: one flat tuple (shape, dtype, shape, dtype, ...), cheaper to build and to hash than pairs."""
+    keyword arguments: one flat tuple (shape, dtype, shape, dtype, ...), cheaper to build and to hash than pairs
+    (npu_agent/_fastskip.c builds the same tuple)."""
     kinds = _KIND_OF
-    if len(args) == 2 and not kwargs:   # the common call: two arguments, a binary op or a linear without bias
-        a, b = args
-        ka = kinds.get(type(a))
-        if ka is None:
-            ka = _kind(type(a))
-        kb = kinds.get(type(b))
-        if kb is None:
-            kb = _kind(type(b))
-        if ka == 1:
-            if kb == 1:
-                return (a.shape, a.dtype, b.shape, b.dtype)
-            if kb == 0:
-                return (a.shape, a.dtype)
-        elif ka == 0 and kb == 0:
-            return ()
     sig: list[torch.Size | torch.dtype] = []
     for v in args:
         kind = kinds.get(type(v))
