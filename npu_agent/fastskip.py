@@ -54,8 +54,9 @@ def build(quiet: bool = False) -> Path:
         os.replace(tmp, out)   # a process loading it meanwhile sees the old file or the whole new one
     finally:
         tmp.unlink(missing_ok=True)
-    for old in SOURCE.parent.glob("_fastskip-*"):   # binaries of earlier sources
-        if old != out and not old.name.endswith(".tmp"):
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    for old in SOURCE.parent.glob(f"_fastskip-*{suffix}"):   # this interpreter's binaries of earlier sources (another
+        if old != out:                                       # interpreter's, of this source or another, are its own)
             old.unlink(missing_ok=True)
     return out
 
