@@ -7,9 +7,17 @@ import contextlib
 import os
 from typing import IO, Any, Callable
 
+_DONTNEED: int | None = getattr(os, "POSIX_FADV_DONTNEED", None)   # Linux and most Unixes; not macOS or Windows
 
-def write_atomic(path: str, write: Callable[[IO[Any]], object], binary: bool = False, fsync: bool = False) -> None:
-    """`write(fh)` fills the temporary file (opened "wb", or "w" as UTF-8 text); it then replaces `path`."""
+
+def write_atomic(path: str, write: Callable[[IO[Any]], object], binary: bool = False, fsync: bool = False,
+                 drop_cache: bool = False) -> None:
+    """`write(fh)` fills the temporary file (opened "wb", or "w" as UTF-8 text); it then replaces `path`.
+
+    `drop_cache`: a file written once and not read again while the process runs (a spool segment, read back only
+    after a restart): once fsync'ed, its pages are dropped from the page cache (`posix_fadvise(DONTNEED)`), so that
+    the next file's pages are the memory just freed instead of memory the page cache takes anew. Only with `fsync`
+    (dirty pages are not dropped) and where the call exists."""
     tmp = path + ".tmp"
     try:
         with open(tmp, "wb") if binary else open(tmp, "w", encoding="utf-8") as fh:
@@ -17,6 +25,8 @@ def write_atomic(path: str, write: Callable[[IO[Any]], object], binary: bool = F
             fh.flush()
             if fsync:
                 os.fsync(fh.fileno())
+                if drop_cache and _DONTNEED is not None:
+                    os.posix_fadvise(fh.fileno(), 0, 0, _DONTNEED)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -15,9 +15,11 @@ Memory for frames: fresh memory costs a page fault per 4 KiB page on its first t
 as much as the copy itself), and with many records in flight the allocator hands out fresh memory for almost
 every large frame. So the frames of acknowledged records go back to `FRAMES` (a pool bounded in bytes) when nobody
 else holds them any more, and a new frame of the same length is written into one of them. Records of the same
-call site have frames of the same length from step to step, so in a training most large frames are reused. A new
-frame (the first steps, a pool miss) asks the kernel for transparent huge pages for the whole 2 MiB pages inside it
-before it is written (`huge_pages`): one fault per 2 MiB instead of 512, the larger part of the cost of fresh memory.
+call site have frames of the same length from step to step, so in a training most large frames are reused. With
+`ONLINE_CHECK_HUGE_PAGES=1` (protos/huge_pages.py: off by default, it costs more than it saves on a virtual machine
+that returns freed memory to its host), a new frame (the first steps, a pool miss) asks the kernel for transparent
+huge pages for the whole 2 MiB pages inside it before it is written (`huge_pages`): one fault per 2 MiB instead of
+512.
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 
+from protos import huge_pages as thp
 from protos import online_check_pb2 as pb
 from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH
 from protos.framing import DATA_TAG, varint
@@ -133,12 +136,11 @@ def _uninitialised_bytes(n: int) -> tuple[bytes, int]:
     b = FRAMES.take(n)
     if b is None:
         b = _new_bytes(None, n)
-        if n > HUGE_PAGE:
+        if n > thp.HUGE_PAGE:
             huge_pages(id(b) + _BYTES_DATA, n)
     return b, id(b) + _BYTES_DATA
 
 
-HUGE_PAGE = 2 << 20   # a transparent huge page (x86-64; arm64 with 4 KiB pages)
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)   # Linux only
 _libc: Any = None
 if _MADV_HUGEPAGE is not None:
@@ -152,12 +154,11 @@ if _MADV_HUGEPAGE is not None:
 
 def huge_pages(addr: int, n: int) -> bool:
     """Ask for transparent huge pages for the whole huge pages inside [addr, addr + n) (memory not touched yet: its
-    first touch then costs one fault per 2 MiB instead of one per 4 KiB page, the larger part of writing fresh
-    memory). Only what lies inside the range, which is about to be written completely anyway; a hint the kernel
-    may ignore (no transparent huge pages, or none free). True when asked."""
-    lo = -(-addr // HUGE_PAGE) * HUGE_PAGE
-    hi = (addr + n) // HUGE_PAGE * HUGE_PAGE
-    if _libc is None or _MADV_HUGEPAGE is None or hi <= lo:
+    first touch then costs one fault per 2 MiB instead of one per 4 KiB page), when `ONLINE_CHECK_HUGE_PAGES=1`
+    asks for them (protos/huge_pages.py). Only what lies inside the range, which is about to be written completely
+    anyway; a hint the kernel may ignore (no transparent huge pages, or none free). True when asked."""
+    lo, hi = thp.whole_huge_pages(0, addr, addr + n)
+    if _libc is None or _MADV_HUGEPAGE is None or hi <= lo or not thp.wanted():
         return False
     return bool(_libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0)
 

@@ -34,6 +34,29 @@ def test_segment_bytes_are_pinned(tmp_path):
     assert os.listdir(tmp_path) == ["seg-000000000.spl"]          # no temporary file left
 
 
+@pytest.mark.parametrize("fsync", [True, False])
+def test_a_durable_segment_leaves_the_page_cache(tmp_path, monkeypatch, fsync):
+    """A segment is read back only after a restart: once fsync'ed, its pages are dropped from the page cache
+    (posix_fadvise DONTNEED), not before; without fsync (dirty pages) nothing is dropped. Same bytes either way."""
+    if not hasattr(os, "POSIX_FADV_DONTNEED"):
+        pytest.skip("no posix_fadvise here")
+    events: list[tuple] = []
+    real_fsync, real_fadvise = os.fsync, os.posix_fadvise
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", fd)), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "posix_fadvise",
+                        lambda fd, off, n, advice: (events.append(("fadvise", fd, off, n, advice)),
+                                                    real_fadvise(fd, off, n, advice))[1])
+    path = str(tmp_path / "seg-000000000.spl")
+    write_segment(path, [(_record().SerializeToString(), b"\x01\x02\x03\x04")], fsync=fsync)
+    if fsync:
+        fd = events[0][1]
+        assert events == [("fsync", fd), ("fadvise", fd, 0, 0, os.POSIX_FADV_DONTNEED)]
+    else:
+        assert events == []
+    with open(path, "rb") as fh:
+        assert fh.read().hex() == SEGMENT_HEX
+
+
 def test_pinned_segment_reads_back(tmp_path):
     path = tmp_path / "seg-000000005.spl"
     path.write_bytes(bytes.fromhex(SEGMENT_HEX))

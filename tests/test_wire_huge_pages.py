@@ -1,18 +1,19 @@
-"""Fresh memory for large records asks for transparent huge pages, on both ends of the wire, only for the whole
-2 MiB pages inside what is about to be written (npu_agent/payload.py `huge_pages`, gpu_server/intake/assembler.py
-`_Payload`), and the bytes are the same either way: the agent's frames, and the payload the server joins from
-chunks."""
+"""With ONLINE_CHECK_HUGE_PAGES=1 (protos/huge_pages.py; off by default), fresh memory for large records asks for
+transparent huge pages, on both ends of the wire, only for the whole 2 MiB pages inside what is about to be written
+(npu_agent/payload.py `huge_pages`, gpu_server/intake/assembler.py `_Payload`); without it neither end asks. The
+bytes are the same either way: the agent's frames, and the payload the server joins from chunks."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from gpu_server.intake import assembler
-from gpu_server.intake.assembler import HUGE_PAGE, FrameAssembler, whole_huge_pages
+from gpu_server.intake.assembler import FrameAssembler, _Payload
 from npu_agent import payload
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos.framing import parse_frame
+from protos.huge_pages import ENV, HUGE_PAGE, whole_huge_pages
 from protos.limits import MiB
 
 HUGE = 2 * MiB
@@ -35,6 +36,7 @@ def test_the_agent_asks_huge_pages_only_for_whole_ones_inside_the_frame(monkeypa
     libc = _Libc()
     monkeypatch.setattr(payload, "_libc", libc)
     monkeypatch.setattr(payload, "_MADV_HUGEPAGE", 14)
+    monkeypatch.setenv(ENV, "1")
     asked = payload.huge_pages(addr, n)
     first = -(-addr // HUGE) * HUGE               # the first huge page boundary inside
     whole = max(0, (addr + n - first) // HUGE)    # whole huge pages from there
@@ -47,8 +49,38 @@ def test_the_agent_asks_huge_pages_only_for_whole_ones_inside_the_frame(monkeypa
 
 
 def test_no_madvise_no_huge_pages_asked(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
     monkeypatch.setattr(payload, "_libc", None)
     assert payload.huge_pages(HUGE * 4, 8 * MiB) is False
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "yes"])
+def test_neither_end_asks_for_huge_pages_unless_told(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, value)
+    libc = _Libc()
+    monkeypatch.setattr(payload, "_libc", libc)
+    monkeypatch.setattr(payload, "_MADV_HUGEPAGE", 14)
+    assert payload.huge_pages(HUGE * 4, 8 * MiB) is False and libc.calls == []
+    buf = _Payload(8 * MiB)
+    try:
+        assert buf._base == -1   # no stretch is asked for as huge pages
+        buf.write(0, b"x" * (4 * MiB))
+        assert buf.map[:4] == b"xxxx"
+    finally:
+        buf.map.close()
+
+
+def test_the_server_buffer_knows_its_address_when_told(monkeypatch):
+    monkeypatch.setenv(ENV, "1")
+    buf = _Payload(8 * MiB)
+    try:
+        if assembler._HUGE_ON is not None:   # Linux: the stretches a chunk fills are asked for
+            assert buf._base > 0
+    finally:
+        buf.map.close()
 
 
 @pytest.mark.parametrize("base", [0, 48, HUGE - 4096, 12345 * 4096])
@@ -81,12 +113,15 @@ def _frames(numel: int, chunk: int) -> list[bytes]:
 
 def test_frames_are_the_same_bytes_with_and_without_huge_pages(monkeypatch):
     numel, chunk = (9 * MiB + 12) // 4, 3 * MiB + 5
+    monkeypatch.setenv(ENV, "1")
     with_huge = _frames(numel, chunk)
     asked: list[int] = []
     monkeypatch.setattr(payload, "huge_pages", lambda addr, n: asked.append(n) or False)
     without = _frames(numel, chunk)
     assert asked, "new frames above a huge page ask for huge pages"
-    assert with_huge == without and len(with_huge) == 3
+    monkeypatch.delenv(ENV)
+    by_default = _frames(numel, chunk)
+    assert with_huge == without == by_default and len(with_huge) == 3
 
 
 def _join(frames: list[bytes]) -> tuple[object, bytes]:
@@ -103,6 +138,7 @@ def _join(frames: list[bytes]) -> tuple[object, bytes]:
 
 def test_the_server_joins_chunks_byte_for_byte_with_and_without_huge_pages(monkeypatch):
     numel, chunk = (9 * MiB + 12) // 4, 3 * MiB + 5
+    monkeypatch.setenv(ENV, "1")
     frames = _frames(numel, chunk)
     _, enc = encode_record(_record(numel), "wire", 0, chunk)
     expect = b"".join(bytes(parse_frame(f)[1]) for f in enc.wire_frames(chunk))
@@ -111,6 +147,8 @@ def test_the_server_joins_chunks_byte_for_byte_with_and_without_huge_pages(monke
     values = torch.frombuffer(bytearray(joined[:numel * 4]), dtype=torch.float32)
     assert torch.equal(values, torch.randn(numel, generator=torch.Generator().manual_seed(0)))
     monkeypatch.setattr(assembler, "_HUGE_ON", None)    # no transparent huge pages on this host
+    assert _join(frames)[1] == expect
+    monkeypatch.undo()                                  # the default: not asked for
     assert _join(frames)[1] == expect
 
 

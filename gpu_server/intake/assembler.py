@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 from gpu_server.intake.budget import ByteBudget, ConnectionShare, check_peak
+from protos import huge_pages as thp
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.framing import split_batch
@@ -380,7 +381,6 @@ class FrameAssembler:
 
 _PRIVATE = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
 _HUGE_ON, _HUGE_OFF = getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_NOHUGEPAGE", None)
-HUGE_PAGE = 2 * MiB   # a transparent huge page (x86-64, and arm64 with 4 KiB pages)
 
 
 class _Payload:
@@ -388,22 +388,26 @@ class _Payload:
     written (never what the header announces).
 
     Fresh memory costs a page fault per 4 KiB page on its first touch, several times what copying the bytes in
-    costs (a shared mapping, as `mmap.mmap(-1, n)` makes, costs more still): so each stretch of whole huge pages a
-    chunk fills is asked for as huge pages (`madvise`, where the kernel has transparent huge pages). Only stretches
-    a chunk is about to fill completely: the rest of the buffer stays in 4 KiB pages, so the memory taken is still
-    the bytes received, rounded to 4 KiB at the ends."""
+    costs (a shared mapping, as `mmap.mmap(-1, n)` makes, costs more still). With `ONLINE_CHECK_HUGE_PAGES=1`
+    (protos/huge_pages.py: off by default, it costs more than it saves on a virtual machine that returns freed
+    memory to its host), each stretch of whole huge pages a chunk fills is asked for as huge pages (`madvise`, where
+    the kernel has transparent huge pages). Only stretches a chunk is about to fill completely: the rest of the
+    buffer stays in 4 KiB pages, so the memory taken is still the bytes received, rounded to 4 KiB at the ends."""
 
     __slots__ = ("map", "_base")
 
     def __init__(self, size: int):
         self.map = mmap.mmap(-1, size, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, size)
         self._base = -1   # the mapping's address (huge pages are aligned to it), -1: no huge pages
-        if _HUGE_ON is not None and _HUGE_OFF is not None and size >= HUGE_PAGE:
+        if _HUGE_ON is not None and _HUGE_OFF is not None and size >= thp.HUGE_PAGE:
             try:
-                self.map.madvise(_HUGE_OFF)   # whatever the system default: only what is written gets huge pages
-                pin = ctypes.c_char.from_buffer(self.map)
-                self._base = ctypes.addressof(pin)
-                del pin   # (it holds an export of the mapping, which cannot close while one is held)
+                # whatever the system default: no huge page that a chunk does not fill (a record announced large
+                # and sent short takes only what it sent)
+                self.map.madvise(_HUGE_OFF)
+                if thp.wanted():
+                    pin = ctypes.c_char.from_buffer(self.map)
+                    self._base = ctypes.addressof(pin)
+                    del pin   # (it holds an export of the mapping, which cannot close while one is held)
             except (OSError, ValueError):
                 self._base = -1
 
@@ -415,17 +419,9 @@ class _Payload:
     def prepare(self, off: int, end: int) -> None:
         """[off, end) is about to be filled: its whole huge pages are asked for as such."""
         if self._base >= 0:
-            lo, hi = whole_huge_pages(self._base, off, end)
+            lo, hi = thp.whole_huge_pages(self._base, off, end)
             if hi > lo:
                 try:
                     self.map.madvise(_HUGE_ON, lo, hi - lo)
                 except OSError:
                     pass
-
-
-def whole_huge_pages(base: int, start: int, end: int) -> tuple[int, int]:
-    """The offsets [lo, hi) of the whole huge pages inside [start, end) of a buffer at address `base` (lo >= hi:
-    none)."""
-    lo = -(-(base + start) // HUGE_PAGE) * HUGE_PAGE - base
-    hi = (base + end) // HUGE_PAGE * HUGE_PAGE - base
-    return lo, hi

@@ -96,7 +96,8 @@ def entry_bytes(header: bytes, payload) -> bytes:
 
 def write_segment(path: str, records: list[tuple[bytes, bytes | bytearray | memoryview]], fsync: bool) -> None:
     """Write (header, payload) pairs as one segment: temporary file, fsync, rename. Raises OSError, leaving no
-    temporary file behind."""
+    temporary file behind. A segment is read back only after a restart: once durable, its pages leave the page cache
+    (`write_atomic`'s `drop_cache`; docs/design.md §6.3 gives the measurement)."""
     def write(fh) -> None:
         fh.write(MAGIC)
         for header, payload in records:
@@ -104,7 +105,7 @@ def write_segment(path: str, records: list[tuple[bytes, bytes | bytearray | memo
             fh.write(header)
             fh.write(payload)
 
-    write_atomic(path, write, binary=True, fsync=fsync)
+    write_atomic(path, write, binary=True, fsync=fsync, drop_cache=True)
 
 
 def _entry_at(data: bytes, pos: int, seg: int, limits: Limits) -> tuple[Entry | None, str]:
