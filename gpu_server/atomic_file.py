@@ -26,7 +26,8 @@ def write_atomic(path: str, write: Callable[[IO[Any]], object], binary: bool = F
             if fsync:
                 os.fsync(fh.fileno())
                 if drop_cache and _DONTNEED is not None:
-                    os.posix_fadvise(fh.fileno(), 0, 0, _DONTNEED)
+                    with contextlib.suppress(OSError):   # advice only: a file system that refuses it loses nothing
+                        os.posix_fadvise(fh.fileno(), 0, 0, _DONTNEED)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

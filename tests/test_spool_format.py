@@ -57,6 +57,18 @@ def test_a_durable_segment_leaves_the_page_cache(tmp_path, monkeypatch, fsync):
         assert fh.read().hex() == SEGMENT_HEX
 
 
+def test_a_file_system_that_refuses_the_advice_loses_nothing(tmp_path, monkeypatch):
+    """posix_fadvise is advice: where it fails, the segment is still written, renamed into place and readable."""
+    def refuse(fd, off, n, advice):
+        raise OSError(22, "Invalid argument")
+    monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
+    path = str(tmp_path / "seg-000000000.spl")
+    write_segment(path, [(_record().SerializeToString(), b"\x01\x02\x03\x04")], fsync=True)
+    with open(path, "rb") as fh:
+        assert fh.read().hex() == SEGMENT_HEX
+    assert os.listdir(tmp_path) == ["seg-000000000.spl"]
+
+
 def test_pinned_segment_reads_back(tmp_path):
     path = tmp_path / "seg-000000005.spl"
     path.write_bytes(bytes.fromhex(SEGMENT_HEX))
