@@ -21,13 +21,15 @@ validates stops the worker with the same message (exit status 2).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import errno
 import gc
 import os
 import resource
 import sys
 import warnings
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -39,6 +41,7 @@ from gpu_server.replay.run import KeptForward, ReplayError, flatten_outputs
 from gpu_server.replay.sandbox_wire import Arena, ChannelClosed, Mapped, NotTransferable, receive, send, write_leaves
 from protos import online_check_pb2 as pb
 from protos.limits import DEFAULT_LIMITS
+from protos.trees import iter_leaves
 
 SLACK = 32 << 20    # address space beyond the cap for what a replay maps besides its tensors (the arenas' growth,
                     # a thread the allocator or the intra-op pool adds later)
@@ -91,7 +94,28 @@ class Worker:
 
     def forward(self, req: dict, arena: memoryview) -> dict:
         keep, match = bool(req["keep"]), bool(req["match"])
-        job = self.job(req["job"], arena, own=keep)
+        job = self.job(req["job"], arena)
+        if not keep:
+            runs = self._forward_runs(job, False, match)
+        else:
+            # a kept graph outlives the request, the arena's bytes do not: the replay reads private copies of the
+            # inputs, and whatever autograd saves from the record itself (none of the replay paths does) makes the
+            # call replay again from a private copy of the record
+            with _saved_from(arena) as saved:
+                runs = self._forward_runs(job, True, match)
+            if saved or _in_arena(arena, runs[0], runs[2], *(list(g.leaves.values()) for g in (runs[1], runs[3]) if g)):
+                job = self.job(req["job"], arena, own=True)
+                runs = self._forward_runs(job, True, match)
+            else:   # the kept graphs need the call's name and thread count, not its tensors (views of the arena)
+                job = _without_tensors(job)
+        bench, bench_graph, same, same_graph, same_error = runs
+        out = [flatten_outputs(bench)] + ([flatten_outputs(same)] if same is not None else [])
+        handles = [self.keep(bench_graph, job), self.keep(same_graph, job)]
+        nbytes = sum(g.nbytes for g in (bench_graph, same_graph) if g is not None)
+        return {"runs": out, "same_error": same_error, "kept": handles, "nbytes": nbytes}
+
+    def _forward_runs(self, job: Job, keep: bool, match: bool) -> tuple:
+        """(bench output, its kept graph, same-dtype output, its kept graph, why the same-dtype run failed)."""
         if keep:
             bench, bench_graph = replay.run_forward_kept(job, self.device, bench=True)
         else:
@@ -104,10 +128,7 @@ class Worker:
                 same = replay.run_forward(job, self.device, bench=False, match_threads=match)
         except ReplayError as exc:
             same_error = f"same-dtype run failed: {exc}"
-        runs = [flatten_outputs(bench)] + ([flatten_outputs(same)] if same is not None else [])
-        handles = [self.keep(bench_graph, job), self.keep(same_graph, job)]
-        nbytes = sum(g.nbytes for g in (bench_graph, same_graph) if g is not None)
-        return {"runs": runs, "same_error": same_error, "kept": handles, "nbytes": nbytes}
+        return bench, bench_graph, same, same_graph, same_error
 
     def _backward_run(self, kept: tuple[KeptForward, Job] | None, fwd: Job | None, bwd: Job, bench: bool,
                       match: bool) -> list:
@@ -187,6 +208,51 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - an internal error costs this request, never the worker
                 reply = {"internal_error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             send(self.wfd, reply)
+
+
+def _arena_range(arena: memoryview) -> tuple[int, int]:
+    if not len(arena):
+        return 0, 0
+    start = torch.frombuffer(arena, dtype=torch.uint8).data_ptr()
+    return start, start + len(arena)
+
+
+def _over(t: torch.Tensor, lo: int, hi: int) -> bool:
+    """`t`'s memory lies in [lo, hi) (a tensor whose memory cannot be read is taken to)."""
+    try:
+        return lo <= t.untyped_storage().data_ptr() < hi
+    except Exception:  # noqa: BLE001 - no storage to ask (a subclass, a sparse layout): assume the worst
+        return True
+
+
+@contextlib.contextmanager
+def _saved_from(arena: memoryview) -> Iterator[list]:
+    """Within this block, autograd saving a tensor over `arena`'s memory for a backward is noted in the list."""
+    lo, hi = _arena_range(arena)
+    seen: list[bool] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if _over(t, lo, hi):
+            seen.append(True)
+        # the same memory, without its autograd history: the tensor itself would hold an output's grad_fn, which
+        # holds what was saved, a reference cycle that keeps the graph alive until a garbage collection
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield seen
+
+
+def _in_arena(arena: memoryview, *values: Any) -> bool:
+    """Some tensor in `values` (nested) lies over `arena`'s memory."""
+    lo, hi = _arena_range(arena)
+    return any(isinstance(t, torch.Tensor) and _over(t, lo, hi) for t in iter_leaves(values))
+
+
+def _without_tensors(job: Job) -> Job:
+    """The job a kept graph needs for its backward (gpu_server/replay/run.py `backward_from`: its name, category and
+    thread count), holding nothing of the request's arena."""
+    return dataclasses.replace(job, args=(), kwargs={}, output=None, grad_output=None, grad_input=None, mask=None,
+                               requires_grad=frozenset(), rng_state=b"", wire=None)
 
 
 def _warm_up() -> None:
