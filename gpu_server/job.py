@@ -47,6 +47,7 @@ class Job:
     module: str = ""           # where the call was made (the header's, through wire_text): "TinyLM.blocks.0.attn"
     source: str = ""           # "train.py:42 (forward)"
     collective: CollectiveInfo | None = None   # a torch.distributed call: matched across ranks, never replayed
+    inputs_finite: bool | None = None   # every float input finite, once a check measured it (its backward reads it)
     wire: tuple[Any, Any] | None = None   # (pb.Record, payload) it was decoded from: a replay worker process decodes
                                           # the same bytes again (gpu_server/replay/sandbox.py)
 

@@ -21,12 +21,12 @@ from tests.support import capture, to_job
 CPU = torch.device("cpu")
 
 
-def _general(bench, device):
+def _general(bench, device, chunk_elements=None):
     """The metrics through `_Accumulator.add` only (the path for outputs with inf/NaN or huge values)."""
     saved = metrics._FAST_LIMIT
     metrics._FAST_LIMIT = 0.0
     try:
-        return metrics.analyse(bench, device)
+        return metrics.analyse(bench, device, chunk_elements)
     finally:
         metrics._FAST_LIMIT = saved
 
@@ -72,6 +72,23 @@ def test_finite_pass_equals_the_general_pass(name, bench, device, finite_pass):
     assert fast.metrics == slow.metrics, name            # every cell, bit for bit
     assert dict(fast.metrics.counts) == dict(slow.metrics.counts)
     assert fast.cosine == slow.cosine
+
+
+@pytest.mark.parametrize("chunk", [2 * metrics._TILE + 5, metrics._TILE - 3], ids=["tiles and a part", "short"])
+def test_finite_pass_equals_the_general_pass_over_several_chunks(chunk, finite_pass):
+    """Chunks that do not end on a tile: each chunk's tiles start at its own start, in every path."""
+    for name, bench, device in _cases()[:5]:
+        fast, slow = metrics.analyse(bench, device, chunk), _general(bench, device, chunk)
+        assert fast.metrics == slow.metrics, name
+        assert fast.cosine == slow.cosine
+
+
+def test_a_chunks_sums_are_its_tiles_sums_added_in_order():
+    values = torch.randn(2 * metrics._TILE + 9, dtype=torch.float64) * 1e3
+    t = metrics._TILE
+    want = values[:t].sum() + values[t:2 * t].sum() + values[2 * t:].sum()
+    assert metrics._tiled_sum(values).item() == want.item()
+    assert metrics._tiled_sum(values[:5]).item() == values[:5].sum().item()
 
 
 def test_the_compiled_pass_runs_when_numba_is_installed(monkeypatch):

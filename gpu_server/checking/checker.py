@@ -20,8 +20,8 @@ from gpu_server.checking.pending import Graphs, Waiting
 from gpu_server.checking.pooled import PooledErrors
 from gpu_server.columns import BLANK
 from gpu_server.job import CallKey, Job
-from gpu_server.judging import metrics
-from gpu_server.judging.nonfinite import CallFiniteness
+from gpu_server.judging import extremes, metrics
+from gpu_server.judging.nonfinite import CallFiniteness, all_finite
 from gpu_server.judging.output_kind import TENSORS, classify
 from gpu_server.judging.standards.judging import judge_pair
 from gpu_server.judging.verdict import compare_pair
@@ -148,11 +148,12 @@ class Checker:
         if extensions.has_postprocess(job.category, job.api):   # only the meaningful part of each run is compared
             device, bench, same = extensions.postprocess(job.category, job.api, job.args, job.kwargs,
                                                          [device, bench, same])
-        self._note_finiteness(out, job, "forward", (job.args, job.kwargs), device, bench)
         members = (spread.LazyRuns(lambda: extensions.postprocess(
             job.category, job.api, job.args, job.kwargs, self.replayer.forward_members(job, self.match_threads)))
             if runs.same is not None else None)
-        return self._compare(out, job, "forward", device, bench, same, runs.same_error, members)
+        with extremes.remembered():   # the outputs' extremes, read for their finiteness, serve the metrics too
+            self._note_finiteness(out, job, "forward", lambda: self._inputs_finite(job), device, bench)
+            return self._compare(out, job, "forward", device, bench, same, runs.same_error, members)
 
     # -- backward ----------------------------------------------------------------------------------------------
     def backward(self, job: Job, waiting: Waiting | None) -> Checked:
@@ -210,13 +211,15 @@ class Checker:
         bench, same, same_error = runs.bench, runs.same, runs.same_error
         device = list(bwd.grad_input) if isinstance(bwd.grad_input, (list, tuple)) else [bwd.grad_input]
         keep = [i for i, g in enumerate(device) if g is not None]
-        # a backward call's inputs: the gradient that reached it and its forward inputs
-        self._note_finiteness(out, bwd, "backward", (bwd.grad_output, fwd.args, fwd.kwargs),
-                              [device[i] for i in keep], [bench[i] for i in keep])
         members = (spread.LazyRuns(lambda: [[m[i] for i in keep] for m in self.replayer.backward_members(
             fwd, bwd, self.match_threads)]) if same is not None else None)
-        return self._compare(out, bwd, "backward", [device[i] for i in keep], [bench[i] for i in keep],
-                             [same[i] for i in keep] if same is not None else None, same_error, members)
+        with extremes.remembered():
+            # a backward call's inputs: the gradient that reached it and its forward inputs
+            self._note_finiteness(out, bwd, "backward",
+                                  lambda: all_finite(bwd.grad_output) and self._inputs_finite(fwd),
+                                  [device[i] for i in keep], [bench[i] for i in keep])
+            return self._compare(out, bwd, "backward", [device[i] for i in keep], [bench[i] for i in keep],
+                                 [same[i] for i in keep] if same is not None else None, same_error, members)
 
     # -- comparison rows ---------------------------------------------------------------------------------------
     def _compare(self, out: Checked, job: Job, direction: str, device: list, bench: list,
@@ -291,12 +294,19 @@ class Checker:
         out.notes.append(functools.partial(self.summary.row_done, job.rank, job.step, job.seq, row, status, report,
                                            message, job.module, job.source))
 
-    def _note_finiteness(self, out: Checked, job: Job, direction: str, inputs: Any, device: list,
-                         bench: list) -> None:
+    @staticmethod
+    def _inputs_finite(fwd: Job) -> bool:
+        """Every float input of a forward call is finite: measured by its forward's check, read by its backward's."""
+        if fwd.inputs_finite is None:
+            fwd.inputs_finite = all_finite((fwd.args, fwd.kwargs))
+        return fwd.inputs_finite
+
+    def _note_finiteness(self, out: Checked, job: Job, direction: str, inputs_finite: Callable[[], bool],
+                         device: list, bench: list) -> None:
         """Whether this call made the first inf/NaN from finite inputs, or received some
         (gpu_server/judging/nonfinite.py)."""
         try:
-            fin = CallFiniteness.of(inputs, device, bench)
+            fin = CallFiniteness.measure(inputs_finite(), device, bench)
         except Exception as exc:  # noqa: BLE001 - a diagnostic must never fail the call's rows
             log.debug("finiteness of %s not measured: %s", job.name, exc)
             return

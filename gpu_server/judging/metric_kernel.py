@@ -2,12 +2,13 @@
 
 `gpu_server.judging.metrics._add_finite_chunk` computes, for each element of a chunk, about thirty elementwise terms
 (|d - b|, the relative error, the ULP error, the cosine summands ...) and then counts, maxima and float64 sums of
-them. With torch ops that is some thirty passes over every tile. `kernel()` computes all of them in one pass per
-tile, over a whole chunk in one call: it reads one bench and one device value (float32 device values are widened
-in the loop, no copy), writes the five summands the sums need into the caller's buffers, and accumulates the
-counts and the maxima. The sums stay torch's over those buffers, so that every statistic is bit for bit what the
-torch path computes: each term is the same IEEE-754 operation on the same float64 operands (no fast-math, no
-contraction into fused multiply-adds; numpy's error model, so that 0/0 is NaN as in torch), and counts and maxima
+them. With torch ops that is some thirty passes over every tile. `kernel()` computes all of them in one pass over
+a tile (the caller gives it one tile at a time; it also loops over several): it reads one bench and one device
+value (float32 device values are widened in the loop, no copy), writes the five summands the sums need into the
+caller's tile buffers, and accumulates the counts and the maxima. The sums stay torch's over those buffers, taken
+by the caller while the tile is in the cache, so that every statistic is bit for bit what the torch path
+computes: each term is the same IEEE-754 operation on the same float64 operands (no fast-math, no contraction into
+fused multiply-adds; numpy's error model, so that 0/0 is NaN as in torch), and counts and maxima
 do not depend on the order of evaluation.
 
 `kernel()` returns the compiled loop, or None without numba (then the torch path runs: same results, slower). Its

@@ -6,7 +6,8 @@ except the eps of the relative error, which docs/standards.md defines as 2^-8 fo
 machine epsilon of the BENCH dtype (2^-23 for float16 outputs, 2^-52 for float32 outputs).
 
 All statistics are accumulated in float64 with vectorised torch ops on the bench tensor's device, chunk by chunk
-(CHUNK_ELEMENTS) so that temporaries stay bounded for large outputs.
+(CHUNK_ELEMENTS) so that temporaries stay bounded for large outputs; each chunk's sums are taken tile by tile
+(`_tiled_sum`), the same way in every path.
 
 Conventions (where msprobe is silent):
 - Empty outputs: double-x ratios 1, error rates and shares 0, max/mean/RMSE 0, cosine blank (None).
@@ -32,12 +33,13 @@ import contextlib
 import math
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy
 import torch
 
-from gpu_server.judging import metric_kernel
+from gpu_server.judging import extremes, metric_kernel
+from gpu_server.judging.bits import same_bits
 from gpu_server.judging.dtype_limits import (
     CHUNK_ELEMENTS,
     COSINE_PASS,
@@ -173,7 +175,7 @@ def prefetch(bench: Any, others: list) -> None:
     twins: list[tuple[torch.Tensor, torch.Tensor]] = []   # (output, an earlier output with the same bits)
     for o in group:
         seen = by_dtype.setdefault(o.dtype, [])
-        twin = next((x for x in seen if x is o or _same_bits(x, o)), None)
+        twin = next((x for x in seen if x is o or same_bits(x, o)), None)
         if twin is None:
             seen.append(o)
         elif twin is not o:
@@ -183,19 +185,6 @@ def prefetch(bench: Any, others: list) -> None:
             memo[(id(bench), id(o), None)] = (bench, o, result)
     for o, twin in twins:   # bit-identical outputs have identical metrics: computed once
         memo[(id(bench), id(o), None)] = (bench, o, memo[(id(bench), id(twin), None)][2])
-
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape and bits (a device output bit-identical to the same-dtype run: the usual case when the
-    training ran on the bench's device type)."""
-    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-        return False
-    a, b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
-    bits = _BITS.get(a.element_size(), torch.uint8)   # compared as integers of the element's width
-    return torch.equal(a.view(bits), b.view(bits))
-
-
-_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def analyse_with(bench: torch.Tensor, device: torch.Tensor, row: DtypeThresholds) -> Analysis:
@@ -227,7 +216,7 @@ def _absmax(chunk: torch.Tensor) -> torch.Tensor:
     if chunk.dtype.is_floating_point:
         if chunk.numel() == 0:
             return chunk.abs().max().double()   # raises like before
-        lo, hi = torch.aminmax(chunk)
+        lo, hi = extremes.aminmax(chunk)   # a whole output's: the finiteness check's (judging/extremes.py)
         return torch.maximum(lo.abs(), hi.abs()).double()
     return chunk.double().abs().max()
 
@@ -331,7 +320,7 @@ class _Accumulator:
         self.counts[key] = self.counts[key] + torch.count_nonzero(mask)   # a tensor: no device sync per count
 
     def _sum(self, key: str, values: torch.Tensor) -> None:
-        self.sums[key] = self.sums[key].to(values.device) + values.sum()
+        self.sums[key] = self.sums[key].to(values.device) + _tiled_sum(values)
 
     def _max(self, key: str, values: torch.Tensor) -> None:
         self.maxima[key] = torch.maximum(self.maxima[key].to(values.device), values.max())  # NaN propagates
@@ -450,6 +439,28 @@ class _Accumulator:
 _TILE = 1 << 15   # elements per tile on a CPU bench: every float64 temporary of a tile stays in the core's cache
 
 
+def _tile_of(device: torch.device, n: int) -> int:
+    """Elements per tile of a chunk of `n` on `device`: `_TILE` on a CPU, the whole chunk elsewhere."""
+    return _TILE if device.type == "cpu" else max(1, n)
+
+
+def _tiled_sum(values: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of a chunk's summands, as every path of the metrics takes it: torch's sum of each tile
+    (`_tile_of`, from the chunk's start), the tiles' sums added in order. The fast path sums each tile while it is in
+    the cache, right after computing it; the general path (`_Accumulator.add`) sums its whole-chunk summands the same
+    way, so that both give the same bits."""
+    n = values.numel()
+    tile = _tile_of(values.device, n)
+    total = values[:tile].sum()
+    for lo in range(tile, n, tile):
+        total = total + values[lo:lo + tile].sum()
+    return total
+
+
+def _plus(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    return value if total is None else total + value
+
+
 class _Scratch:
     """Buffers of one thread, reused from output to output (no allocation, no page faults per metric)."""
 
@@ -479,39 +490,29 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
     values are all finite and below 2^900 (checked on the whole output by the caller): the same values, without the
     inf/nan terms (all zero there), the bench's own terms computed once for every output compared with it.
 
-    The elementwise terms are computed tile by tile into reused buffers (cache-sized on a CPU bench; the whole chunk
-    on a GPU), by one compiled call per output that loops over the tiles (`_compiled_tiles`) or by torch ops
-    (`_torch_tiles`); counts and maxima are exact whatever the tiling, and every sum is taken over the whole chunk's
-    summands at once, so each statistic is bit for bit what one pass over the chunk computes."""
+    The elementwise terms are computed tile by tile into reused tile-sized buffers (cache-sized on a CPU bench; the
+    whole chunk on a GPU), by metric_kernel's compiled pass (`_compiled_tiles`) or by torch ops (`_torch_tiles`), and
+    each tile's summands are summed while they are in the cache; the tiles' sums are added in order, as `_tiled_sum`
+    adds the general path's. Counts and maxima are exact whatever the tiling, so each statistic is bit for bit what
+    `_Accumulator.add` computes."""
     n, dev = stop - start, flat_b.device
-    sc = _scratch()
-    f64 = torch.float64
-    # whole-chunk summands (summed once per chunk, like one pass would)
-    bb = sc.get("bb", n, f64, dev)
-    sums = [{k: sc.get(f"{k}{j}", n, f64, dev) for k in _SUMS} for j in range(len(quick))]
     counts = [dict.fromkeys(("hundredth", "thousandth", "ten_thousandth", "small", "small_bad", "rel_bad",
                              "ulp_over"), 0) for _ in quick]
     signs = [[0, 0] for _ in quick]   # sums of sign(d - b) and of sign(|d - b|): above - below, above + below
     maxima: list[dict] = [{} for _ in quick]
-    zero = torch.zeros((), dtype=f64, device=dev)
     kern = metric_kernel.kernel() if dev.type == "cpu" and n >= KERNEL_MIN_ELEMENTS else None
-    if kern is not None:   # every summand written: no exact-tile shortcuts
-        _compiled_tiles(kern, flat_b, quick, bmax, start, n, bb, sums, counts, signs, maxima)
-        exact: list[list[tuple[int, int]]] = [[] for _ in quick]
-        same_norm = [False] * len(quick)
-    else:
-        exact, same_norm = _torch_tiles(flat_b, quick, bmax, start, n, bb, sums, counts, signs, maxima)
-    bb_sum = bb.sum()
+    tiles = (_compiled_tiles(kern, flat_b, quick, bmax, start, n, counts, signs, maxima) if kern is not None
+             else _torch_tiles(flat_b, quick, bmax, start, n, counts, signs, maxima))
+    bb_total: torch.Tensor | None = None
+    totals: list[dict[str, torch.Tensor | None]] = [dict.fromkeys(_SUMS) for _ in quick]
+    for bb_sum, sums in tiles:   # each tile's sums, in order
+        bb_total = _plus(bb_total, bb_sum)
+        for total, tile_sums in zip(totals, sums):
+            for key, value in tile_sums.items():
+                total[key] = _plus(total[key], value)
+    f64 = torch.float64
     for j, (acc, _) in enumerate(quick):
-        c, mx, sj = counts[j], maxima[j], sums[j]
-        everywhere = sum(hi - lo for lo, hi in exact[j]) == n
-        if not everywhere:   # the zero (and, with equal maxima, bn * bn) summands of the exact tiles
-            for lo, hi in exact[j]:
-                for key in ("sq", "rel", "ulp"):
-                    sj[key][lo:hi].zero_()
-                if same_norm[j]:
-                    sj["dot"][lo:hi].copy_(bb[lo:hi])   # bn * bn is bn.square() bit for bit
-                    sj["dd"][lo:hi].copy_(bb[lo:hi])
+        c, mx = counts[j], maxima[j]
         net, moved = (torch.as_tensor(v, dtype=f64, device=dev) for v in signs[j])
         above, below = ((moved + net) / 2).to(torch.int64), ((moved - net) / 2).to(torch.int64)
         acc.counts["binary"] = acc.counts["binary"] + above + below
@@ -520,42 +521,36 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
         for key, value in c.items():
             acc.counts[key] = acc.counts[key] + value
         acc.counts["normal"] = acc.counts["normal"] + (n - c["small"])
-        for key in ("sq", "rel", "ulp"):
-            # equal everywhere: a sum of +0.0 terms, +0.0
-            acc._sum(key, zero if everywhere else sj[key])
+        for key in _SUMS:
+            acc.sums[key] = acc.sums[key].to(dev) + totals[j][key]
         for key in ("abs", "rel", "ulp"):
             acc.maxima[key] = torch.maximum(acc.maxima[key].to(dev), mx[key])
-        for key in ("dot", "dd"):
-            # equal everywhere with equal maxima: the summands, and so their sum, are bb's
-            if everywhere and same_norm[j]:
-                acc.sums[key] = acc.sums[key].to(dev) + bb_sum
-            else:
-                acc._sum(key, sj[key])
-        acc.sums["bb"] = acc.sums["bb"].to(dev) + bb_sum
+        acc.sums["bb"] = acc.sums["bb"].to(dev) + bb_total
 
 
-def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, n: int, bb: torch.Tensor,
-                 sums: list, counts: list, signs: list, maxima: list) -> tuple[list, list]:
-    """The tile loop of `_add_finite_chunk` as torch ops (any device). Tiles where an output equals the bench skip
-    its error terms; returns those tiles of each output and whether its maximum equals the bench's (the caller
-    fills their summands only where a sum needs them)."""
+def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, n: int, counts: list,
+                 signs: list, maxima: list) -> Iterator[tuple[torch.Tensor, list[dict[str, torch.Tensor]]]]:
+    """The tile loop of `_add_finite_chunk` as torch ops (any device): yields each tile's sum of the bench's
+    (b / bmax)^2 and each output's sums of its summands. A tile where an output equals the bench skips its error
+    terms: their summands are +0.0, and with equal maxima its cosine summands are the bench's."""
     dev = flat_b.device
     sc = _scratch()
     f64 = torch.float64
     acc0 = quick[0][0]
     p = acc0.p
-    tile = _TILE if dev.type == "cpu" else n
+    tile = _tile_of(dev, n)
     scale = 2.0 ** p.ulp_precision
     size = min(tile, n)
-    b_t, absb, denom, normal_f, bn = (sc.get(k, size, f64, dev) for k in ("b", "absb", "denom", "normalf", "bn"))
+    b_t, absb, denom, normal_f, bn, bb = (sc.get(k, size, f64, dev) for k in ("b", "absb", "denom", "normalf", "bn",
+                                                                             "bb"))
     d_t, diff, abs_err, rel, tmp = (sc.get(k, size, f64, dev) for k in ("d", "diff", "abserr", "rel", "tmp"))
     small, normal, mask = (sc.get(k, size, torch.bool, dev) for k in ("small", "normal", "mask"))
     bits, spacing = sc.get("bits", size, torch.int64, dev), sc.get("spacing", size, torch.int64, dev)
+    sums = [{k: sc.get(f"{k}{j}", size, f64, dev) for k in _SUMS} for j in range(len(quick))]
     on_cpu = dev.type == "cpu"       # shortcuts that read a value back: only where that costs no device sync
     zero = torch.zeros((), dtype=f64, device=dev)
     # an output equal to the bench has d / dmax == b / bmax element by element when the two maxima are equal
     same_norm = [on_cpu and bool(acc.dmax == bmax) for acc, _ in quick]
-    exact: list[list[tuple[int, int]]] = [[] for _ in quick]   # tiles where the output equals the bench
     for lo in range(0, n, tile):
         hi = min(n, lo + tile)
         m = hi - lo
@@ -567,10 +562,11 @@ def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: i
         small_count = m - torch.count_nonzero(nm)
         any_small = not on_cpu or bool(small_count)
         torch.div(b, bmax, out=bnt)
-        torch.square(bnt, out=bb[lo:hi])
+        bb_sum = torch.square(bnt, out=bb[:m]).sum()
         error_terms = False   # the bench's terms of the error metrics: computed once an output differs here
+        tile_sums: list[dict[str, torch.Tensor]] = []
         for j, (acc, flat_d) in enumerate(quick):
-            c, mx, sj = counts[j], maxima[j], sums[j]
+            c, mx, sj = counts[j], maxima[j], {k: v[:m] for k, v in sums[j].items()}
             d = d_t[:m].copy_(flat_d[start + lo:start + hi])
             c["small"] = c["small"] + small_count
             df, ae = diff[:m], abs_err[:m]
@@ -585,11 +581,13 @@ def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: i
                     c[key] = c[key] + m
                 for key in ("rel", "ulp"):
                     _tile_max(mx, key, zero)
-                exact[j].append((lo, hi))   # its summands are written only if another tile needs the buffers
-                if not same_norm[j]:
+                if same_norm[j]:   # bn * bn is bn.square() bit for bit: the bench's own sum
+                    tile_sums.append({"sq": zero, "rel": zero, "ulp": zero, "dot": bb_sum, "dd": bb_sum})
+                else:
                     dn = torch.div(d, acc.dmax, out=tmp[:m])
-                    torch.mul(bnt, dn, out=sj["dot"][lo:hi])
-                    torch.square(dn, out=sj["dd"][lo:hi])
+                    tile_sums.append({"sq": zero, "rel": zero, "ulp": zero,
+                                      "dot": torch.mul(bnt, dn, out=sj["dot"]).sum(),
+                                      "dd": torch.square(dn, out=sj["dd"]).sum()})
                 continue
             if not error_terms:
                 error_terms = True
@@ -622,18 +620,19 @@ def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: i
             # the max of the masked rel differs from `add`'s (-1 for no normal element) only where `metrics` reads
             # 0 anyway; rtol > 0, so `normal & (rel > rtol)` is `rel * normal > rtol`
             torch.mul(ae, nf, out=tm)
-            torch.square(tm, out=sj["sq"][lo:hi])
-            rel_normal = torch.mul(rl, nf, out=sj["rel"][lo:hi])
+            torch.square(tm, out=sj["sq"])
+            rel_normal = torch.mul(rl, nf, out=sj["rel"])
             _tile_max(mx, "rel", rel_normal)
             c["rel_bad"] = c["rel_bad"] + torch.count_nonzero(torch.gt(rel_normal, p.rtol, out=mk))
             torch.mul(ae, spf, out=tm)
-            ulp = torch.mul(tm, scale, out=sj["ulp"][lo:hi])
+            ulp = torch.mul(tm, scale, out=sj["ulp"])
             _tile_max(mx, "ulp", ulp)
             c["ulp_over"] = c["ulp_over"] + torch.count_nonzero(torch.gt(ulp, p.ulp_threshold, out=mk))
             dn = torch.div(d, acc.dmax, out=tm)
-            torch.mul(bnt, dn, out=sj["dot"][lo:hi])
-            torch.square(dn, out=sj["dd"][lo:hi])
-    return exact, same_norm
+            torch.mul(bnt, dn, out=sj["dot"])
+            torch.square(dn, out=sj["dd"])
+            tile_sums.append({k: v.sum() for k, v in sj.items()})
+        yield bb_sum, tile_sums
 
 
 # Outputs from this size on take the compiled pass when numba is installed (smaller ones: the torch ops, whose
@@ -641,12 +640,13 @@ def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: i
 KERNEL_MIN_ELEMENTS = 1 << 14
 
 
-def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, n: int,
-                    bb: torch.Tensor, sums: list, counts: list, signs: list, maxima: list) -> None:
-    """The tile loop of `_add_finite_chunk` with metric_kernel's one-pass terms, one kernel call per output for the
-    whole chunk: every summand written into the chunk's buffers (no exact-tile shortcuts needed), counts, signs and
-    maxima as the torch loop leaves them. Bench values other than contiguous float64, and device values other than
-    contiguous float32 or float64, are first copied into a float64 buffer, as the torch loop does tile by tile."""
+def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, n: int, counts: list,
+                    signs: list, maxima: list) -> Iterator[tuple[torch.Tensor, list[dict[str, torch.Tensor]]]]:
+    """The tile loop of `_add_finite_chunk` with metric_kernel's one-pass terms, one kernel call per tile and output:
+    yields the tile's sums as `_torch_tiles` does (every summand written, no exact-tile shortcuts needed), and
+    leaves counts, signs and maxima as the torch loop leaves them. Bench values other than contiguous float64, and
+    device values other than contiguous float32 or float64, are first copied into a float64 tile, as the torch loop
+    does."""
     f64, dev = torch.float64, flat_b.device
     sc = _scratch()
     acc0 = quick[0][0]
@@ -658,26 +658,41 @@ def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor,
     bounds = numpy.array([HUNDREDTH, THOUSANDTH, TEN_THOUSANDTH], dtype=numpy.float64)
     scale = 2.0 ** p.ulp_precision
     bmax_f = float(bmax)
+    dmax_f = [float(acc.dmax) for acc, _ in quick]
+    bb = sc.get("bb", size, f64, dev)
     np_bb = bb.numpy()
+    sums = [{k: sc.get(f"{k}{j}", size, f64, dev) for k in _SUMS} for j in range(len(quick))]
+    np_sums = [{k: v.numpy() for k, v in s.items()} for s in sums]
     src = flat_b[start:start + n]
-    b = (src if src.dtype == f64 and src.is_contiguous() else sc.get("b", n, f64, dev).copy_(src)).numpy()
-    bits = b.view(numpy.int64)
-    for j, (acc, flat_d) in enumerate(quick):
-        dsrc = flat_d[start:start + n]
-        d = (dsrc if dsrc.dtype in _KERNEL_DTYPES and dsrc.is_contiguous()
-             else sc.get("d", n, f64, dev).copy_(dsrc)).numpy()
-        sj = {k: v.numpy() for k, v in sums[j].items()}
-        tally = numpy.zeros(len(metric_kernel.COUNT_KEYS), dtype=numpy.int64)
-        top = numpy.zeros(len(metric_kernel.MAX_KEYS), dtype=numpy.float64)   # every term is >= +0.0
-        kern(b, bits, d, np_spb, np_spf, np_ae, _TILE, bmax_f, float(acc.dmax), acc0.eps, p.small_value,
-             p.small_atol, p.rtol, scale, p.ulp_min_exponent, p.ulp_threshold, bounds, np_bb, j == 0, sj["sq"],
-             sj["rel"], sj["ulp"], sj["dot"], sj["dd"], tally, top)
-        got = dict(zip(metric_kernel.COUNT_KEYS, tally.tolist()))
+    direct_b = src.dtype == f64 and src.is_contiguous()
+    b_all = src.numpy() if direct_b else None
+    d_srcs = [flat_d[start:start + n] for _, flat_d in quick]
+    direct_d = [d.dtype in _KERNEL_DTYPES and d.is_contiguous() for d in d_srcs]
+    d_alls = [d.numpy() if ok else None for d, ok in zip(d_srcs, direct_d)]
+    tally = [numpy.zeros(len(metric_kernel.COUNT_KEYS), dtype=numpy.int64) for _ in quick]
+    top = [numpy.zeros(len(metric_kernel.MAX_KEYS), dtype=numpy.float64) for _ in quick]   # every term >= +0.0
+    for lo in range(0, n, size):
+        hi = min(n, lo + size)
+        m = hi - lo
+        b = b_all[lo:hi] if b_all is not None else sc.get("b", size, f64, dev)[:m].copy_(src[lo:hi]).numpy()
+        bits = b.view(numpy.int64)
+        tile_sums = []
+        for j in range(len(quick)):
+            d_all = d_alls[j]
+            d = d_all[lo:hi] if d_all is not None else sc.get("d", size, f64, dev)[:m].copy_(d_srcs[j][lo:hi]).numpy()
+            sj = np_sums[j]
+            kern(b, bits, d, np_spb, np_spf, np_ae, size, bmax_f, dmax_f[j], acc0.eps, p.small_value,
+                 p.small_atol, p.rtol, scale, p.ulp_min_exponent, p.ulp_threshold, bounds, np_bb[:m], j == 0,
+                 sj["sq"][:m], sj["rel"][:m], sj["ulp"][:m], sj["dot"][:m], sj["dd"][:m], tally[j], top[j])
+            tile_sums.append({k: v[:m].sum() for k, v in sums[j].items()})
+        yield bb[:m].sum(), tile_sums
+    for j in range(len(quick)):
+        got = dict(zip(metric_kernel.COUNT_KEYS, tally[j].tolist()))
         above, below = got.pop("above"), got.pop("below")
         signs[j] = [above - below, above + below]
         for key, value in got.items():
             counts[j][key] = counts[j][key] + value
-        for key, value in zip(metric_kernel.MAX_KEYS, top.tolist()):
+        for key, value in zip(metric_kernel.MAX_KEYS, top[j].tolist()):
             maxima[j][key] = torch.tensor(value, dtype=f64, device=dev)
 
 

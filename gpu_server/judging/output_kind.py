@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from gpu_server.judging.bits import same_bits
 from gpu_server.judging.metrics import Analysis, analyse, mismatch
 
 NONE, TYPE_MISMATCH, TENSOR_MISMATCH, TENSORS, SCALAR, OTHER = (
@@ -81,10 +82,7 @@ def comparable_member(member: Any, device: torch.Tensor) -> bool:
 
 
 def bit_identical(a: torch.Tensor | None, b: torch.Tensor) -> bool:
-    """Same dtype, same shape, same bits (NaN payloads and signed zeros included)."""
+    """Same dtype, same shape, same bits (NaN payloads and signed zeros included); `a` taken to `b`'s device."""
     if a is None or a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
         return False
-    if b.numel() == 0:
-        return True   # nothing to differ (an empty view may have stride 0, which a byte view refuses)
-    a, b = a.detach().to(b.device).reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
-    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    return same_bits(a.detach().to(b.device), b)
