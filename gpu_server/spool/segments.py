@@ -19,9 +19,9 @@ import os
 import re
 import stat
 import struct
-import zlib
 
 from gpu_server.atomic_file import write_atomic
+from gpu_server.spool.checksum import crc32
 from protos import online_check_pb2 as pb
 from protos.limits import Limits
 
@@ -91,7 +91,7 @@ def segment_files(folder: str) -> list[tuple[int, str]]:
 
 def entry_bytes(header: bytes, payload) -> bytes:
     """The 24 bytes before a record's header."""
-    return ENTRY.pack(TAG, len(header), len(payload), zlib.crc32(header), zlib.crc32(payload))
+    return ENTRY.pack(TAG, len(header), len(payload), crc32(header), crc32(payload))
 
 
 def write_segment(path: str, records: list[tuple[bytes, bytes | bytearray | memoryview]], fsync: bool) -> None:
@@ -119,7 +119,7 @@ def _entry_at(data: bytes, pos: int, seg: int, limits: Limits) -> tuple[Entry | 
     if start + hlen + plen > len(data):
         return None, f"entry at byte {pos} runs past the end of the file"
     header = bytes(data[start:start + hlen])
-    if zlib.crc32(header) != hcrc:
+    if crc32(header) != hcrc:
         return None, f"entry at byte {pos}: header checksum mismatch"
     try:
         record = pb.Record.FromString(header)
@@ -181,8 +181,8 @@ def read_entry(spool_dir: str, entry: Entry, payload: bytearray | None = None) -
             if not n:
                 raise ValueError("spool entry cut off")
             got += n
-    if zlib.crc32(header) != hcrc:
+    if crc32(header) != hcrc:
         raise ValueError("spool entry header checksum mismatch")
-    if zlib.crc32(data) != pcrc:
+    if crc32(data) != pcrc:
         raise ValueError("spool entry payload checksum mismatch")
     return pb.Record.FromString(header), data
