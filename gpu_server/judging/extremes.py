@@ -23,14 +23,19 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def remembered() -> Iterator[None]:
-    """Within this block (this thread), `aminmax` of memory it has read before returns the earlier answer."""
-    saved = getattr(_local, "memo", None)
-    _local.memo = {}
+def memo_block(local: threading.local) -> Iterator[None]:
+    """A fresh dict as `local.memo` within the block (on this thread), the one before it (or None) after it."""
+    saved = getattr(local, "memo", None)
+    local.memo = {}
     try:
         yield
     finally:
-        _local.memo = saved
+        local.memo = saved
+
+
+def remembered() -> contextlib.AbstractContextManager[None]:
+    """Within this block (this thread), `aminmax` of memory it has read before returns the earlier answer."""
+    return memo_block(_local)
 
 
 def aminmax(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -149,16 +149,10 @@ def analyse(bench: torch.Tensor, device: torch.Tensor, chunk_elements: int | Non
 _local = threading.local()
 
 
-@contextlib.contextmanager
-def shared():
+def shared() -> contextlib.AbstractContextManager[None]:
     """Within this block (one output of one call, one thread), `analyse` of a (bench, other) pair seen before returns
     the earlier result: the two-way status, the spread rule and the precision standard each ask for the same pairs."""
-    saved = getattr(_local, "memo", None)
-    _local.memo = {}
-    try:
-        yield
-    finally:
-        _local.memo = saved
+    return extremes.memo_block(_local)
 
 
 def prefetch(bench: Any, others: list) -> None:
