@@ -83,6 +83,25 @@ def test_finite_pass_equals_the_general_pass_over_several_chunks(chunk, finite_p
         assert fast.cosine == slow.cosine
 
 
+def test_the_metrics_do_not_depend_on_torchs_thread_count(finite_pass):
+    """A tile is at most 32 Ki elements, which torch sums on one thread whatever its thread count: the same cells with
+    one thread (one CPU worker's server on one core) and two. (Sums over a whole chunk differed: a 3 Mi-element
+    output's cosine and mean relative error, between 1 and 2 threads.)"""
+    _, bench, device = _cases()[0]
+    bench, device = bench.repeat(2), device.repeat(2)     # 6 tiles and more: above torch's grain of 32 Ki elements
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append((metrics.analyse(bench, device), _general(bench, device)))
+    finally:
+        torch.set_num_threads(threads)
+    (fast1, slow1), (fast2, slow2) = results
+    assert fast1.metrics == fast2.metrics == slow1.metrics == slow2.metrics
+    assert fast1.cosine == fast2.cosine
+
+
 def test_a_chunks_sums_are_its_tiles_sums_added_in_order():
     values = torch.randn(2 * metrics._TILE + 9, dtype=torch.float64) * 1e3
     t = metrics._TILE
