@@ -440,19 +440,20 @@ def _tile_of(device: torch.device, n: int) -> int:
 
 def _tiled_sum(values: torch.Tensor) -> torch.Tensor:
     """The float64 sum of a chunk's summands, as every path of the metrics takes it: torch's sum of each tile
-    (`_tile_of`, from the chunk's start), the tiles' sums added in order. The fast path sums each tile while it is in
-    the cache, right after computing it; the general path (`_Accumulator.add`) sums its whole-chunk summands the same
-    way, so that both give the same bits."""
+    (`_tile_of`, from the chunk's start), the tiles' sums added in order (`_in_order`). The fast path sums each tile
+    while it is in the cache, right after computing it; the general path (`_Accumulator.add`) sums its whole-chunk
+    summands the same way, so that both give the same bits."""
     n = values.numel()
     tile = _tile_of(values.device, n)
-    total = values[:tile].sum()
-    for lo in range(tile, n, tile):
-        total = total + values[lo:lo + tile].sum()
+    return _in_order([values[lo:lo + tile].sum() for lo in range(0, max(n, 1), tile)])
+
+
+def _in_order(tile_sums: list[torch.Tensor]) -> torch.Tensor:
+    """A chunk's sum from its tiles' sums: ((t0 + t1) + t2) + ..., the one order every path adds them in."""
+    total = tile_sums[0]
+    for value in tile_sums[1:]:
+        total = total + value
     return total
-
-
-def _plus(total: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
-    return value if total is None else total + value
 
 
 class _Scratch:
@@ -497,13 +498,13 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
     kern = metric_kernel.kernel() if dev.type == "cpu" and n >= KERNEL_MIN_ELEMENTS else None
     tiles = (_compiled_tiles(kern, flat_b, quick, bmax, start, n, counts, signs, maxima) if kern is not None
              else _torch_tiles(flat_b, quick, bmax, start, n, counts, signs, maxima))
-    bb_total: torch.Tensor | None = None
-    totals: list[dict[str, torch.Tensor | None]] = [dict.fromkeys(_SUMS) for _ in quick]
+    bb_sums: list[torch.Tensor] = []
+    per_tile: list[dict[str, list[torch.Tensor]]] = [{k: [] for k in _SUMS} for _ in quick]
     for bb_sum, sums in tiles:   # each tile's sums, in order
-        bb_total = _plus(bb_total, bb_sum)
-        for total, tile_sums in zip(totals, sums):
+        bb_sums.append(bb_sum)
+        for collected, tile_sums in zip(per_tile, sums):
             for key, value in tile_sums.items():
-                total[key] = _plus(total[key], value)
+                collected[key].append(value)
     f64 = torch.float64
     for j, (acc, _) in enumerate(quick):
         c, mx = counts[j], maxima[j]
@@ -516,10 +517,10 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
             acc.counts[key] = acc.counts[key] + value
         acc.counts["normal"] = acc.counts["normal"] + (n - c["small"])
         for key in _SUMS:
-            acc.sums[key] = acc.sums[key].to(dev) + totals[j][key]
+            acc.sums[key] = acc.sums[key].to(dev) + _in_order(per_tile[j][key])
         for key in ("abs", "rel", "ulp"):
             acc.maxima[key] = torch.maximum(acc.maxima[key].to(dev), mx[key])
-        acc.sums["bb"] = acc.sums["bb"].to(dev) + bb_total
+        acc.sums["bb"] = acc.sums["bb"].to(dev) + _in_order(bb_sums)
 
 
 def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, n: int, counts: list,
@@ -658,11 +659,9 @@ def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor,
     sums = [{k: sc.get(f"{k}{j}", size, f64, dev) for k in _SUMS} for j in range(len(quick))]
     np_sums = [{k: v.numpy() for k, v in s.items()} for s in sums]
     src = flat_b[start:start + n]
-    direct_b = src.dtype == f64 and src.is_contiguous()
-    b_all = src.numpy() if direct_b else None
+    b_all = src.numpy() if src.dtype == f64 and src.is_contiguous() else None   # else copied tile by tile
     d_srcs = [flat_d[start:start + n] for _, flat_d in quick]
-    direct_d = [d.dtype in _KERNEL_DTYPES and d.is_contiguous() for d in d_srcs]
-    d_alls = [d.numpy() if ok else None for d, ok in zip(d_srcs, direct_d)]
+    d_alls = [d.numpy() if d.dtype in _KERNEL_DTYPES and d.is_contiguous() else None for d in d_srcs]
     tally = [numpy.zeros(len(metric_kernel.COUNT_KEYS), dtype=numpy.int64) for _ in quick]
     top = [numpy.zeros(len(metric_kernel.MAX_KEYS), dtype=numpy.float64) for _ in quick]   # every term >= +0.0
     for lo in range(0, n, size):
