@@ -13,8 +13,8 @@ tensor by torch.
 
 Memory for frames: fresh memory costs a page fault per 4 KiB page on its first touch (about 1 ms per MiB on a VM,
 as much as the copy itself), and with many records in flight the allocator hands out fresh memory for almost
-every large frame. So the frames of acknowledged records go back to `FRAMES` (a pool bounded in bytes) when nobody
-else holds them any more, and a new frame of the same length is written into one of them. Records of the same
+every large frame. So the frames of acknowledged records go back to `FRAMES` (a pool bounded in bytes), and a new
+frame of the same length is written into one of them once nobody else holds it. Records of the same
 call site have frames of the same length from step to step, so in a training most large frames are reused. With
 `ONLINE_CHECK_HUGE_PAGES=1` (protos/huge_pages.py: off by default, it costs more than it saves on a virtual machine
 that returns freed memory to its host), a new frame (the first steps, a pool miss) asks the kernel for transparent
@@ -71,7 +71,7 @@ def _hash_slot() -> int | None:
 
 
 _HASH_SLOT = _hash_slot()
-_REFS_WHEN_ALONE = 2   # sys.getrefcount of an object held by one local name only (the name and the argument)
+_REFS_IN_POOL = 3   # sys.getrefcount of a frame held by the pool only (the pool, a local name and the argument)
 
 
 class FramePool:
@@ -86,13 +86,18 @@ class FramePool:
         self.reused = 0
 
     def take(self, n: int) -> bytes | None:
-        """A frame of exactly n bytes nobody else holds, or None."""
+        """A frame of exactly n bytes that nobody but the pool holds, or None."""
         with self._lock:
             frames = self._by_len.get(n)
             if not frames:
                 return None
-            fid, b = frames.popitem()
-            del self._fifo[fid]
+            for fid in frames:   # oldest first: the likeliest to be let go by gRPC
+                b = frames[fid]
+                if sys.getrefcount(b) == _REFS_IN_POOL:
+                    break
+            else:
+                return None
+            del frames[fid], self._fifo[fid]
             self.held -= n
             self.reused += 1
         if _HASH_SLOT is not None:
@@ -100,15 +105,16 @@ class FramePool:
         return b
 
     def give(self, frames: list[bytes]) -> None:
-        """Take back the frames of an acknowledged record (emptying the list): each one that nothing else holds
-        any more (gRPC may still: then it is simply freed) and that fits under the limit."""
+        """Take the frames of an acknowledged record (emptying the list), each one that fits under the limit. gRPC
+        may still hold one (it keeps the message it wrote last until it takes the next): `take` hands a frame out
+        only once the pool is its last holder, so a sender slower than its server still reuses its frames."""
         if _HASH_SLOT is None or not self.limit:
             frames.clear()
             return
         while frames:
             b = frames.pop()
             n = len(b)
-            if sys.getrefcount(b) != _REFS_WHEN_ALONE or n > self.limit:
+            if n > self.limit:
                 continue
             with self._lock:
                 while self.held + n > self.limit and self._fifo:

@@ -230,7 +230,6 @@ class Sender:
 
     def _release(self, seqs: range, rejected: bool = False, duplicate: bool = False) -> None:
         """Let records `seqs` go (acknowledged, or lost): under one lock, one wake-up for all of them."""
-        frames: list[list[bytes]] = []
         with self._lock:
             released = 0
             for seq in seqs:
@@ -240,7 +239,9 @@ class Sender:
                 released += 1
                 self._held -= rec.held_bytes
                 if rec.encoded is not None and rec.encoded.frames:
-                    frames.append(rec.encoded.frames)   # a large record's frames, reused below
+                    # a large record's frames, for the next records of their length (npu_agent/payload.py): given
+                    # before anyone waiting for room is woken, who may take one
+                    FRAMES.give(rec.encoded.frames)
                     rec.encoded = None
             if not released:
                 return
@@ -252,8 +253,6 @@ class Sender:
                     self.counts.duplicates += released
             if self._room_wanted and (not self._unacked or self._held + min(self._room_wanted) <= self.budget):
                 self._room.notify_all()
-        while frames:   # reused for the next records of their length (npu_agent/payload.py)
-            FRAMES.give(frames.pop())
 
     def on_reconnect(self, generation: int) -> None:
         with self._lock:

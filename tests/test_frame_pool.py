@@ -4,6 +4,7 @@ against a real server gets every record through with its own values."""
 from __future__ import annotations
 
 import ctypes
+import time
 
 import pytest
 import torch
@@ -24,18 +25,30 @@ def _frames(*sizes: int) -> list[bytes]:
     return [bytes(range(256)) * (n // 256) for n in sizes]
 
 
-def test_a_frame_is_kept_only_when_nothing_else_holds_it():
+def test_a_frame_is_handed_out_only_once_nothing_else_holds_it():
     pool = FramePool(1 << 20)
-    mine = bytes(4096)
-    pool.give([mine])                       # still held here: not the pool's to reuse
-    assert pool.take(4096) is None and pool.held == 0
-    frames = _frames(4096)
-    kept = id(frames[0])
-    pool.give(frames)
-    assert frames == [] and pool.held == 4096
+    mine = _frames(4096)[0]
+    kept = id(mine)
+    pool.give([mine])                       # still held here (as gRPC holds the message it wrote last)
+    assert pool.held == 4096
+    assert pool.take(4096) is None          # not the pool's to reuse yet
+    del mine                                # let go: now it is
     assert pool.take(1024) is None          # only the exact length is reused
     again = pool.take(4096)
     assert id(again) == kept and pool.held == 0 and pool.take(4096) is None
+
+
+def test_a_held_frame_does_not_keep_a_free_one_of_its_length_from_being_reused():
+    pool = FramePool(1 << 20)
+    held, free = _frames(4096, 4096)
+    ids = id(held), id(free)
+    pool.give([held])                       # the older one, still held
+    pool.give([free])
+    del free
+    assert id(pool.take(4096)) == ids[1]
+    assert pool.take(4096) is None
+    del held
+    assert id(pool.take(4096)) == ids[0]
 
 
 def test_the_pool_keeps_at_most_its_limit_oldest_dropped_first():
@@ -81,8 +94,33 @@ def test_an_agent_reusing_frames_gets_every_record_checked_with_its_own_values(t
         counts = sender.close(timeout=120)
         assert counts["acknowledged"] == n and counts["rejected"] == 0
         assert FRAMES.held == 0   # nothing kept past the sender's end
-    assert FRAMES.reused - reused >= 1   # how many: timing (gRPC holds the frame it sent last)
+    assert FRAMES.reused - reused >= 1   # how many: timing
     rows = support.read_csv(server.out, "accuracy_checking_result")
     assert sorted(int(r["API name"].rsplit(".", 1)[1]) for r in rows) == list(range(n))
     # a frame overwritten before the server had it would carry another record's output: relu would not match
+    assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows
+
+
+def test_a_sender_slower_than_its_server_reuses_its_frames(tmp_path):
+    """Each record is acknowledged while gRPC still holds its frame (the message it wrote last, until it takes the
+    next one): the frame is handed out again only after that, so record k + 2 is written into record k's frame."""
+    FRAMES.clear()
+    reused = FRAMES.reused
+    n = 8
+    with support.Server(str(tmp_path)) as server:
+        transport = GrpcTransport(Endpoint("127.0.0.1", server.port), "", "slow", 0, 1)
+        sender = Sender(transport, budget_bytes=16 << 20)   # the pool keeps a quarter: several frames
+        for i, seq in enumerate(range(10, 10 + n)):   # names of one length: frames of one length
+            sender.submit(_record(seq, 72 << 10))
+            deadline = time.monotonic() + 60
+            while sender.counts.acknowledged <= i:
+                assert time.monotonic() < deadline, "no acknowledgement in 60 s"
+                time.sleep(0.005)
+        counts = sender.close(timeout=120)
+        assert counts["acknowledged"] == n and counts["rejected"] == 0
+    # the first record's frame is 2 bytes shorter (its sequence number, 0, is not written); the next two find no free
+    # frame of their length; each later one finds the frame of the record two before it
+    assert FRAMES.reused - reused == n - 3
+    rows = support.read_csv(server.out, "accuracy_checking_result")
+    assert sorted(int(r["API name"].rsplit(".", 1)[1]) for r in rows) == list(range(10, 10 + n))
     assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows
