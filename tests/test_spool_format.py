@@ -11,6 +11,7 @@ from gpu_server.checking.checker import Forward
 from gpu_server.checking.pending import PendingCalls
 from gpu_server.job import RecordKey
 from gpu_server.seqset import SeqSet
+from gpu_server.spool import direct_io
 from gpu_server.spool.journal import JournalState, read_journal
 from gpu_server.spool.segments import read_entry, scan_segment, write_segment
 from protos import online_check_pb2 as pb
@@ -35,11 +36,13 @@ def test_segment_bytes_are_pinned(tmp_path):
 
 
 @pytest.mark.parametrize("fsync", [True, False])
-def test_a_durable_segment_leaves_the_page_cache(tmp_path, monkeypatch, fsync):
-    """A segment is read back only after a restart: once fsync'ed, its pages are dropped from the page cache
-    (posix_fadvise DONTNEED), not before; without fsync (dirty pages) nothing is dropped. Same bytes either way."""
+def test_a_durable_segment_written_through_the_page_cache_leaves_it(tmp_path, monkeypatch, fsync):
+    """Where O_DIRECT is refused (tests/test_spool_direct.py has the other way), a segment once fsync'ed has its pages
+    dropped from the page cache (posix_fadvise DONTNEED), not before; without fsync (dirty pages) nothing is
+    dropped. Same bytes either way."""
     if not hasattr(os, "POSIX_FADV_DONTNEED"):
         pytest.skip("no posix_fadvise here")
+    monkeypatch.setattr(direct_io, "O_DIRECT", 0)   # as on a system without it
     events: list[tuple] = []
     real_fsync, real_fadvise = os.fsync, os.posix_fadvise
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", fd)), real_fsync(fd))[1])
@@ -61,6 +64,7 @@ def test_a_file_system_that_refuses_the_advice_loses_nothing(tmp_path, monkeypat
     """posix_fadvise is advice: where it fails, the segment is still written, renamed into place and readable."""
     def refuse(fd, off, n, advice):
         raise OSError(22, "Invalid argument")
+    monkeypatch.setattr(direct_io, "O_DIRECT", 0)   # through the page cache
     monkeypatch.setattr(os, "posix_fadvise", refuse, raising=False)
     path = str(tmp_path / "seg-000000000.spl")
     write_segment(path, [(_record().SerializeToString(), b"\x01\x02\x03\x04")], fsync=True)

@@ -21,6 +21,7 @@ import stat
 import struct
 
 from gpu_server.atomic_file import write_atomic
+from gpu_server.spool import direct_io
 from gpu_server.spool.checksum import crc32
 from protos import online_check_pb2 as pb
 from protos.limits import Limits
@@ -96,8 +97,10 @@ def entry_bytes(header: bytes, payload) -> bytes:
 
 def write_segment(path: str, records: list[tuple[bytes, bytes | bytearray | memoryview]], fsync: bool) -> None:
     """Write (header, payload) pairs as one segment: temporary file, fsync, rename. Raises OSError, leaving no
-    temporary file behind. A segment is read back only after a restart: once durable, its pages leave the page cache
-    (`write_atomic`'s `drop_cache`; docs/design.md §6.3 gives the measurement)."""
+    temporary file behind. A segment is read back only after a restart, so a durable one is written around the page
+    cache where its file system allows (O_DIRECT, gpu_server/spool/direct_io.py), else through it, its pages
+    dropped once durable (`write_atomic`'s `drop_cache`); the bytes are the same. docs/design.md §6.3 gives the
+    measurements."""
     def write(fh) -> None:
         fh.write(MAGIC)
         for header, payload in records:
@@ -105,6 +108,12 @@ def write_segment(path: str, records: list[tuple[bytes, bytes | bytearray | memo
             fh.write(header)
             fh.write(payload)
 
+    if fsync:
+        try:
+            write_atomic(path, write, binary=True, fsync=True, opener=direct_io.open_direct)
+            return
+        except direct_io.Refused:
+            pass   # nothing of it is left: written through the page cache below
     write_atomic(path, write, binary=True, fsync=fsync, drop_cache=True)
 
 
