@@ -53,15 +53,22 @@ SIZES = (SMALL, 64 * 1024, MiB, 16 * MiB)
 
 
 def _counting_intake():
+    """An intake that counts the jobs it would check, under gpu-server's default memory budget (each job's bytes
+    released at once, as a worker does once it checked it)."""
+    from gpu_server.app import default_memory_budget
     from gpu_server.config import ServerConfig
     from gpu_server.intake.admission import Intake
+    from gpu_server.intake.budget import ByteBudget
 
     counts = {"jobs": 0}
+    budget = ByteBudget(default_memory_budget())
 
     def dispatch(job):
         counts["jobs"] += 1
+        budget.release(job.reserved)
+        job.reserved = 0
 
-    return Intake(ServerConfig(), dispatch), counts
+    return Intake(ServerConfig(), dispatch, budget=budget), counts, budget
 
 
 def serve(mode: str, tls_dir: str, nfs: str) -> None:
@@ -72,8 +79,8 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
         from gpu_server.intake.grpc_service import StreamHandler, make_server
         from protos.limits import DEFAULT_LIMITS
 
-        intake, _ = _counting_intake()
-        handler = StreamHandler(intake, DEFAULT_LIMITS, lambda end: None)
+        intake, _, budget = _counting_intake()
+        handler = StreamHandler(intake, DEFAULT_LIMITS, lambda end: None, budget=budget)
         server = make_server(handler, "127.0.0.1:0", DEFAULT_LIMITS, tls_dir if mode == "tls" else "")
         port = int(server.start().rsplit(":", 1)[1])
     elif mode in ("rawgrpc", "rawtls"):

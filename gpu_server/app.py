@@ -21,6 +21,7 @@ from gpu_server.checking.workers import WorkerPool, bench_devices
 from gpu_server.config import ServerConfig
 from gpu_server.intake.admission import Intake
 from gpu_server.intake.budget import ByteBudget, check_peak
+from gpu_server.intake.payload_pool import PAYLOADS
 from gpu_server.intake.stream import RecordSource
 from gpu_server.job import Job
 from gpu_server.replay.registry import known
@@ -257,7 +258,7 @@ class ServerApp:
             error_data_saved=self.evidence.saved if self.evidence else 0,
             error_data_not_saved=self.evidence.skipped if self.evidence else 0,
             disk_full_waits=disk.full_events, report_file_opens=OPEN_FILES.reopened)
-        self.summary.set_memory(self.budget.limit, self.budget.peak)
+        self.summary.set_memory(self.budget.limit, self.budget.peak, PAYLOADS.reused)
         bias = self._api_bias_csv()
         self.summary.pooled = self.pooled
         path = self.summary.write_json(self.out_dir, self.ts)

@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 from gpu_server.intake.budget import ByteBudget, ConnectionShare, check_peak
+from gpu_server.intake.payload_pool import PAYLOADS, size_class
 from protos import huge_pages as thp
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
@@ -33,6 +34,8 @@ class FrameAssembler:
                  cancelled: Callable[[], bool] = lambda: False, share: ConnectionShare | None = None):
         self.limits = limits
         self.budget = budget
+        if budget is not None:   # the mappings records were joined in, kept for reuse: a quarter of the budget more
+            PAYLOADS.limit = max(PAYLOADS.limit, budget.limit // 4)
         self.cancelled = cancelled
         self.share = share
         self.record: pb.Record | None = None
@@ -225,7 +228,7 @@ class FrameAssembler:
             self._buffer().write(offset, data)
         self.filled += len(data)
         if self.filled == expected:
-            out = (self.record, memoryview(self.payload.map))
+            out = (self.record, memoryview(self.payload.map)[:expected])   # a pooled mapping may be longer
             self.record, self.payload, self.filled = None, None, 0
             if self.share is not None:
                 self.share.ended(id(self))
@@ -355,7 +358,7 @@ class FrameAssembler:
 
     def reset(self) -> None:
         """Drop the record being assembled and give back what it held."""
-        if self.payload is not None:
+        if self.payload is not None and not PAYLOADS.limit:   # (a pooled mapping goes back to the pool)
             try:
                 self.payload.map.close()
             except BufferError:   # a view `place` handed out is still held (a read cut off): freed with it
@@ -397,8 +400,15 @@ class _Payload:
     __slots__ = ("map", "_base")
 
     def __init__(self, size: int):
-        self.map = mmap.mmap(-1, size, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, size)
         self._base = -1   # the mapping's address (huge pages are aligned to it), -1: no huge pages
+        reused = PAYLOADS.take(size) if PAYLOADS.limit else None   # intake/payload_pool.py: pages already taken
+        if reused is not None:
+            self.map = reused
+            PAYLOADS.keep(reused)
+            return
+        n = size_class(size) if PAYLOADS.limit else size
+        self.map = mmap.mmap(-1, n, flags=_PRIVATE) if _PRIVATE else mmap.mmap(-1, n)
+        PAYLOADS.keep(self.map)
         if _HUGE_ON is not None and _HUGE_OFF is not None and size >= thp.HUGE_PAGE:
             try:
                 # whatever the system default: no huge page that a chunk does not fill (a record announced large

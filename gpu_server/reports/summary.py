@@ -210,9 +210,10 @@ class Summary:
             self.session = {"resumed": resumed, "server_starts": starts, "records_reported_before": done,
                             "spool_records_at_start": replay, "unjournaled_bytes_cut": sum(truncated.values())}
 
-    def set_memory(self, budget: int, peak: int) -> None:
+    def set_memory(self, budget: int, peak: int, reused: int = 0) -> None:
+        """`reused`: records joined in memory an earlier record was joined in (gpu_server/intake/payload_pool.py)."""
         with self._lock:
-            self.memory = {"payload_budget_bytes": budget, "payload_peak_bytes": peak}
+            self.memory = {"payload_budget_bytes": budget, "payload_peak_bytes": peak, "payloads_reused": reused}
 
     def seed_from_reports(self, out_dir: str, ts: str, strict: bool = False) -> None:
         """A resumed session, or `gpu-server summary`: count the rows the earlier server processes wrote (after the
