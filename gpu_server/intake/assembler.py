@@ -10,6 +10,7 @@ from typing import Callable
 
 from gpu_server.intake.budget import ByteBudget, ConnectionShare, check_peak
 from gpu_server.intake.payload_pool import PAYLOADS, size_class
+from gpu_server.memcopy import copy_into
 from protos import huge_pages as thp
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
@@ -424,7 +425,7 @@ class _Payload:
     def write(self, off: int, data: bytes | memoryview) -> None:
         end = off + len(data)
         self.prepare(off, end)
-        self.map[off:end] = data
+        copy_into(self.map, off, data)   # a large chunk without the interpreter lock (gpu_server/memcopy.py)
 
     def prepare(self, off: int, end: int) -> None:
         """[off, end) is about to be filled: its whole huge pages are asked for as such."""

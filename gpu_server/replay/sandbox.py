@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 
 from gpu_server.job import Job
+from gpu_server.memcopy import copy_into
 from gpu_server.replay import extensions, shm_folder, spread
 from gpu_server.replay.run import (
     KeptForward,
@@ -265,8 +266,7 @@ class ProcessReplayer:
             view = self.inbox.reserve(sum(len(p) for p in parts))
             spans, off = [], 0
             for p in parts:
-                n = len(p)
-                view[off:off + n] = p
+                n = copy_into(view, off, p)   # a record's payload without the interpreter lock (gpu_server/memcopy.py)
                 spans.append([off, n])
                 off += n
             del view

@@ -25,7 +25,7 @@ import os
 import threading
 from typing import Any
 
-import numpy as np
+from gpu_server.memcopy import address
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)   # Linux; elsewhere every file goes through the page cache
 BLOCK = 4096                  # alignment of memory, offsets and lengths (a multiple of 512-byte sectors too)
@@ -79,12 +79,6 @@ def _stage() -> tuple[mmap.mmap, int]:
     return stage[0], stage[1]
 
 
-def _address(buf: Any) -> tuple[int, int]:
-    """The address and length of a C-contiguous buffer, read-only ones included (bytes, a memoryview of a mapping)."""
-    arr = np.frombuffer(buf, dtype=np.uint8)
-    return (arr.ctypes.data if arr.size else 0), int(arr.size)
-
-
 class DirectFile:
     """A new file written through O_DIRECT: `write` any buffers, then `flush` once (pads and truncates), `fileno`
     for fsync, `close`. Opened by `open_direct`."""
@@ -99,7 +93,7 @@ class DirectFile:
     def write(self, data: Any) -> int:
         if self._flushed:
             raise ValueError("write after flush: a DirectFile is flushed once, at its end")
-        addr, n = _address(data)
+        addr, n, held = address(data)   # (held exported while it is copied)
         done = 0
         while done < n:
             k = min(n - done, STAGE_BYTES - self._fill)
@@ -109,6 +103,7 @@ class DirectFile:
             if self._fill == STAGE_BYTES:
                 self._write_stage(STAGE_BYTES)
         self._size += n
+        del held
         return n
 
     def _write_stage(self, n: int) -> None:
