@@ -22,6 +22,7 @@ import threading
 import time
 
 from gpu_server.config import ServerConfigError, load_server_config
+from gpu_server.replay import prestart
 from protos.limits import DEFAULT_LIMITS, MiB
 from protos.net import is_loopback
 
@@ -124,6 +125,9 @@ def main(argv=None) -> int:
     except ServerConfigError as exc:
         print(f"gpu-server: {exc}", file=sys.stderr)
         return 2
+    if ns.replay_in == "process" and (ns.workers or 1) > 0:
+        # the replay workers' interpreters import torch while this process does (gpu_server/replay/prestart.py)
+        prestart.start(ns.workers or 1)
     from gpu_server.app import ServerApp, default_memory_budget  # imports torch: after the cheap checks
     from gpu_server.spool.store import SpoolError
 
@@ -197,6 +201,8 @@ def main(argv=None) -> int:
     except (ValueError, OSError, SpoolError) as exc:
         print(f"gpu-server: {exc}", file=sys.stderr)
         return 2
+    finally:
+        prestart.discard()   # those no worker took (fewer workers, or none in a process)
     if config.nfs_path:
         log.info("watching shared folder %s; reports in %s", config.nfs_path, os.path.abspath(ns.out))
     else:

@@ -24,7 +24,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from typing import Any, Callable
@@ -33,7 +32,7 @@ import torch
 
 from gpu_server.job import Job
 from gpu_server.memcopy import copy_into
-from gpu_server.replay import extensions, shm_folder, spread
+from gpu_server.replay import extensions, prestart, shm_folder, spread
 from gpu_server.replay.run import (
     KeptForward,
     ReplayError,
@@ -172,29 +171,28 @@ class ProcessReplayer:
         self._w = self._r = -1
         self._drops: list[int] = []
         self._hello = False
+        self._ahead = False   # the child was started before the server imported torch (gpu_server/replay/prestart.py)
         self._lock = threading.Lock()
         self._closed = False
         self._spawn()
 
     # -- the child ---------------------------------------------------------------------------------------------
     def _spawn(self) -> None:
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
-        env = dict(os.environ, MALLOC_ARENA_MAX="2", PYTHONUNBUFFERED="1")
-        cmd = [sys.executable, "-m", "gpu_server.replay.sandbox_worker", "--folder", self.folder,
-               "--rfd", str(to_child_r), "--wfd", str(from_child_w), "--device", str(self.device),
-               "--threads", str(self.threads),
-               "--memory", str(self.limits.memory_bytes), "--max-record-bytes", str(self.max_record_bytes)]
+        """A worker interpreter (one gpu-server started ahead, else a new one: gpu_server/replay/prestart.py), told
+        what to be by its first message."""
+        ahead = prestart.take()
+        child = ahead or prestart.launch()
+        self._ahead = ahead is not None
+        args = ["--folder", self.folder, "--device", str(self.device), "--threads", str(self.threads),
+                "--memory", str(self.limits.memory_bytes), "--max-record-bytes", str(self.max_record_bytes)]
         ext = extensions.active()
         if ext is not None:   # the child loads the same references (and refuses to start on a changed, bad file)
-            cmd += ["--extensions", ext.path, "--python-path", os.pathsep.join(ext.python_path)]
+            args += ["--extensions", ext.path, "--python-path", os.pathsep.join(ext.python_path)]
+        self._proc, self._w, self._r = child.proc, child.to_child, child.from_child
         try:
-            self._proc = subprocess.Popen(cmd, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env,
-                                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        finally:
-            os.close(to_child_r)
-            os.close(from_child_w)
-        self._w, self._r = to_child_w, from_child_r
+            send(self._w, {"args": args})
+        except (ChannelClosed, OSError):
+            pass   # it is gone: `ready` says so
         self.generation += 1
         self._drops.clear()
         self.outbox.close()
@@ -210,9 +208,9 @@ class ProcessReplayer:
             how = self._kill()
             raise RuntimeError(f"the replay worker process did not start ({how}; {type(exc).__name__}: {exc}); see "
                                "the lines above") from None
-        log.info("%s worker process %s started (pid %s, device %s, memory cap %d MiB, time limit %g s)", self.name,
-                 self.generation, hello.get("ready"), self.device, self.limits.memory_bytes >> 20,
-                 self.limits.timeout_s)
+        log.info("%s worker process %s started%s (pid %s, device %s, memory cap %d MiB, time limit %g s)", self.name,
+                 self.generation, " ahead" if self._ahead else "", hello.get("ready"), self.device,
+                 self.limits.memory_bytes >> 20, self.limits.timeout_s)
         self._hello = True
 
     def _kill(self) -> str:

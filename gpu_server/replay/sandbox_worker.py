@@ -255,21 +255,47 @@ def _without_tensors(job: Job) -> Job:
                                requires_grad=frozenset(), rng_state=b"", wire=None)
 
 
-def _warm_up() -> None:
-    """What a first replay would load lazily, loaded before the worker says it is ready (its time limit counts from
-    each request): the meta registrations, the Python references that meta kernels route through (they import
-    torch._dynamo: seconds), and the intra-op pool's threads (their stacks are address space, measured before the
-    cap is set)."""
+def _warm_up_any_device() -> None:
+    """What a first replay would load lazily, loaded before the worker knows its arguments (its time limit counts
+    from each request): the meta registrations and the Python references that meta kernels route through (they
+    import torch._dynamo: seconds)."""
     replay.warm_up()
     try:
         torch.relu(torch.empty(2, device="meta"))
     except Exception:  # noqa: BLE001 - only a warm-up
         pass
+
+
+def _warm_up_threads() -> None:
+    """The intra-op pool's threads, once their number is set (their stacks are address space, measured before the
+    cap is set)."""
     a = torch.ones(256, 256)
     (a @ a).sum()
 
 
+def _arguments(argv: list[str]) -> list[str] | None:
+    """The worker's arguments: its pipes from the command line (gpu_server/replay/prestart.py launched it), the rest
+    from the first message on its pipe, which may come long after the start. None when the server is gone first."""
+    fds = argparse.ArgumentParser(prog="gpu_server.replay.sandbox_worker", add_help=False)
+    fds.add_argument("--rfd", type=int, required=True)
+    fds.add_argument("--wfd", type=int, required=True)
+    known = fds.parse_args(argv)
+    _warm_up_any_device()   # while the server imports torch itself
+    try:
+        message = receive(known.rfd)
+    except ChannelClosed:
+        return None
+    args = message.get("args")
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        print("gpu-server replay worker: its first message did not hold its arguments", file=sys.stderr)
+        return None
+    return argv + args
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = _arguments(sys.argv[1:] if argv is None else list(argv))
+    if argv is None:
+        return 0
     p = argparse.ArgumentParser(prog="gpu_server.replay.sandbox_worker")
     p.add_argument("--folder", required=True)
     p.add_argument("--rfd", type=int, required=True)
@@ -295,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     if ns.threads > 0:
         torch.set_num_threads(ns.threads)
-    _warm_up()
+    _warm_up_any_device()   # (done already when its arguments came by message)
+    _warm_up_threads()
     # what start-up made (torch's modules, the warm-up) lives as long as the process: out of the collector's reach,
     # a full collection no longer walks it again and again while records are replayed
     gc.freeze()

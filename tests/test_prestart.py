@@ -1,0 +1,80 @@
+"""Replay worker interpreters started ahead (gpu_server/replay/prestart.py): gpu-server starts --workers of them before
+it imports torch and its workers take exactly those (no other worker process, none left over) and check records;
+with --replay-in thread none is started; an interpreter whose server goes away before its arguments come exits
+quietly, as does one given no arguments; `discard` kills those nobody took; `take` passes over one that
+died."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from gpu_server.replay import prestart
+from gpu_server.replay.sandbox_wire import send
+from protos import online_check_pb2 as pb
+from tests import support
+from tests.test_hostile import RawStream, hello
+from tests.test_sandbox import relu, replay_workers, wait_for
+
+
+def _ended(proc: subprocess.Popen, timeout: float = 120) -> int:
+    return proc.wait(timeout=timeout)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_server_s_workers_are_the_interpreters_it_started_ahead(tmp_path, workers):
+    with support.Server(str(tmp_path), args=("--workers", str(workers))) as server:
+        pids = replay_workers(server.proc.pid)
+        assert len(pids) == workers, pids          # started before torch was imported: no more, none left over
+        with open(f"/proc/{pids[0]}/cmdline", "rb") as fh:
+            assert b"--folder" not in fh.read()     # its arguments came by message
+        stream = RawStream(server.port).send(hello(), *[f for seq in range(3) for f in relu(seq)])
+        assert [a.status for a in stream.wait(3)] == [pb.Ack.ACCEPTED] * 3
+        stream.close()
+        assert server.stop() == 0                  # drains: the three are checked
+        # (a worker logs its start at its first request: the first record of its rank)
+        assert server.log().count("worker process 1 started ahead") == 1, server.log()
+        assert sorted(p for p in pids if os.path.exists(f"/proc/{p}")) == []   # ended with the server
+    rows = support.read_csv(server.out, "accuracy_checking_result")
+    assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows
+
+
+def test_a_server_replaying_in_its_threads_starts_no_worker_process(tmp_path):
+    with support.Server(str(tmp_path), args=("--replay-in", "thread")) as server:
+        assert replay_workers(server.proc.pid) == []
+
+
+def test_an_interpreter_whose_server_goes_away_first_exits_quietly():
+    one = prestart.launch()
+    os.close(one.to_child)
+    one.to_child = -1
+    assert _ended(one.proc) == 0
+    one.close()
+
+
+def test_an_interpreter_given_no_arguments_exits(tmp_path):
+    one = prestart.launch()
+    send(one.to_child, {"what": "not the arguments"})
+    assert _ended(one.proc) == 0
+    one.close()
+
+
+def test_discard_kills_the_interpreters_nobody_took_and_take_passes_over_a_dead_one():
+    prestart.start(3)
+    try:
+        dead = prestart._waiting[0]
+        dead.proc.kill()
+        dead.proc.wait()
+        taken = prestart.take()                       # the dead one is passed over
+        assert taken is not None and taken is not dead and taken.proc.poll() is None
+        left = list(prestart._waiting)
+        assert len(left) == 1
+        prestart.discard()
+        assert prestart._waiting == [] and left[0].proc.poll() is not None
+        assert taken.proc.poll() is None              # taken: not the pool's to end
+        taken.close()
+        assert _ended(taken.proc) == 0
+    finally:
+        prestart.discard()
+    assert prestart.take() is None
