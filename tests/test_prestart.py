@@ -15,7 +15,7 @@ from gpu_server.replay.sandbox_wire import send
 from protos import online_check_pb2 as pb
 from tests import support
 from tests.test_hostile import RawStream, hello
-from tests.test_sandbox import relu, replay_workers, wait_for
+from tests.test_sandbox import relu, replay_workers
 
 
 def _ended(proc: subprocess.Popen, timeout: float = 120) -> int:
