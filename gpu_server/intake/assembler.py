@@ -389,7 +389,9 @@ _HUGE_ON, _HUGE_OFF = getattr(mmap, "MADV_HUGEPAGE", None), getattr(mmap, "MADV_
 
 class _Payload:
     """The buffer a record of several chunks is joined in: private anonymous memory whose pages are taken as they are
-    written (never what the header announces).
+    written (never what the header announces), or, with the server's pool on, a mapping of the record's size class
+    that an earlier record was joined in and nothing holds any more (gpu_server/intake/payload_pool.py: its pages
+    were taken already; the record's view is cut to its own length).
 
     Fresh memory costs a page fault per 4 KiB page on its first touch, several times what copying the bytes in
     costs (a shared mapping, as `mmap.mmap(-1, n)` makes, costs more still). With `ONLINE_CHECK_HUGE_PAGES=1`
