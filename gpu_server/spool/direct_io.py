@@ -62,7 +62,9 @@ def _in_memory(folder: str) -> bool:
     if _STATFS(os.fsencode(folder), ctypes.byref(buf)) != 0:
         return False
     return (buf.f_type & 0xFFFFFFFF) in _IN_MEMORY
-_stages = threading.local()
+
+
+_stages = threading.local()   # each writing thread's staging buffer
 
 
 class Refused(Exception):
