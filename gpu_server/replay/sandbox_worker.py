@@ -321,8 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_grad_enabled(False)
     if ns.threads > 0:
         torch.set_num_threads(ns.threads)
-    _warm_up_any_device()   # (done already when its arguments came by message)
-    _warm_up_threads()
+    _warm_up_threads()   # (the warm-up that needs no device ran while the arguments were awaited: `_arguments`)
     # what start-up made (torch's modules, the warm-up) lives as long as the process: out of the collector's reach,
     # a full collection no longer walks it again and again while records are replayed
     gc.freeze()
