@@ -28,10 +28,12 @@ def address(buf: Any) -> tuple[int, int, np.ndarray]:
 def copy_into(dst: Any, offset: int, src: Any) -> int:
     """Copy all of `src` into `dst` from byte `offset` (both C-contiguous buffers, `dst` writable and long enough:
     IndexError otherwise); returns the bytes copied."""
-    s_addr, n, s_arr = address(src)
+    source = memoryview(src).cast("B")
+    n = len(source)
     if n < LARGE:
-        memoryview(dst).cast("B")[offset:offset + n] = memoryview(src).cast("B")
+        memoryview(dst).cast("B")[offset:offset + n] = source
         return n
+    s_addr, _, s_arr = address(source)
     d_addr, d_len, d_arr = address(dst)
     if offset < 0 or offset + n > d_len:
         raise IndexError(f"{n} bytes at offset {offset} do not fit in a buffer of {d_len}")
