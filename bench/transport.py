@@ -129,7 +129,7 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
     elif mode == "folder":
         from gpu_server.intake.folder import FolderReader
 
-        intake, _ = _counting_intake()
+        intake, _, _ = _counting_intake()
         reader = FolderReader(nfs, intake, intake.limits, lambda end: print(f"END {end.run_id}", flush=True),
                               min_poll_s=0.002, max_poll_s=0.02)
         reader.start()

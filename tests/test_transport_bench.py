@@ -1,0 +1,22 @@
+"""bench/transport.py runs every transport it measures (issue 25 goal 5): each row is printed, whatever its numbers
+(timings are never asserted). A row whose receiving process cannot start fails the bench, as the folder row did
+when the counting intake's return changed under it."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROWS = {"ours": "ours (gRPC)", "one": "one a message", "tls": "ours (mTLS)", "folder": "ours (folder)",
+        "raw": "raw gRPC", "rawtls": "raw mTLS", "tcp": "raw TCP"}
+
+
+def test_every_row_of_the_wire_bench_runs(tmp_path):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "transport.py"), "--mib", "2", "--sizes", "64k",
+                          "--rows", ",".join(ROWS)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    lines = run.stdout.splitlines()
+    for label in ROWS.values():
+        assert any(line.strip().startswith("64 KiB " + label) for line in lines), (label, run.stdout)
+    assert any("ours/raw gRPC" in line and "folder/ours" in line for line in lines), run.stdout
