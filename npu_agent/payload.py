@@ -23,12 +23,10 @@ huge pages for the whole 2 MiB pages inside it before it is written (`huge_pages
 """
 from __future__ import annotations
 
-import collections
 import ctypes
 import mmap
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,6 +36,7 @@ from protos import huge_pages as thp
 from protos import online_check_pb2 as pb
 from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH
 from protos.framing import DATA_TAG, varint
+from protos.reuse_pool import ReusePool
 from protos.torch_compat import disable_torch_function
 
 _new_bytes = ctypes.pythonapi.PyBytes_FromStringAndSize
@@ -71,36 +70,15 @@ def _hash_slot() -> int | None:
 
 
 _HASH_SLOT = _hash_slot()
-_REFS_IN_POOL = 3   # sys.getrefcount of a frame held by the pool only (the pool, a local name and the argument)
 
 
-class FramePool:
-    """Frames of acknowledged records, by length, for reuse (at most `limit` bytes; the oldest go first)."""
-
-    def __init__(self, limit: int = 0) -> None:
-        self.limit = limit
-        self._lock = threading.Lock()
-        self._by_len: dict[int, dict[int, bytes]] = {}   # length -> {id: frame}
-        self._fifo: collections.OrderedDict[int, int] = collections.OrderedDict()   # id -> length, oldest first
-        self.held = 0
-        self.reused = 0
+class FramePool(ReusePool[bytes]):
+    """Frames of acknowledged records, by length, for reuse (at most `limit` bytes: protos/reuse_pool.py)."""
 
     def take(self, n: int) -> bytes | None:
-        """A frame of exactly n bytes that nobody but the pool holds, or None."""
-        with self._lock:
-            frames = self._by_len.get(n)
-            if not frames:
-                return None
-            for fid in frames:   # oldest first: the likeliest to be let go by gRPC
-                b = frames[fid]
-                if sys.getrefcount(b) == _REFS_IN_POOL:
-                    break
-            else:
-                return None
-            del frames[fid], self._fifo[fid]
-            self.held -= n
-            self.reused += 1
-        if _HASH_SLOT is not None:
+        """A frame of exactly n bytes that nobody but the pool holds, its cached hash forgotten; or None."""
+        b = super().take(n)
+        if b is not None and _HASH_SLOT is not None:
             ctypes.c_ssize_t.from_address(id(b) + _HASH_SLOT).value = -1   # "not computed yet"
         return b
 
@@ -112,25 +90,7 @@ class FramePool:
             frames.clear()
             return
         while frames:
-            b = frames.pop()
-            n = len(b)
-            if n > self.limit:
-                continue
-            with self._lock:
-                while self.held + n > self.limit and self._fifo:
-                    fid, old = self._fifo.popitem(last=False)
-                    del self._by_len[old][fid]
-                    self.held -= old
-                self._by_len.setdefault(n, {})[id(b)] = b
-                self._fifo[id(b)] = n
-                self.held += n
-            del b
-
-    def clear(self) -> None:
-        with self._lock:
-            self._by_len.clear()
-            self._fifo.clear()
-            self.held = 0
+            self.keep(frames.pop())
 
 
 FRAMES = FramePool()   # its limit is set by the sender (npu_agent.sender: a share of the memory budget)

@@ -65,6 +65,21 @@ def test_the_pool_keeps_at_most_its_limit_oldest_dropped_first():
     assert pool.held == 0
 
 
+def test_over_the_limit_frames_still_held_are_forgotten_before_free_ones():
+    pool = FramePool(3 * 1024)
+    free, held = _frames(1024, 1024)
+    ids = id(free), id(held)
+    pool.give([free])                       # the oldest, and free
+    pool.give([held])                       # still held (gRPC's last message)
+    del free
+    pool.give(_frames(1024))
+    pool.give(_frames(1024))                # one too many: the held one goes, the older free one stays
+    assert pool.held == 3072
+    taken = [pool.take(1024) for _ in range(3)]
+    assert ids[0] in {id(b) for b in taken} and ids[1] not in {id(b) for b in taken}
+    del held
+
+
 def test_a_reused_frame_forgets_the_hash_of_its_former_contents():
     pool = FramePool(1 << 20)
     frames = _frames(512)
