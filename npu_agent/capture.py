@@ -283,6 +283,12 @@ class CaptureMode(TorchFunctionMode):
             return out
 
 
+def _nonzero(t: torch.Tensor) -> torch.Tensor:
+    """`t != 0` as a bool tensor: the cast to bool is that comparison (NaN true, -0.0 false) at a quarter of its
+    cost on a CPU (a 4 MiB float32 output: 0.19 against 0.78 ms)."""
+    return t.bool()
+
+
 _DEVICE_TYPES: dict[Any, str] = {}   # torch.device -> its type: `device.type` builds a new string each time
 
 
@@ -678,7 +684,7 @@ class Capturer:
             except (RuntimeError, TypeError):   # a dtype without aminmax: rebuild it below
                 usable = False
             if usable:
-                return out.detach() != 0
+                return _nonzero(out.detach())
         device_type = ctx.record.rng_device
         state_after = generator_state(device_type)
         try:
@@ -688,7 +694,7 @@ class Capturer:
                 probe: torch.Tensor = getattr(torch.nn.functional, api.rstrip("_"))(ones, p, True, False)
             else:
                 probe = torch.dropout(ones, p, True) if "feature" not in api else torch.feature_dropout(ones, p, True)
-            return probe != 0
+            return _nonzero(probe)
         finally:
             set_generator_state(device_type, state_after)  # type: ignore[arg-type]  # not None: state_before was not
 

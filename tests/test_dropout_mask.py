@@ -55,3 +55,16 @@ def test_the_recorded_mask_is_the_true_keep_mask(name, kind, dtype):
     assert recs[0].mask.dtype == torch.bool and torch.equal(recs[0].mask, expected), name
     if kind == "dense":
         assert torch.equal(recs[0].mask, y != 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_the_cast_the_mask_is_read_off_with_is_the_comparison_with_zero(dtype):
+    from npu_agent.capture import _nonzero
+
+    info = torch.finfo(dtype)
+    values = torch.tensor([0.0, -0.0, 1.0, -1.0, float("nan"), float("inf"), -float("inf"), info.tiny, -info.tiny,
+                           info.tiny / 4, info.max, info.eps], dtype=torch.float64).to(dtype)
+    x = torch.cat([values, torch.randn(1008, dtype=dtype) * torch.randint(0, 2, (1008,)).to(dtype)])
+    for t in (x, x.view(20, -1)[:, ::3]):   # dense and strided
+        got = _nonzero(t)
+        assert got.dtype == torch.bool and torch.equal(got, t != 0)
