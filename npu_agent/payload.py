@@ -72,38 +72,87 @@ def _hash_slot() -> int | None:
 _HASH_SLOT = _hash_slot()
 
 
-class FramePool(ReusePool[bytes]):
-    """Frames of acknowledged records, by length, for reuse (at most `limit` bytes: protos/reuse_pool.py)."""
+def _size_slot() -> int | None:
+    """Where CPython keeps a bytes object's length (just before its hash), when it can be checked to be there and
+    set lower than the bytes allocated: a frame of the pool's size class is handed out at the length asked for."""
+    if _HASH_SLOT is None:
+        return None
+    slot = _HASH_SLOT - ctypes.sizeof(ctypes.c_ssize_t)
+    probe = _new_bytes(None, 24)
+    length = ctypes.c_ssize_t.from_address(id(probe) + slot)
+    if length.value != 24:
+        return None
+    ctypes.memmove(id(probe) + _BYTES_DATA, b"0123456789abcdefghijklmn", 24)
+    _set_length(probe, slot, 10)
+    return slot if len(probe) == 10 and probe == b"0123456789" and hash(probe) == hash(b"0123456789") else None
 
-    def take(self, n: int) -> bytes | None:
-        """A frame of exactly n bytes that nobody but the pool holds, its cached hash forgotten; or None."""
-        b = super().take(n)
-        if b is not None and _HASH_SLOT is not None:
+
+def _set_length(b: bytes, slot: int, n: int) -> None:
+    """Make `b` (allocated for at least n bytes, held by no one else) n bytes long: its length, the terminating
+    zero CPython keeps after the contents, and its cached hash forgotten."""
+    ctypes.c_ssize_t.from_address(id(b) + slot).value = n
+    ctypes.c_char.from_address(id(b) + _BYTES_DATA + n).value = b"\0"
+    ctypes.c_ssize_t.from_address(id(b) + slot + ctypes.sizeof(ctypes.c_ssize_t)).value = -1   # "not computed yet"
+
+
+_SIZE_SLOT = _size_slot()
+POOLED_MIN = 64 * 1024   # frames this long or longer are reused; shorter ones come from the allocator's free lists
+
+
+def frame_class(n: int) -> int:
+    """The capacity a frame of n bytes is allocated with, and kept in the pool under: n rounded up to one of eight
+    steps per power of two (at most 12.5 % more, never touched unless a longer frame of the class reuses it), so
+    that frames of nearby lengths (Batch frames of a few more or fewer records) reuse each other's memory."""
+    if n < POOLED_MIN or _SIZE_SLOT is None:   # (then lengths are reused exactly)
+        return n
+    step = 1 << (n.bit_length() - 4)
+    return -(-n // step) * step
+
+
+class FramePool(ReusePool[bytes]):
+    """Frames by size class (`frame_class`), for reuse (at most `limit` bytes of capacity: protos/reuse_pool.py).
+
+    Every frame the agent writes is made by `frame`, at its class's capacity, and only those are ever given back:
+    the pool lengthens a frame it hands out up to its class, never beyond."""
+
+    def frame(self, n: int) -> bytes:
+        """A bytes object of n bytes, held by no one else, to be written through its address: a frame of n's class
+        that the pool is the last holder of, made n bytes long (its cached hash forgotten), else a new one allocated
+        at the class's capacity."""
+        c = frame_class(n)
+        b = self.take(c) if self.limit and _HASH_SLOT is not None else None
+        if b is None:
+            fresh: bytes = _new_bytes(None, c)
+            b = fresh
+            if n > thp.HUGE_PAGE:
+                huge_pages(id(b) + _BYTES_DATA, n)
+            if c == n:
+                return b
+        if _SIZE_SLOT is not None:
+            _set_length(b, _SIZE_SLOT, n)   # (forgets the cached hash too)
+        elif _HASH_SLOT is not None:   # exact lengths only (c == n)
             ctypes.c_ssize_t.from_address(id(b) + _HASH_SLOT).value = -1   # "not computed yet"
         return b
 
     def give(self, frames: list[bytes]) -> None:
-        """Take the frames of an acknowledged record (emptying the list), each one that fits under the limit. gRPC
-        may still hold one (it keeps the message it wrote last until it takes the next): `take` hands a frame out
-        only once the pool is its last holder, so a sender slower than its server still reuses its frames."""
+        """Take the frames of an acknowledged record (emptying the list), made by `frame`, each one that fits under
+        the limit. gRPC may still hold one (it keeps the message it wrote last until it takes the next): `take` hands
+        a frame out only once the pool is its last holder, so a sender slower than its server still reuses its
+        frames."""
         if _HASH_SLOT is None or not self.limit:
             frames.clear()
             return
         while frames:
-            self.keep(frames.pop())
+            b = frames.pop()
+            self.keep(b, frame_class(len(b)))
 
 
 FRAMES = FramePool()   # its limit is set by the sender (npu_agent.sender: a share of the memory budget)
 
 
 def _uninitialised_bytes(n: int) -> tuple[bytes, int]:
-    """A bytes object of length n, not shared with anyone, and the address of its contents: a frame from FRAMES
-    when one of that length is free, else a new one."""
-    b = FRAMES.take(n)
-    if b is None:
-        b = _new_bytes(None, n)
-        if n > thp.HUGE_PAGE:
-            huge_pages(id(b) + _BYTES_DATA, n)
+    """A bytes object of length n, not shared with anyone, and the address of its contents (`FRAMES.frame`)."""
+    b = FRAMES.frame(n)
     return b, id(b) + _BYTES_DATA
 
 

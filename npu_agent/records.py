@@ -197,10 +197,11 @@ def batch_frame(encoded: list[Encoded]) -> bytes | None:
 class _Together:
     """The Batch frame records were encoded into together, and their sequence numbers in its order."""
 
-    __slots__ = ("frame", "seqs")
+    __slots__ = ("frame", "seqs", "given")
 
     def __init__(self, frame: bytes, seqs: tuple[int, ...]) -> None:
         self.frame, self.seqs = frame, seqs
+        self.given = False   # to the frame pool, by the sender, once the first of the records is acknowledged
 
 
 def encode_together(recs: list[PendingRecord], run_id: str, rank: int) -> bool:

@@ -6,10 +6,11 @@ queued up while the transport was busy go to it together, as one batch. The Send
 its transport only through `npu_agent.transport.Transport`, and receives its events as `TransportEvents`.
 
 Memory: a record counts against the budget from `submit()` until the server acknowledges it (it is kept for
-re-sending until then). The frames of acknowledged large records are kept for reuse, up to a quarter of the budget
-more, until `close` (npu_agent/payload.py, `FRAMES`). At the budget, the policy applies: `block` waits (nothing is
-lost), `drop` drops the newest record and counts it. One record larger than the whole budget is sent alone
-(blocking) rather than never.
+re-sending until then). The frames of acknowledged records (a large record's own, a Batch of small ones) are kept
+for reuse by the next frames of their size class, up to a quarter of the budget more, until `close`
+(npu_agent/payload.py, `FRAMES`). At the budget, the policy applies:
+`block` waits (nothing is lost), `drop` drops the newest record and counts it. One record larger than the whole
+budget is sent alone (blocking) rather than never.
 
 CPU: the sender's thread adds up the CPU it spends (`time.thread_time()` around its work), and the CPU of the
 transport threads that deliver acknowledgements is read from their thread clocks: `cpu_seconds()` is the running
@@ -238,10 +239,15 @@ class Sender:
                     continue
                 released += 1
                 self._held -= rec.held_bytes
-                if rec.encoded is not None and rec.encoded.frames:
-                    # a large record's frames, for the next records of their length (npu_agent/payload.py): given
-                    # before anyone waiting for room is woken, who may take one
-                    FRAMES.give(rec.encoded.frames)
+                enc = rec.encoded
+                if enc is not None:
+                    # its frames, for the next frames of their size class (npu_agent/payload.py): given before anyone
+                    # waiting for room is woken, who may take one; a Batch frame by the first of its records
+                    if enc.frames:
+                        FRAMES.give(enc.frames)
+                    elif enc.batch is not None and not enc.batch.given:
+                        enc.batch.given = True
+                        FRAMES.give([enc.batch.frame])
                     rec.encoded = None
             if not released:
                 return

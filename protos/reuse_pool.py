@@ -23,8 +23,8 @@ _REFS_IN_POOL = 3   # sys.getrefcount of a buffer only the pool holds (its dict,
 
 
 class ReusePool(Generic[T]):
-    """Buffers by length, each handed out again once the pool is its last holder. `usable`: a further test a free
-    buffer must pass (a mapping not closed)."""
+    """Buffers by length (or capacity), each handed out again once the pool is its last holder. `usable`: a further
+    test a free buffer must pass (a mapping not closed)."""
 
     def __init__(self, limit: int = 0, usable: Callable[[T], bool] | None = None) -> None:
         self.limit = limit
@@ -51,9 +51,11 @@ class ReusePool(Generic[T]):
             self.reused += 1
         return b
 
-    def keep(self, b: T) -> None:
-        """Remember buffer `b` to reuse once it is let go, when it fits under the limit."""
-        n = len(b)
+    def keep(self, b: T, n: int | None = None) -> None:
+        """Remember buffer `b` to reuse once it is let go, when it fits under the limit; `n`: the length it is kept
+        under and counted as (its capacity, where it holds fewer bytes than that; else its length)."""
+        if n is None:
+            n = len(b)
         if not self.limit or n > self.limit:
             return
         with self._lock:
@@ -66,12 +68,19 @@ class ReusePool(Generic[T]):
     def _make_room(self, need: int) -> None:
         """Forget buffers until `need` more bytes fit: those still in use first, then the oldest free ones."""
         for only_in_use in (True, False):
-            for bid, n in list(self._order.items()):
-                if self.held + need <= self.limit:
-                    return
+            over = self.held + need - self.limit
+            victims = []
+            for bid, n in self._order.items():   # oldest first, as far as needed
+                if over <= 0:
+                    break
                 if only_in_use and sys.getrefcount(self._by_len[n][bid]) == _REFS_IN_POOL - 1:
                     continue   # free (held by the dict and the argument only): kept for the second pass
+                victims.append(bid)
+                over -= n
+            for bid in victims:
                 self._forget(bid)
+            if over <= 0:
+                return
 
     def _forget(self, bid: int) -> None:
         n = self._order.pop(bid)

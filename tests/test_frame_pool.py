@@ -1,9 +1,10 @@
-"""Frames of acknowledged large records are reused (npu_agent/payload.py, FRAMES): only once nothing else holds
-them, never above the pool's limit, a reused frame forgets the hash of what it held, and a real agent reusing them
-against a real server gets every record through with its own values."""
+"""Frames are reused (npu_agent/payload.py, FRAMES): only once nothing else holds them, for any frame of their size
+class at the length asked for, never above the pool's limit, a reused frame forgets the hash of what it held, and a
+real agent reusing them against a real server gets every record through with its own values."""
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 
 import pytest
@@ -21,73 +22,136 @@ from tests import support
 pytestmark = pytest.mark.skipif(payload._HASH_SLOT is None, reason="frames are reused on CPython only")
 
 
-def _frames(*sizes: int) -> list[bytes]:
-    return [bytes(range(256)) * (n // 256) for n in sizes]
+def _write(b: bytes, fill: bytes) -> None:
+    ctypes.memmove(id(b) + payload._BYTES_DATA, fill, len(fill))
 
 
 def test_a_frame_is_handed_out_only_once_nothing_else_holds_it():
-    pool = FramePool(1 << 20)
-    mine = _frames(4096)[0]
+    pool = FramePool(1 << 22)
+    mine = pool.frame(100_000)
     kept = id(mine)
     pool.give([mine])                       # still held here (as gRPC holds the message it wrote last)
-    assert pool.held == 4096
-    assert pool.take(4096) is None          # not the pool's to reuse yet
+    assert pool.held == payload.frame_class(100_000)
+    assert pool.take(payload.frame_class(100_000)) is None   # not the pool's to reuse yet
     del mine                                # let go: now it is
-    assert pool.take(1024) is None          # only the exact length is reused
-    again = pool.take(4096)
-    assert id(again) == kept and pool.held == 0 and pool.take(4096) is None
+    again = pool.frame(100_000)
+    assert id(again) == kept and len(again) == 100_000 and pool.held == 0 and pool.reused == 1
 
 
-def test_a_held_frame_does_not_keep_a_free_one_of_its_length_from_being_reused():
-    pool = FramePool(1 << 20)
-    held, free = _frames(4096, 4096)
+def test_frames_of_one_size_class_reuse_each_other_at_the_length_asked_for():
+    pool = FramePool(1 << 22)
+    c = payload.frame_class(70_000)
+    assert payload.frame_class(66_000) == payload.frame_class(73_000) == c and 70_000 < c <= 70_000 * 1.125
+    assert payload.frame_class(200_000) != c
+    first = pool.frame(70_000)
+    kept = id(first)
+    pool.give([first])
+    del first
+    longer = pool.frame(73_000)             # the same memory, now 73,000 bytes long
+    assert id(longer) == kept and len(longer) == 73_000
+    _write(longer, b"\x05" * 73_000)
+    assert longer == b"\x05" * 73_000 and hash(longer) == hash(b"\x05" * 73_000)
+    assert ctypes.string_at(id(longer) + payload._BYTES_DATA + 73_000, 1) == b"\0"   # CPython's terminating zero
+    pool.give([longer])
+    del longer
+    shorter = pool.frame(66_000)
+    assert id(shorter) == kept and len(shorter) == 66_000 and bytes(shorter[-3:]) == b"\x05" * 3
+    pool.give([shorter])
+    assert pool.frame(200_000) is not shorter   # another class: a new frame
+    assert pool.reused == 2
+
+
+def test_a_held_frame_does_not_keep_a_free_one_of_its_class_from_being_reused():
+    pool = FramePool(1 << 22)
+    held, free = pool.frame(80_000), pool.frame(80_000)
     ids = id(held), id(free)
     pool.give([held])                       # the older one, still held
     pool.give([free])
     del free
-    assert id(pool.take(4096)) == ids[1]
-    assert pool.take(4096) is None
+    assert id(pool.frame(80_000)) == ids[1]
+    assert pool.take(payload.frame_class(80_000)) is None
     del held
-    assert id(pool.take(4096)) == ids[0]
+    assert id(pool.frame(80_000)) == ids[0]
 
 
-def test_the_pool_keeps_at_most_its_limit_oldest_dropped_first():
-    pool = FramePool(3 * 1024)
-    first, second = _frames(1024), _frames(2048)
-    ids = [id(first[0]), id(second[0])]
-    pool.give(first)
-    pool.give(second)
-    pool.give(_frames(1024))                # 1024 + 2048 + 1024 > 3072: the oldest (first) goes
-    assert pool.held == 3072
-    assert id(pool.take(2048)) == ids[1]
-    assert id(pool.take(1024)) != ids[0]
-    pool.give(_frames(8192))                # larger than the whole pool: not kept
-    assert pool.held == 0
+def test_the_pool_keeps_at_most_its_limit_held_frames_forgotten_first():
+    size = payload.frame_class(100_000)
+    pool = FramePool(3 * size)
+    made = [pool.frame(100_000) for _ in range(4)]
+    kept, held = id(made[0]), made[1]
+    for _ in range(4):                      # oldest first, each let go at once but `held` (as gRPC holds the
+        pool.give([made.pop(0)])            # message it wrote last)
+    pool.give([pool.frame(300_000)])        # larger than the whole pool: not kept
+    assert pool.held == 3 * size            # three of the four kept: the held one was forgotten
+    taken = [pool.frame(100_000) for _ in range(3)]
+    assert kept in {id(b) for b in taken} and pool.reused == 3 and pool.held == 0
+    assert all(b is not held for b in taken)
 
 
-def test_over_the_limit_frames_still_held_are_forgotten_before_free_ones():
-    pool = FramePool(3 * 1024)
-    free, held = _frames(1024, 1024)
-    ids = id(free), id(held)
-    pool.give([free])                       # the oldest, and free
-    pool.give([held])                       # still held (gRPC's last message)
-    del free
-    pool.give(_frames(1024))
-    pool.give(_frames(1024))                # one too many: the held one goes, the older free one stays
-    assert pool.held == 3072
-    taken = [pool.take(1024) for _ in range(3)]
-    assert ids[0] in {id(b) for b in taken} and ids[1] not in {id(b) for b in taken}
-    del held
+def test_short_frames_are_reused_at_their_exact_length_and_a_pool_without_limit_keeps_nothing():
+    pool = FramePool(1 << 22)
+    small = pool.frame(payload.POOLED_MIN - 1)
+    kept = id(small)
+    pool.give([small])
+    del small
+    assert pool.take(payload.POOLED_MIN - 2) is None and id(pool.frame(payload.POOLED_MIN - 1)) == kept
+    off = FramePool(0)
+    big = off.frame(1 << 20)
+    off.give([big])
+    assert len(big) == 1 << 20 and off.held == 0
 
 
 def test_a_reused_frame_forgets_the_hash_of_its_former_contents():
-    pool = FramePool(1 << 20)
-    frames = _frames(512)
-    old_hash = hash(frames[0])              # cached inside the bytes object
-    pool.give(frames)
-    b = pool.take(512)
-    ctypes.memmove(id(b) + payload._BYTES_DATA, b"\x07" * 512, 512)
-    assert hash(b) == hash(b"\x07" * 512) != old_hash
+    pool = FramePool(1 << 22)
+    b = pool.frame(100_000)
+    _write(b, b"\x01" * 100_000)
+    old_hash = hash(b)                      # cached inside the bytes object
+    pool.give([b])
+    b = pool.frame(100_000)
+    _write(b, b"\x07" * 100_000)
+    assert hash(b) == hash(b"\x07" * 100_000) != old_hash
+
+
+def test_a_batch_frame_goes_back_to_the_pool_once_its_first_record_is_acknowledged():
+    """Small records that queued up are written into one Batch frame (npu_agent.records.encode_together); once
+    acknowledged, it takes the next Batch frame of its size class."""
+    from npu_agent.records import batch_frame
+    from tests.test_batching import _InProcessTransport
+
+    calls: list[tuple[list[int], int, threading.Event]] = []
+
+    class Gated(_InProcessTransport):   # each call waits for the test, then answers every record
+        def send_records(self, recs, generation):
+            frame = batch_frame([r.encoded for r in recs]) if len(recs) > 1 else None
+            gate = threading.Event()
+            calls.append(([r.seq for r in recs], id(frame) if frame is not None else 0, gate))
+            del frame
+            gate.wait(30)
+            for r in recs:
+                self.events.on_ack(r.seq, "ACCEPTED", "")
+            return True
+
+    def wait_calls(n: int) -> None:
+        deadline = time.monotonic() + 30
+        while len(calls) < n:
+            assert time.monotonic() < deadline, calls
+            time.sleep(0.001)
+
+    FRAMES.clear()
+    reused = FRAMES.reused
+    sender = Sender(Gated(), budget_bytes=64 << 20)
+    for first in (0, 5):
+        sender.submit(_record(first, 4 << 10))   # alone: the transport is busy with it while the next queue up
+        wait_calls(len(calls) + 1)
+        for seq in range(first + 1, first + 5):
+            sender.submit(_record(seq, 4 << 10))   # 32 KiB each: four make a Batch frame over 128 KiB
+        calls[-1][2].set()
+        wait_calls(len(calls) + 1)
+        calls[-1][2].set()
+    counts = sender.close(timeout=30)
+    assert counts["acknowledged"] == 10
+    assert [c[0] for c in calls] == [[0], [1, 2, 3, 4], [5], [6, 7, 8, 9]]
+    assert calls[1][1] == calls[3][1] != 0 and FRAMES.reused - reused == 1   # the second batch in the first's frame
 
 
 def _record(seq: int, n: int) -> PendingRecord:
@@ -133,9 +197,8 @@ def test_a_sender_slower_than_its_server_reuses_its_frames(tmp_path):
                 time.sleep(0.005)
         counts = sender.close(timeout=120)
         assert counts["acknowledged"] == n and counts["rejected"] == 0
-    # the first record's frame is 2 bytes shorter (its sequence number, 0, is not written); the next two find no free
-    # frame of their length; each later one finds the frame of the record two before it
-    assert FRAMES.reused - reused == n - 3
+    # the first two find no free frame of their class; each later one finds the frame of the record two before it
+    assert FRAMES.reused - reused == n - 2
     rows = support.read_csv(server.out, "accuracy_checking_result")
     assert sorted(int(r["API name"].rsplit(".", 1)[1]) for r in rows) == list(range(10, 10 + n))
     assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows
