@@ -13,9 +13,10 @@ tensor by torch.
 
 Memory for frames: fresh memory costs a page fault per 4 KiB page on its first touch (about 1 ms per MiB on a VM,
 as much as the copy itself), and with many records in flight the allocator hands out fresh memory for almost
-every large frame. So the frames of acknowledged records go back to `FRAMES` (a pool bounded in bytes), and a new
-frame of the same length is written into one of them once nobody else holds it. Records of the same
-call site have frames of the same length from step to step, so in a training most large frames are reused. With
+every large frame. So the frames of acknowledged records (a large record's, the Batch frame of small ones) go back
+to `FRAMES` (a pool bounded in bytes), and a new frame of the same size class (`frame_class`) is written into one
+of them once nobody else holds it. Records of the same call site have frames of the same length from step to step,
+and Batch frames of nearby lengths share a class, so in a training most frames are reused. With
 `ONLINE_CHECK_HUGE_PAGES=1` (protos/huge_pages.py: off by default, it costs more than it saves on a virtual machine
 that returns freed memory to its host), a new frame (the first steps, a pool miss) asks the kernel for transparent
 huge pages for the whole 2 MiB pages inside it before it is written (`huge_pages`): one fault per 2 MiB instead of
