@@ -8,9 +8,8 @@ its transport only through `npu_agent.transport.Transport`, and receives its eve
 Memory: a record counts against the budget from `submit()` until the server acknowledges it (it is kept for
 re-sending until then). The frames of acknowledged records (a large record's own, a Batch of small ones) are kept
 for reuse by the next frames of their size class, up to a quarter of the budget more, until `close`
-(npu_agent/payload.py, `FRAMES`). At the budget, the policy applies:
-`block` waits (nothing is lost), `drop` drops the newest record and counts it. One record larger than the whole
-budget is sent alone (blocking) rather than never.
+(npu_agent/payload.py, `FRAMES`). At the budget, the policy applies: `block` waits (nothing is lost), `drop` drops
+the newest record and counts it. One record larger than the whole budget is sent alone (blocking) rather than never.
 
 CPU: the sender's thread adds up the CPU it spends (`time.thread_time()` around its work), and the CPU of the
 transport threads that deliver acknowledgements is read from their thread clocks: `cpu_seconds()` is the running
