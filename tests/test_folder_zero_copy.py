@@ -9,6 +9,7 @@ import os
 import pytest
 import torch
 
+from npu_agent.payload import FRAMES
 from npu_agent.records import PendingRecord, encode_record, write_file
 from npu_agent.snapshot import snapshot
 from npu_agent.transport import Refusal
@@ -131,9 +132,16 @@ def test_the_transport_writes_large_records_straight_and_a_failed_rename_loses_n
     recs = [_record("several", 0), _record("one", 1)]
     for rec in recs:
         encode_record(rec, RUN, 2, t.chunk_bytes, defer=t.copies_into_files)
+    made: list[bytes] = []   # (held: their ids stay theirs)
+    real_frame = FRAMES.frame
+    monkeypatch.setattr(FRAMES, "frame", lambda n: made.append(real_frame(n)) or made[-1])
     failed = _fail_first_rename(monkeypatch)
     assert t.send_records(recs, 1)
     assert ev.acks == [0, 1] and failed
+    read = [f for rec in recs if rec.encoded.frames for f in rec.encoded.frames]
+    # the frames read back go to the frame pool once acknowledged: only frames it made (it lengthens them within
+    # their size class)
+    assert read and all(any(f is m for m in made) for f in read)
     folder = tmp_path / "rank2"
     for seq, kind in ((0, "several"), (1, "one")):
         assert (folder / folder_record_name(RUN, 2, seq)).read_bytes() == _in_memory(kind, seq, t.chunk_bytes)
