@@ -20,6 +20,7 @@ import torch
 
 from npu_agent.location import MAX_TEXT
 from npu_agent.payload import (
+    _BYTES_DATA,
     FRAMES_IN_PLACE,
     FilePayload,
     FramePayload,
@@ -166,22 +167,21 @@ def read_back(rec: PendingRecord, fd: int, at: int, end: int) -> None:
     if len(data) != end - at or not data.startswith(FOLDER_MAGIC):
         raise OSError(f"record {rec.seq}: read {len(data)} of the {end - at} bytes written")
     frames, pos = [], len(FOLDER_MAGIC)
-    view = memoryview(data)
     while pos < len(data):
         (n,) = FRAME_LENGTH.unpack_from(data, pos)
-        frames.append(_pool_frame(view[pos + FRAME_LENGTH.size:pos + FRAME_LENGTH.size + n]))
+        frames.append(_pool_frame(data, pos + FRAME_LENGTH.size, n))
         pos += FRAME_LENGTH.size + n
     done.frames, done.in_file = frames, False
 
 
-def _pool_frame(piece: memoryview) -> bytes:
-    """`bytes(piece)`, in a frame made by the frame pool (npu_agent/payload.py): the frames of an acknowledged record
-    go back to it, which lengthens a frame up to its size class, so it must be given no other bytes object."""
+def _pool_frame(data: bytes, start: int, n: int) -> bytes:
+    """`data[start:start + n]`, in a frame made by the frame pool (npu_agent/payload.py): the frames of an
+    acknowledged record go back to it, which lengthens a frame up to its size class, so it must be given no other
+    bytes object. One copy, from `data`'s own memory."""
     if not FRAMES_IN_PLACE:
-        return bytes(piece)
-    frame, addr = _uninitialised_bytes(len(piece))
-    if len(piece):
-        ctypes.memmove(addr, (ctypes.c_char * len(piece)).from_buffer_copy(piece), len(piece))
+        return data[start:start + n]
+    frame, addr = _uninitialised_bytes(n)
+    ctypes.memmove(addr, id(data) + _BYTES_DATA + start, n)
     return frame
 
 
