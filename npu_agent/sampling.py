@@ -19,7 +19,9 @@ decision are kept for the end-of-run report.
 
 The overhead budget. The training earns B times its own time: each step's wall-clock time, less the agent's CPU
 outside the training thread during it (as if it ran on the training's core) and less its captured calls' estimated
-cost (a step earns for at most 3 median steps: a pause, an evaluation, earns no more). Capturing spends: per
+cost. A step earns for at most 3 typical steps (the median step that captured nothing; before one, the lower median
+of recent steps): a pause, an evaluation, earns no more. The first step, which may hold the start-up, a compile or a
+data loader's first batches, earns once the second ended, for at most 3 times that one. Capturing spends: per
 captured call, the training thread's time (estimated: the training thread's extra CPU in recent steps that
 captured at least 32 calls between them, per call, over the median step that captured nothing; 0.5 ms until
 measured), and the agent's CPU outside the training thread as the
@@ -80,7 +82,7 @@ AgentCpu = Callable[[], tuple[float, int, int]]
 # agent's other threads' CPU per record (the sender's encoding and gRPC: 0.3-0.7 ms measured on the 2-core machine).
 CALL_COST_PRIOR = 0.5e-3
 RECORD_CPU_PRIOR = 0.5e-3
-EARN_CAP_STEPS = 3.0   # a step earns budget for at most 3 times the median step without capture
+EARN_CAP_STEPS = 3.0   # a step earns budget for at most 3 typical steps (`Sampler._typical`)
 MEASURE_CALLS = 32     # the cost per captured call is measured over recent steps that captured this many calls
 PROBE = 8              # of the steps with nothing known to capture, 1 in PROBE is watched all the same
 
@@ -152,6 +154,8 @@ class Sampler:
         self._call_costs: collections.deque[tuple[float, int]] = collections.deque(maxlen=16)
         self._bases: collections.deque[float] = collections.deque(maxlen=9)
         self._base: float | None = None       # the median time of a step that captured nothing, less agent CPU
+        self._owns: collections.deque[float] = collections.deque(maxlen=9)   # the training's own time, recent steps
+        self._first_own: float | None = None  # the first step's, until the second ended (it earns no more than 3 x it)
         self._cpu_bases: collections.deque[float] = collections.deque(maxlen=9)
         self._cpu_base: float | None = None   # the median training thread CPU of a step that captured nothing
         self._thread_step = thread_clock() if policy.overhead_budget else 0.0   # that CPU when this step began
@@ -241,7 +245,8 @@ class Sampler:
         work = now - self._t_step - (cpu - self._cpu_step)
         step_cpu = thread - self._thread_step
         self._thread_step = thread
-        if n == 0:
+        first = not self._owns
+        if n == 0 and not first:   # the first step is no sample of a step: start-up, a compile, a data loader
             self._bases.append(work)
             self._base = statistics.median(self._bases)
             self._cpu_bases.append(step_cpu)
@@ -254,9 +259,17 @@ class Sampler:
             if calls >= MEASURE_CALLS:
                 self._call_cost = sum(extra for extra, _ in self._call_costs) / calls
         own = max(work - n * self._call_cost, 0.0)
-        if self._base is not None:   # a pause between steps (evaluation, a checkpoint save) earns no more
-            own = min(own, EARN_CAP_STEPS * self._base)
-        self._earned += self._budget * own
+        typical = self._typical()
+        if typical is not None:   # a pause between steps (evaluation, a checkpoint save) earns no more
+            own = min(own, EARN_CAP_STEPS * typical)
+        if first:   # nothing to compare it with yet: it earns once the second step ended, at most 3 times that one
+            self._first_own = own
+        else:
+            if self._first_own is not None:
+                self._earned += self._budget * min(self._first_own, EARN_CAP_STEPS * own)
+                self._first_own = None
+            self._earned += self._budget * own
+        self._owns.append(own)
         if self._full:
             self._n_full = n
         calls = self.counts["calls"]
@@ -266,6 +279,13 @@ class Sampler:
         self._n_step = 0
         self._cpu_step = cpu
 
+    def _typical(self) -> float | None:
+        """The training's own time in a step, as far as known: the median step that captured nothing, else the
+        lower median of recent steps (their captures' estimated cost taken out); None before a step ended."""
+        if self._base is not None:
+            return self._base
+        return statistics.median_low(self._owns) if self._owns else None
+
     def _credit(self, now: float) -> tuple[float, float]:
         """(the budget left now, the estimated cost of one more captured call), in seconds: the budget times the
         training's own time so far (this step's too), less the training thread's time for the calls captured
@@ -274,8 +294,9 @@ class Sampler:
         cpu, submitted, done = self._agent()
         per_record = cpu / done if done else RECORD_CPU_PRIOR
         in_step = max(now - self._t_step - self._n_step * self._call_cost - (cpu - self._cpu_step), 0.0)
-        if self._base is not None:
-            in_step = min(in_step, EARN_CAP_STEPS * self._base)
+        typical = self._typical()
+        if typical is not None:
+            in_step = min(in_step, EARN_CAP_STEPS * typical)
         earned = self._earned + self._budget * in_step
         sender = cpu + max(submitted - done, 0) * per_record if self.agent_cpu is not None else 0.0
         spent = self._n * self._call_cost + sender
