@@ -5,6 +5,12 @@ re-sending after a reconnect) happens on the sender's own thread and the transpo
 queued up while the transport was busy go to it together, as one batch. The Sender talks to
 its transport only through `npu_agent.transport.Transport`, and receives its events as `TransportEvents`.
 
+Lingering: a small record that finds the sender idle waits up to `LINGER_S` for others to join it in one message,
+unless a full batch or a large record is queued meanwhile, the training waits for room, or `close` waits. A captured
+step's calls then go out in a few messages instead of one each: every message costs the agent's threads a few
+hundred microseconds of CPU beyond its bytes (gRPC's threads, the acknowledgement), and each wake-up of the sender
+takes the interpreter lock from the training. Records that queued while the transport was busy go at once.
+
 Memory: a record counts against the budget from `submit()` until the server acknowledges it (it is kept for
 re-sending until then). The frames of acknowledged records (a large record's own, a Batch of small ones) are kept
 for reuse by the next frames of their size class, up to a quarter of the budget more, until `close`
@@ -41,6 +47,7 @@ WAIT_LOG_S = 30.0   # the period of the "still waiting" lines
 BATCH_RECORD_BYTES = 256 << 10
 BATCH_BYTES = 1 << 20
 BATCH_RECORDS = 512
+LINGER_S = 0.003   # how long a small record that found the sender idle waits for others (see above)
 _THREAD_CLOCKS = hasattr(time, "pthread_getcpuclockid")   # Unix: another thread's CPU clock
 
 
@@ -59,8 +66,11 @@ class Sender:
         self._work = threading.Condition(self._lock)
         self._room = threading.Condition(self._lock)
         self._sender_idle = False          # the sender thread waits for `_work`
+        self._lingering = False            # ... for more small records to join the first (`_linger`)
         self._room_wanted: list[int] = []  # bytes each waiter on `_room` needs (close: more than the budget)
         self._queue: collections.deque[PendingRecord] = collections.deque()
+        self._queued_bytes = 0             # of the records in `_queue`
+        self._queued_large = 0             # records in `_queue` above BATCH_RECORD_BYTES (each goes alone)
         self._unacked: dict[int, PendingRecord] = {}
         self._held = 0                     # bytes of records submitted and not yet acknowledged
         self._next_seq = 0
@@ -106,6 +116,7 @@ class Sender:
                                 "training waits (policy 'block'). %s", self._held >> 20, self.budget >> 20,
                                 self.transport.describe_state())
                 self._room_wanted.append(size)
+                self._end_linger()
                 self._room.wait(1.0)
                 self._room_wanted.remove(size)
             if self._refusal is not None:
@@ -116,8 +127,13 @@ class Sender:
             self._held += size
             self._unacked[rec.seq] = rec
             self._queue.append(rec)
+            self._queued_bytes += size
+            if size > BATCH_RECORD_BYTES:
+                self._queued_large += 1
             if self._sender_idle:
                 self._work.notify()
+            elif self._lingering and not self._batch_open():
+                self._end_linger()
         return True
 
     def cpu_seconds(self) -> float:
@@ -138,10 +154,13 @@ class Sender:
         cpu = time.thread_time()
         while True:
             with self._lock:
+                woken = False
                 while not self._queue and not self._resend and not self._closing and self._refusal is None:
-                    self._sender_idle = True
+                    self._sender_idle = woken = True
                     self._work.wait()
                     self._sender_idle = False
+                if woken:
+                    self._linger()
                 if self._refusal is not None:
                     return
                 if self._resend:
@@ -150,6 +169,8 @@ class Sender:
                     self._resend = False
                     self._gen = self._resend_gen
                     self._queue = collections.deque(sorted(self._unacked.values(), key=lambda r: r.seq))
+                    self._queued_bytes = sum(r.held_bytes for r in self._queue)
+                    self._queued_large = sum(r.held_bytes > BATCH_RECORD_BYTES for r in self._queue)
                 if not self._queue:
                     if self._closing:
                         return
@@ -173,20 +194,47 @@ class Sender:
             self.records_done += len(batch)
             cpu = now
 
+    def _batch_open(self) -> bool:
+        """(Under the lock.) Whether more small records could still join the queued ones in one message."""
+        return not self._queued_large and len(self._queue) < BATCH_RECORDS and self._queued_bytes < BATCH_BYTES
+
+    def _linger(self) -> None:
+        """(Under the lock.) Wait up to LINGER_S for more small records to join the queued ones, while nothing
+        else needs the sender: a re-send, the end, the training or `close` waiting for room (module docstring)."""
+        if not self._batch_open():
+            return
+        deadline = time.monotonic() + LINGER_S
+        self._lingering = True
+        while (self._lingering and not self._resend and not self._closing and self._refusal is None
+               and not self._room_wanted):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._work.wait(left)
+        self._lingering = False
+
+    def _end_linger(self) -> None:
+        """(Under the lock.) The sender stops lingering now."""
+        if self._lingering:
+            self._lingering = False
+            self._work.notify()
+
     def _take_batch(self) -> list[PendingRecord]:
-        """The next record, with the small ones queued right behind it (under the lock). Nothing waits for more
-        records to come: a batch is what piled up while the transport was busy, so batching adds no delay."""
+        """The next record, with the small ones queued right behind it (under the lock): those that piled up while
+        the transport was busy, or joined it while the sender lingered."""
         first = self._queue.popleft()
         batch = [first]
         total = first.held_bytes
         if total > BATCH_RECORD_BYTES:
-            return batch
-        while self._queue and len(batch) < BATCH_RECORDS:
-            size = self._queue[0].held_bytes
-            if size > BATCH_RECORD_BYTES or total + size > BATCH_BYTES:
-                break
-            batch.append(self._queue.popleft())
-            total += size
+            self._queued_large -= 1
+        else:
+            while self._queue and len(batch) < BATCH_RECORDS:
+                size = self._queue[0].held_bytes
+                if size > BATCH_RECORD_BYTES or total + size > BATCH_BYTES:
+                    break
+                batch.append(self._queue.popleft())
+                total += size
+        self._queued_bytes -= total
         return batch
 
     def _encode_together(self, batch: list[PendingRecord]) -> bool:
@@ -273,6 +321,7 @@ class Sender:
             self.counts.dropped += len(self._unacked)
             self._unacked.clear()
             self._queue.clear()
+            self._queued_bytes = self._queued_large = 0
             self._held = 0
             self._work.notify_all()
             self._room.notify_all()
@@ -296,6 +345,7 @@ class Sender:
                                 "up to %.0f s more. %s", len(self._unacked), self._held >> 20, deadline - now,
                                 self.transport.describe_state())
                 self._room_wanted.append(self.budget + 1)   # woken when nothing is left unacknowledged
+                self._end_linger()
                 self._room.wait(min(1.0, max(0.01, deadline - now)))
                 self._room_wanted.remove(self.budget + 1)
             self._closing = True

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from npu_agent import sender as sender_module
 from npu_agent.config import Endpoint
 from npu_agent.records import CHANGED_REASON, PendingRecord, batch_frame, encode_record, encode_together
 from npu_agent.records import _PayloadEncoder as PayloadEncoder
@@ -209,6 +210,88 @@ def test_sender_batches_only_small_records_that_queued_up():
     counts = sender.close(timeout=30)
     assert counts["acknowledged"] == 6
     assert sent == [[0], [1, 2], [3], [4, 5]]
+
+
+class _Answering(_InProcessTransport):
+    """Acknowledges every record at once; `sent` is what each call was given, `calls` is set on each call."""
+
+    def __init__(self):
+        self.sent: list[list[int]] = []
+        self.calls = threading.Event()
+
+    def send_records(self, recs, generation):
+        self.sent.append([r.seq for r in recs])
+        self.calls.set()
+        for r in recs:
+            self.events.on_ack(r.seq, "ACCEPTED", "")
+        return True
+
+
+def _sent_within(transport: _Answering, n: int, seconds: float = 10.0) -> list[list[int]]:
+    """What the transport was given, once it was given `n` batches (fails after `seconds`: LINGER_S is far longer
+    in these tests, so only what ends a linger can send them sooner)."""
+    deadline = time.monotonic() + seconds
+    while len(transport.sent) < n and time.monotonic() < deadline:
+        transport.calls.wait(0.05)
+        transport.calls.clear()
+    assert len(transport.sent) >= n, f"only {transport.sent} sent within {seconds} s"
+    return transport.sent
+
+
+def _submit_slowly(sender: Sender, records: list[PendingRecord]) -> None:
+    """Submit each record with a pause before the next: time for the sender to send it, did it not linger. The
+    first waits for the sender to be idle (its start's re-send done: a re-send ends a linger)."""
+    deadline = time.monotonic() + 10
+    while not (sender._sender_idle and not sender._resend) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    for rec in records:
+        sender.submit(rec)
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def lingering(monkeypatch):
+    """A linger far longer than any test: a record goes out before it only when something ends the linger."""
+    monkeypatch.setattr(sender_module, "LINGER_S", 600.0)
+
+
+def test_a_small_record_that_finds_the_sender_idle_waits_for_others_to_join_it(lingering, monkeypatch):
+    """The records a training submits one after the other go out in one message (npu_agent/sender.py,
+    "Lingering"); a full batch ends the wait, and so does `close`."""
+    monkeypatch.setattr(sender_module, "BATCH_RECORDS", 4)
+    transport = _Answering()
+    sender = Sender(transport, budget_bytes=1 << 30)
+    _submit_slowly(sender, [_relu(seq) for seq in range(4)])
+    assert _sent_within(transport, 1) == [[0, 1, 2, 3]]
+    _submit_slowly(sender, [_relu(4)])
+    counts = sender.close(timeout=10)   # what it waits for: the linger ends
+    assert counts["unacknowledged"] == 0 and counts["acknowledged"] == 5
+    assert transport.sent == [[0, 1, 2, 3], [4]]
+
+
+def test_a_large_record_ends_the_linger(lingering):
+    """Nothing can join small records past a large one (it goes alone): they go at once, then it."""
+    transport = _Answering()
+    sender = Sender(transport, budget_bytes=1 << 30)
+    big = torch.zeros((1 << 16) + 1)   # just over 256 KiB of tensor: above the batching limit
+    _submit_slowly(sender, [_relu(0), _relu(1),
+                            PendingRecord(name="Functional.relu.2", step=0, inputs=snapshot(((big,), {})))])
+    assert _sent_within(transport, 2) == [[0, 1], [2]]
+    sender.close(timeout=10)
+
+
+def test_a_training_that_waits_for_room_ends_the_linger(lingering):
+    """At the memory budget the training waits for acknowledgements: the sender sends what it holds at once."""
+    transport = _Answering()
+    one = _relu(0).nbytes
+    sender = Sender(transport, budget_bytes=2 * one)
+    submitted = threading.Thread(target=_submit_slowly, args=(sender, [_relu(seq) for seq in range(3)]), daemon=True)
+    submitted.start()
+    submitted.join(10)
+    assert not submitted.is_alive(), "the training waited for the linger to end"
+    assert _sent_within(transport, 1)[0] == [0, 1]
+    counts = sender.close(timeout=10)
+    assert counts["acknowledged"] == 3 and transport.sent == [[0, 1], [2]]
 
 
 def test_one_answer_releases_a_run_of_records():
