@@ -83,13 +83,6 @@ def test_blocks_nest_and_threads_keep_their_own():
     assert extremes._local.memo is None
 
 
-def test_measure_is_of_with_the_inputs_known():
-    x, inf16 = torch.ones(3), torch.tensor([float("inf")], dtype=torch.float16)
-    assert CallFiniteness.measure(True, [inf16], [torch.tensor([70000.0])]) == \
-        CallFiniteness.of((x,), [inf16], [torch.tensor([70000.0])])
-    assert CallFiniteness.measure(False, [x], [x]) == CallFiniteness.of((torch.tensor([float("nan")]),), [x], [x])
-
-
 def test_a_backward_check_reads_its_forward_inputs_finiteness(monkeypatch, tmp_path):
     """Real records of a real training step through a server worker: each forward's inputs are measured once (by its
     forward's check), and a backward whose forward received a NaN is told so all the same."""

@@ -95,11 +95,13 @@ def test_bit_identical_on_empty_views_with_stride_zero():
 
 def test_call_finiteness_tells_the_origin_and_whose_fault():
     x = torch.ones(4, dtype=torch.float16)
-    both = CallFiniteness.of((x,), [torch.tensor([INF], dtype=torch.float16)], [torch.tensor([70000.0])])
+    finite_in = all_finite((x,))
+    both = CallFiniteness.measure(finite_in, [torch.tensor([INF], dtype=torch.float16)], [torch.tensor([70000.0])])
     assert both.origin and both.device and both.bench and "own overflow" in both.verdict()
-    device_only = CallFiniteness.of((x,), [torch.tensor([NAN], dtype=torch.float16)], [torch.tensor([1.0])])
+    device_only = CallFiniteness.measure(finite_in, [torch.tensor([NAN], dtype=torch.float16)], [torch.tensor([1.0])])
     assert device_only.origin and not device_only.bench and "device fault" in device_only.verdict()
-    carried = CallFiniteness.of((torch.tensor([NAN]),), [torch.tensor([NAN])], [torch.tensor([NAN])])
+    nan_in = all_finite((torch.tensor([NAN]),))
+    carried = CallFiniteness.measure(nan_in, [torch.tensor([NAN])], [torch.tensor([NAN])])
     assert not carried.origin and not carried.inputs_finite
     assert all_finite({"a": [x, 3, None]}) and not all_finite((x, torch.tensor([INF])))
     assert not bench_nonfinite([torch.tensor([65000.0])], [torch.tensor([1.0], dtype=torch.float16)])

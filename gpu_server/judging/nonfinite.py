@@ -7,8 +7,8 @@ call whose inputs were all finite and whose output was not (the *origin*), on th
 taken in the device's dtype, so an overflow of the device's format counts on both sides), and the first call that
 received non-finite inputs (values made by code the checker does not see, such as the optimizer step).
 
-`CallFiniteness.of(...)` measures one replayed call; gpu_server/reports/summary.py keeps the first origin and the first
-non-finite input per rank. The element-wise agreement of inf/NaN positions is the metrics' inf/nan count
+`CallFiniteness.measure(...)` measures one replayed call; gpu_server/reports/summary.py keeps the first origin and
+the first non-finite input per rank. The element-wise agreement of inf/NaN positions is the metrics' inf/nan count
 (gpu_server/judging/metrics.py, `counts["inf_nan_bad"]`), used by gpu_server/judging/verdict.py.
 """
 from __future__ import annotations
@@ -88,13 +88,9 @@ class CallFiniteness:
         return self.inputs_finite and (self.device or self.bench)
 
     @classmethod
-    def of(cls, inputs: Any, device_outputs: list, bench_outputs: list) -> "CallFiniteness":
-        return cls.measure(all_finite(inputs), device_outputs, bench_outputs)
-
-    @classmethod
     def measure(cls, inputs_finite: bool, device_outputs: list, bench_outputs: list) -> "CallFiniteness":
-        """`of` with the inputs' finiteness known (a backward's check reads its forward's, measured once:
-        gpu_server/checking/checker.py)."""
+        """One replayed call, its inputs' finiteness known (`all_finite` of them; a backward's check reads its
+        forward's, measured once: gpu_server/checking/checker.py)."""
         return cls(inputs_finite, nonfinite_in(device_outputs), bench_nonfinite(bench_outputs, device_outputs))
 
     def verdict(self) -> str:
