@@ -440,7 +440,8 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
 
 def _thread_faults() -> int:
     """This thread's minor page faults so far (Linux; 0 elsewhere): a fault is a page the kernel had to find and
-    zero, about 1.5 us on this project's VM."""
+    zero, about 1.5 us on this project's VM, 10-25 us once the process holds more than a few GiB
+    (bench/first_touch.py)."""
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/stat") as fh:
             return int(fh.read().rpartition(")")[2].split()[7])
