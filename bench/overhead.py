@@ -179,7 +179,8 @@ def _free_port() -> int:
 @contextlib.contextmanager
 def checking_server(work: str, server_cfg: str, port: int):
     """A real gpu-server on the server core (one torch thread), listening on `port` for the block; then killed (its
-    checking backlog is not what these benches measure)."""
+    checking backlog is not what these benches measure), and its replay workers' shared-memory folder removed (a
+    killed server cannot: gpu_server/replay/shm_folder.py; else it held memory until the next server started)."""
     log = open(os.path.join(work, "server.log"), "w")
     pin = (lambda: os.sched_setaffinity(0, {SERVER_CORE})) if SERVER_CORE is not None else None
     server = subprocess.Popen([sys.executable, "-m", "gpu_server.cli", "--config", server_cfg, "--out",
@@ -196,6 +197,8 @@ def checking_server(work: str, server_cfg: str, port: int):
         server.send_signal(signal.SIGKILL)
         server.wait(timeout=60)
         log.close()
+        from gpu_server.replay.shm_folder import shm_parent, sweep
+        sweep(shm_parent())
 
 
 class _GcClock:
