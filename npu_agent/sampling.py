@@ -156,6 +156,7 @@ class Sampler:
         self._base: float | None = None       # the median time of a step that captured nothing, less agent CPU
         self._owns: collections.deque[float] = collections.deque(maxlen=9)   # the training's own time, recent steps
         self._first_own: float | None = None  # the first step's, until the second ended (it earns no more than 3 x it)
+        self._typical_own: float | None = None   # `_typical()` as the last step's end left it (read on each call)
         self._cpu_bases: collections.deque[float] = collections.deque(maxlen=9)
         self._cpu_base: float | None = None   # the median training thread CPU of a step that captured nothing
         self._thread_step = thread_clock() if policy.overhead_budget else 0.0   # that CPU when this step began
@@ -270,6 +271,7 @@ class Sampler:
                 self._first_own = None
             self._earned += self._budget * own
         self._owns.append(own)
+        self._typical_own = self._typical()
         if self._full:
             self._n_full = n
         calls = self.counts["calls"]
@@ -294,7 +296,7 @@ class Sampler:
         cpu, submitted, done = self._agent()
         per_record = cpu / done if done else RECORD_CPU_PRIOR
         in_step = max(now - self._t_step - self._n_step * self._call_cost - (cpu - self._cpu_step), 0.0)
-        typical = self._typical()
+        typical = self._typical_own   # (it changes only at a step's end)
         if typical is not None:
             in_step = min(in_step, EARN_CAP_STEPS * typical)
         earned = self._earned + self._budget * in_step
