@@ -1,7 +1,9 @@
-"""The folder reader puts a chunk's data straight from the file into its place in the record's payload
-(gpu_server/intake/folder.py `_read_in_place`, FrameAssembler.place): the records it delivers must hold exactly the
-bytes of the whole-frame path (every frame read as a message, `parse_frame`, `feed` copying the data), for every
-layout a frame can have, and every file the whole-frame path refuses is refused with the same words."""
+"""The folder reader puts a frame's data straight from the file into its place in the record's payload (a chunk
+that continues the record, or a record frame that more chunks complete: gpu_server/intake/folder.py `_read_in_place`,
+FrameAssembler.place): the records it delivers must hold exactly the bytes of the whole-frame path (every frame read
+as a message, `parse_frame`, `feed` copying the data), for every layout a frame can have, with the head read apart
+as large as the reader's or as small as 512 bytes, and every file the whole-frame path refuses is refused with the
+same words."""
 from __future__ import annotations
 
 import os
@@ -10,6 +12,7 @@ import types
 
 import pytest
 
+from gpu_server.intake import assembler as assembler_mod
 from gpu_server.intake import folder as folder_mod
 from gpu_server.intake.assembler import FrameAssembler
 from gpu_server.intake.folder import BadFile, FolderReader, _Dir
@@ -17,6 +20,7 @@ from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH
 from protos.framing import DATA_TAG, data_field_at, parse_frame, varint
+from protos.limits import Limits
 
 RUN = "readinto0123456789"
 WHOLE = 1 << 40   # a HEAD_BYTES no frame exceeds: every frame read as a whole (the path before)
@@ -26,9 +30,11 @@ def _payload(n: int, seed: int) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def _record_frame(seq: int, payload_bytes: int, data: bytes) -> bytes:
+def _record_frame(seq: int, payload_bytes: int, data: bytes, tensors: int = 0) -> bytes:
     rec = pb.Record(payload_bytes=payload_bytes)
     rec.header.run_id, rec.header.rank, rec.header.seq = RUN, 0, seq
+    for i in range(tensors):   # a header as long as a backward record's of many tensors
+        rec.tensors.add(dtype="float32", shape=[i + 1, 64], offset=0, nbytes=256 * (i + 1))
     return pb.Frame(record=rec).SerializeToString() + DATA_TAG + varint(len(data)) + data
 
 
@@ -50,13 +56,14 @@ def _file(frames: list[bytes]) -> bytes:
     return FOLDER_MAGIC + b"".join(FRAME_LENGTH.pack(len(f)) + f for f in frames)
 
 
-def _deliver(tmp_path, content: bytes, monkeypatch, head_bytes: int, truncate_after: int | None = None):
+def _deliver(tmp_path, content: bytes, monkeypatch, head_bytes: int, truncate_after: int | None = None,
+             limits=None):
     """What the reader makes of a file: ('ok', [(record, payload bytes)]) or ('refused', why)."""
     monkeypatch.setattr(folder_mod, "HEAD_BYTES", head_bytes)
     (tmp_path / "r.rec").write_bytes(content)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     reader = FolderReader(str(tmp_path), intake=types.SimpleNamespace(budget=None))
-    asm = FrameAssembler()
+    asm = FrameAssembler() if limits is None else FrameAssembler(limits)
     out = []
     try:
         frames = reader._read_frames(_Dir(str(tmp_path), fd, "rank0"), "r.rec", asm)
@@ -76,22 +83,76 @@ def _deliver(tmp_path, content: bytes, monkeypatch, head_bytes: int, truncate_af
 
 def _both(tmp_path, content: bytes, monkeypatch, **kw):
     before = _deliver(tmp_path, content, monkeypatch, WHOLE, **kw)
-    now = _deliver(tmp_path, content, monkeypatch, folder_mod.HEAD_BYTES, **kw)
-    assert now == before
+    for head_bytes in (folder_mod.HEAD_BYTES, 512):
+        now = _deliver(tmp_path, content, monkeypatch, head_bytes, **kw)
+        assert now == before
     return now
+
+
+@pytest.fixture
+def copies(monkeypatch):
+    """The bytes the assembler copies into payloads (what was not read into place), and the payloads it opens."""
+    count = {"bytes": 0, "opened": 0}
+    write, init = assembler_mod._Payload.write, assembler_mod._Payload.__init__
+
+    def counted(self, off, data):
+        count["bytes"] += len(data)
+        write(self, off, data)
+
+    def opened(self, size):
+        count["opened"] += 1
+        init(self, size)
+
+    monkeypatch.setattr(assembler_mod._Payload, "write", counted)
+    monkeypatch.setattr(assembler_mod._Payload, "__init__", opened)
+    return count
 
 
 @pytest.mark.parametrize("layout", ["agent", "data_first", "split", "unknown"])
 @pytest.mark.parametrize("sizes", [[70_000, 70_000, 5_000], [4096, 100, 600, 513, 512, 511, 1]])
-def test_records_hold_exactly_the_bytes_of_the_whole_frame_path(tmp_path, monkeypatch, layout, sizes):
+@pytest.mark.parametrize("tensors", [0, 120])
+def test_records_hold_exactly_the_bytes_of_the_whole_frame_path(tmp_path, monkeypatch, layout, sizes, tensors):
     payload = _payload(sum(sizes), len(sizes))
-    frames = [_record_frame(7, len(payload), payload[:sizes[0]])]
+    frames = [_record_frame(7, len(payload), payload[:sizes[0]], tensors)]
     off = sizes[0]
     for n in sizes[1:]:
         frames.append(_chunk(7, off, payload[off:off + n], layout))
         off += n
     status, records = _both(tmp_path, _file(frames), monkeypatch)
     assert status == "ok" and len(records) == 1 and records[0][1] == payload
+
+
+def test_every_data_byte_is_read_into_place(tmp_path, monkeypatch, copies):
+    """With the agent's layout and the reader's head, no byte of a record of several frames is copied after it was
+    read: neither the first frame's (its header of 120 tensors is longer than 512 bytes) nor the chunks'."""
+    payload = _payload(150_000, 11)
+    frames = [_record_frame(7, len(payload), payload[:60_000], tensors=120),
+              _chunk(7, 60_000, payload[60_000:120_000]), _chunk(7, 120_000, payload[120_000:])]
+    assert len(frames[0]) - 60_000 > 512
+    status, records = _deliver(tmp_path, _file(frames), monkeypatch, folder_mod.HEAD_BYTES)
+    assert status == "ok" and [p for _, p in records] == [payload]
+    assert copies["bytes"] == 0
+    status, records = _deliver(tmp_path, _file(frames), monkeypatch, 512)   # the header is not in the head
+    assert status == "ok" and [p for _, p in records] == [payload]
+    assert copies["bytes"] == 60_000
+
+
+def test_records_cut_off_or_refused_after_their_first_frame_are_as_before(tmp_path, monkeypatch, copies):
+    """A record frame read into place and then cut off by the next record leaves nothing behind: what follows is
+    delivered and refused as on the whole-frame path; one announcing more than the record limit is refused without
+    a payload opened for it."""
+    one, two = _payload(90_000, 12), _payload(50_000, 13)
+    cut = [_record_frame(7, len(one), one[:40_000]), _record_frame(8, len(two), two[:30_000]),
+           _chunk(8, 30_000, two[30_000:])]
+    status, why = _both(tmp_path, _file(cut), monkeypatch)
+    assert status == "refused" and "record 7 was cut off by the next record" in why
+    status, records = _both(tmp_path, _file(cut[1:]), monkeypatch)
+    assert status == "ok" and [p for _, p in records] == [two]
+    small = Limits(max_record_bytes=80_000)
+    opened = copies["opened"]
+    status, why = _both(tmp_path, _file(cut[:1]), monkeypatch, limits=small)
+    assert status == "refused" and "above the limit of 80000" in why
+    assert copies["opened"] == opened
 
 
 def test_a_record_in_one_frame_and_chunks_that_do_not_continue_are_as_before(tmp_path, monkeypatch):

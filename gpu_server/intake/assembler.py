@@ -42,7 +42,8 @@ class FrameAssembler:
         self.record: pb.Record | None = None
         self.payload: _Payload | None = None    # written as the chunks arrive: pages are taken as they are written
         self._first: bytes | memoryview = b""     # the first frame's data, until the second frame comes
-        self._placed: memoryview | None = None   # where `place` had the next chunk's data read (already in place)
+        self._placed: memoryview | None = None   # where `place` had the next frame's data read (already in place)
+        self._opened: _Payload | None = None     # the payload `place` opened for a record frame's data, until fed
         self.filled = 0
         self.refused_seq: int | None = None
         self._admitted: pb.Frame | None = None   # the record frame `before` admitted, until it is fed
@@ -186,6 +187,7 @@ class FrameAssembler:
         body = frame.WhichOneof("body")
         if data is None:
             data = frame.data
+        opened, self._opened = self._opened, None
         if body == "record":
             rec = frame.record
             self._admit_once(frame)
@@ -199,7 +201,10 @@ class FrameAssembler:
             # are taken as they are written, so a header announcing much and sending little holds little. The
             # first frame's data stays where it is until the next chunk comes (no copy for a record that stalls).
             self.record, self.filled = rec, len(data)
-            self._first = data
+            if opened is not None and data is self._placed:   # read into the payload already (`place`)
+                self.payload, self._placed = opened, None
+            else:
+                self._first = data
             self.need = check_peak(rec, self.held + rec.payload_bytes - len(data))
             self.started = self.last = time.monotonic()
             self.waited = self._waited_at_last = self.share_waited = 0.0
@@ -238,13 +243,28 @@ class FrameAssembler:
         return None
 
     def place(self, frame: pb.Frame, n: int) -> memoryview | None:
-        """Where the `n` data bytes of this chunk frame go in the payload being joined, for a reader that can put
-        them there itself (the folder reads them from the file straight into it: the only copy they get); None when
-        the frame is not the chunk that continues the record (`feed` then refuses it or takes it as it is). `feed`
-        the frame with the view returned as its data after filling it; nothing else of the frame is checked here,
-        so what `before` and `feed` check and refuse stays where and as it was."""
+        """Where the `n` data bytes of this frame go in the payload being joined, for a reader that can put them
+        there itself (the folder reads them from the file straight into it: the only copy they get): a chunk that
+        continues the record being joined, or a record frame whose payload more chunks will complete (its payload
+        is opened for it, within the record limit); None for any other frame (`feed` then refuses it or takes it
+        as it is). `feed` the frame with the view returned as its data after filling it; nothing else of the frame
+        is checked here, so what `before` and `feed` check and refuse stays where and as it was (a record frame
+        refused there leaves its payload to the next frame)."""
+        self._opened = None
+        body = frame.WhichOneof("body")
         rec = self.record
-        if (rec is None or frame.WhichOneof("body") != "chunk" or frame.chunk.seq != rec.header.seq
+        if body == "record":
+            size = frame.record.payload_bytes
+            if not n < size <= self.limits.max_record_bytes:   # one frame's record; a size refused: no mapping
+                return None
+            try:
+                payload = self._opened = _Payload(size)
+            except OSError:   # no mapping that large now: read as a whole, refused or joined as before
+                return None
+            payload.prepare(0, n)
+            self._placed = memoryview(payload.map)[:n]
+            return self._placed
+        if (rec is None or body != "chunk" or frame.chunk.seq != rec.header.seq
                 or frame.chunk.offset != self.filled or self.filled + n > rec.payload_bytes):
             return None
         payload = self._buffer()
@@ -365,7 +385,7 @@ class FrameAssembler:
             except BufferError:   # a view `place` handed out is still held (a read cut off): freed with it
                 pass
         self._first = b""
-        self._placed = None
+        self._placed = self._opened = None
         self._admitted = None
         if self.record is not None and self.share is not None:
             self.share.ended(id(self))

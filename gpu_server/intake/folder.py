@@ -74,7 +74,10 @@ _FILE_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLO
 ORIGIN = "folder"   # who sent the folder's records, for Intake.end_backed
 TURN_GROUP = 64     # rank folders whose streams take turns together in a pass (FolderReader.poll_once)
 UNSETTLED_FILES = 8   # files read whose records are not all durable yet, at most, before the reader waits for one
-HEAD_BYTES = 512      # a frame's first bytes read apart, to put a chunk's data straight into place (_read_frames)
+# A frame's first bytes, read apart to put its data straight into place (_read_frames): the fields before the data
+# must lie in them. A chunk's take a few bytes; a record frame's header grows with its tensors (5.8 KiB for a
+# backward record of the mid transformer of bench/server.py).
+HEAD_BYTES = 16 << 10
 
 
 class _Dir:
@@ -366,7 +369,8 @@ class FolderReader:
         """Yield (frame, its data, bytes left in the file) of a published file, checking every size before reading
         it (the data: a view into the frame's bytes where it could be parsed apart, protos.framing.parse_frame).
         With `asm`, each frame's bytes are reserved in the memory budget before they are read, and a chunk that
-        continues the record being joined is read straight into its place (`_read_in_place`)."""
+        continues the record being joined, or a record frame's data that more chunks will complete, is read straight
+        into its place (`_read_in_place`)."""
         # O_NOFOLLOW | O_NONBLOCK, relative to the folder opened without following links: a symlink or a FIFO
         # planted under a record's name is refused, never followed or waited on.
         fd = os.open(name, _FILE_FLAGS, dir_fd=folder.fd)
@@ -413,12 +417,13 @@ class FolderReader:
 
     @staticmethod
     def _read_in_place(fh, pos: int, n: int, asm: FrameAssembler) -> tuple[pb.Frame, memoryview] | None:
-        """The `n`-byte frame at byte `pos` of the file as (frame, its data), when it is a chunk that continues the
-        record `asm` is joining: its first bytes are read and parsed apart (protos.framing.data_field_at), then its
-        data is read from the file straight into its place in the record's payload (FrameAssembler.place), not
-        into a message of its own that `feed` would copy again. Else None, with the file back at `pos`: the frame
-        is read as a whole and checked as before (every layout that is not the agent's, every frame that is not
-        such a chunk, every error). A file cut short meanwhile is refused with the same words as there."""
+        """The `n`-byte frame at byte `pos` of the file as (frame, its data), when `asm` has a place for its data (a
+        chunk that continues the record it is joining, or a record frame whose payload more chunks will complete,
+        FrameAssembler.place): its first bytes are read and parsed apart (protos.framing.data_field_at), then its
+        data is read from the file straight into its place in the record's payload, not into a message of its own
+        that `feed` would copy again. Else None, with the file back at `pos`: the frame is read as a whole and
+        checked as before (every layout that is not the agent's, every other frame, every error). A file cut short
+        meanwhile is refused with the same words as there."""
         head = fh.read(HEAD_BYTES)
         at = data_field_at(head, n) if len(head) == HEAD_BYTES else None
         view = None
