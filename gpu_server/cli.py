@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 
+from gpu_server import malloc_policy
 from gpu_server.config import ServerConfigError, load_server_config
 from gpu_server.replay import prestart
 from protos.limits import DEFAULT_LIMITS, MiB
@@ -120,6 +121,7 @@ def main(argv=None) -> int:
         return run_subcommand(argv[0], argv[1:])
     logging.basicConfig(level=logging.INFO, format="[gpu-server] %(levelname)s %(message)s", stream=sys.stderr)
     ns = _args(argv)
+    malloc_policy.keep_freed_memory()   # (the replay workers do the same at their start)
     try:
         config = load_server_config(ns.config)
     except ServerConfigError as exc:

@@ -33,6 +33,7 @@ from typing import Any, Iterator
 
 import torch
 
+from gpu_server import malloc_policy
 from gpu_server.decode import decode_job
 from gpu_server.job import Job
 from gpu_server.replay import run as replay
@@ -293,6 +294,7 @@ def _arguments(argv: list[str]) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    malloc_policy.keep_freed_memory()   # each record's tensors take the pages the last one freed
     argv = _arguments(sys.argv[1:] if argv is None else list(argv))
     if argv is None:
         return 0
