@@ -24,6 +24,7 @@ from protos.limits import Limits
 
 RUN = "readinto0123456789"
 WHOLE = 1 << 40   # a HEAD_BYTES no frame exceeds: every frame read as a whole (the path before)
+READER_HEAD = folder_mod.HEAD_BYTES   # the reader's own, taken before any test sets another (`_deliver` does)
 
 
 def _payload(n: int, seed: int) -> bytes:
@@ -83,7 +84,7 @@ def _deliver(tmp_path, content: bytes, monkeypatch, head_bytes: int, truncate_af
 
 def _both(tmp_path, content: bytes, monkeypatch, **kw):
     before = _deliver(tmp_path, content, monkeypatch, WHOLE, **kw)
-    for head_bytes in (folder_mod.HEAD_BYTES, 512):
+    for head_bytes in (READER_HEAD, 512):
         now = _deliver(tmp_path, content, monkeypatch, head_bytes, **kw)
         assert now == before
     return now
@@ -129,7 +130,7 @@ def test_every_data_byte_is_read_into_place(tmp_path, monkeypatch, copies):
     frames = [_record_frame(7, len(payload), payload[:60_000], tensors=120),
               _chunk(7, 60_000, payload[60_000:120_000]), _chunk(7, 120_000, payload[120_000:])]
     assert len(frames[0]) - 60_000 > 512
-    status, records = _deliver(tmp_path, _file(frames), monkeypatch, folder_mod.HEAD_BYTES)
+    status, records = _deliver(tmp_path, _file(frames), monkeypatch, READER_HEAD)
     assert status == "ok" and [p for _, p in records] == [payload]
     assert copies["bytes"] == 0
     status, records = _deliver(tmp_path, _file(frames), monkeypatch, 512)   # the header is not in the head
