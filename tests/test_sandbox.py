@@ -184,12 +184,15 @@ def test_a_replay_past_the_memory_cap_is_skip_naming_the_option_and_the_worker_g
 def test_a_slow_replay_is_cut_at_its_time_limit_and_the_next_record_is_checked(tmp_path):
     with support.Server(str(tmp_path), args=("--replay-timeout-s", "1")) as server:
         t0 = time.time()
-        stream = RawStream(server.port).send(hello(), *slow_svd(0), *relu(1))
-        assert len(stream.wait(2)) == 2
-        rows = wait_for(lambda: (lambda r: r if len(r) == 2 else None)(rows_named(server.out, "")), 120, "rows")
-        svd = rows["Torch.linalg_svd.0.forward.output.0"]
+        # a record answered before the slow one: the stopped worker leaves its answer arena behind
+        stream = RawStream(server.port).send(hello(), *relu(0), *slow_svd(1), *relu(2))
+        assert len(stream.wait(3)) == 3
+        rows = wait_for(lambda: (lambda r: r if len(r) == 3 else None)(rows_named(server.out, "")), 120, "rows")
+        svd = rows["Torch.linalg_svd.1.forward.output.0"]
         assert svd["Status"] == "SKIP" and "--replay-timeout-s 1" in svd["Message"], svd["Message"]
-        assert rows["Functional.relu.1.forward.output.0"]["Status"] == "pass"
+        assert rows["Functional.relu.0.forward.output.0"]["Status"] == "pass"
+        relu2 = rows["Functional.relu.2.forward.output.0"]
+        assert relu2["Status"] == "pass", relu2
         assert time.time() - t0 < 90
         stream.close()
         assert server.stop() == 0
@@ -249,6 +252,26 @@ def test_a_worker_that_dies_between_requests_is_replaced_on_the_next_one():
         with pytest.raises(WorkerLost, match="SIGKILL"):
             proc.forward(job, keep=False, match=True)
         assert proc.forward(job, keep=False, match=True).bench[0].shape == (64,)
+        assert proc.replaced == 1
+    finally:
+        proc.close()
+
+
+def test_a_worker_killed_after_it_answered_is_replaced_and_its_arenas_do_not_stop_the_next_one():
+    """A worker stopped by the time limit or a crash after earlier answers leaves its answer arena in the folder;
+    its replacement names its arenas from out-0 again and must still answer (before: FileExistsError on every later
+    request)."""
+    job = job_of(relu(0))
+    proc = ProcessReplayer(torch.device("cpu"), SandboxLimits(timeout_s=60), 1, 64 * MiB)
+    try:
+        first = proc.forward(job, keep=False, match=True).bench[0]
+        assert "out-0" in os.listdir(proc.folder)
+        os.kill(proc._proc.pid, signal.SIGKILL)
+        proc._proc.wait()
+        with pytest.raises(WorkerLost, match="SIGKILL"):
+            proc.forward(job, keep=False, match=True)
+        for _ in range(2):
+            assert torch.equal(proc.forward(job, keep=False, match=True).bench[0], first)
         assert proc.replaced == 1
     finally:
         proc.close()

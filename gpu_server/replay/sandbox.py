@@ -42,7 +42,16 @@ from gpu_server.replay.run import (
     run_forward,
     run_forward_kept,
 )
-from gpu_server.replay.sandbox_wire import Arena, ChannelClosed, ChannelTimeout, Mapped, read_leaves, receive, send
+from gpu_server.replay.sandbox_wire import (
+    ARENA_NAME,
+    Arena,
+    ChannelClosed,
+    ChannelTimeout,
+    Mapped,
+    read_leaves,
+    receive,
+    send,
+)
 
 log = logging.getLogger("gpu_server")
 
@@ -180,6 +189,7 @@ class ProcessReplayer:
     def _spawn(self) -> None:
         """A worker interpreter (one gpu-server started ahead, else a new one: gpu_server/replay/prestart.py), told
         what to be by its first message."""
+        self._clear_answers()
         ahead = prestart.take()
         child = ahead or prestart.launch()
         self._ahead = ahead is not None
@@ -195,8 +205,22 @@ class ProcessReplayer:
             pass   # it is gone: `ready` says so
         self.generation += 1
         self._drops.clear()
-        self.outbox.close()
         self._hello = False
+
+    def _clear_answers(self) -> None:
+        """Remove the answer arenas a worker left when it was killed (the time limit, a native crash): the next one
+        names its arenas from out-0 again, and makes each anew (sandbox_wire.Arena: O_EXCL)."""
+        self.outbox.close()
+        try:
+            names = os.listdir(self.folder)
+        except OSError:
+            return
+        for name in names:
+            if ARENA_NAME.fullmatch(name) and name.startswith("out-"):
+                try:
+                    os.unlink(os.path.join(self.folder, name))
+                except OSError as exc:
+                    log.warning("%s: cannot remove %s left by a stopped worker (%s)", self.name, name, exc)
 
     def ready(self) -> None:
         """Wait for the child started last to be ready (it imports torch); RuntimeError when it does not start."""
