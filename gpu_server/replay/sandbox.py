@@ -33,6 +33,7 @@ import torch
 from gpu_server.job import Job
 from gpu_server.memcopy import copy_into
 from gpu_server.replay import extensions, prestart, shm_folder, spread
+from gpu_server.replay.answer_arenas import AnswerMaps
 from gpu_server.replay.run import (
     KeptForward,
     ReplayError,
@@ -42,16 +43,7 @@ from gpu_server.replay.run import (
     run_forward,
     run_forward_kept,
 )
-from gpu_server.replay.sandbox_wire import (
-    ARENA_NAME,
-    Arena,
-    ChannelClosed,
-    ChannelTimeout,
-    Mapped,
-    read_leaves,
-    receive,
-    send,
-)
+from gpu_server.replay.sandbox_wire import ARENA_NAME, Arena, ChannelClosed, ChannelTimeout, read_leaves, receive, send
 
 log = logging.getLogger("gpu_server")
 
@@ -173,7 +165,7 @@ class ProcessReplayer:
         self._owned = shm_folder.OwnedFolder(parent)
         self.folder = self._owned.path
         self.inbox = Arena(self.folder, "in")
-        self.outbox = Mapped(self.folder, "out")
+        self.outbox = AnswerMaps(self.folder, "out")
         self.generation = 0
         self.replaced = 0
         self._proc: subprocess.Popen | None = None
@@ -292,7 +284,8 @@ class ProcessReplayer:
                 spans.append([off, n])
                 off += n
             del view
-            req = {"op": op, "arena": self.inbox.name, "drop": self._drops[:], **fields}
+            req = {"op": op, "arena": self.inbox.name, "drop": self._drops[:], "free": self.outbox.take_free(),
+                   **fields}
             for k, r in refs.items():
                 req[k] = None if r is None else {"record": spans[r["record"]], "payload": spans[r["payload"]]}
             self._drops.clear()
@@ -317,13 +310,25 @@ class ProcessReplayer:
                 raise RuntimeError(f"in the replay worker: {str(reply['internal_error'])[:500]}")
             if "runs" in reply:
                 try:
-                    reply["runs"] = read_leaves(reply["runs"], self.outbox.view(reply.get("arena", "")),
-                                                self.device)
+                    reply["runs"] = self._read_answer(reply)
                 except (ChannelClosed, OSError) as exc:
                     how = self._kill()
                     raise WorkerLost(f"the replay worker answered what it should not ({exc}); it was stopped ({how}) "
                                      "and replaced; the record is quarantined") from None
             return reply
+
+    def _read_answer(self, reply: dict) -> list[list]:
+        """The answer's runs: its tensors views of the worker's arena while the server holds few of them, else
+        copies (gpu_server/replay/answer_arenas.py)."""
+        self.outbox.forget(reply.get("gone"))
+        name = reply.get("arena", "")
+        arena, in_place = self.outbox.open(name)
+        try:
+            return read_leaves(reply["runs"], arena, self.device, copy=not in_place)
+        finally:
+            del arena
+            if not in_place:
+                self.outbox.done(name)
 
     def _handles(self, reply: dict) -> _Handles | None:
         kept = reply.get("kept") or [None, None]

@@ -4,15 +4,17 @@ Two channels per worker:
 - a pipe of messages: a 4-byte little-endian length, then one JSON object (never pickle: the worker has handled
   hostile data, so the server reads what it answers as it reads a client, with every size checked);
 - two shared-memory arenas (files in a private folder under /dev/shm, mapped by both sides): the server writes the
-  records a request needs into its `in-N` arena, the worker writes the tensors of its answer into its `out-N` arena.
-  A side that needs a larger arena makes a new one (the next N) and names it in its message.
+  records a request needs into its `in-N` arena, the worker writes the tensors of its answer into one of its
+  `out-N` arenas (which one, and how the server reads them in place: gpu_server/replay/answer_arenas.py). A side
+  that needs a larger arena makes a new one (the next N) and names it in its message.
 
-A tensor in an answer is `{"t": [dtype, shape, offset, nbytes]}` into the worker's arena; other values are
-`{"v": number|bool|str|null}` and `{"c": [re, im]}`. `read_leaves` checks every field against the arena before it
-copies anything out.
+A tensor in an answer is `{"t": [dtype, shape, offset, nbytes]}` into the worker's arena (offsets aligned to
+`ALIGN`); other values are `{"v": number|bool|str|null}` and `{"c": [re, im]}`. `read_leaves` checks every field
+against the arena before it reads anything.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import mmap
 import os
@@ -20,7 +22,7 @@ import re
 import select
 import struct
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -87,9 +89,9 @@ def receive(fd: int, timeout: float | None = None) -> dict:
 class Arena:
     """One side's shared-memory area: written by its owner, read by the other side through `Mapped`."""
 
-    def __init__(self, folder: str, prefix: str):
+    def __init__(self, folder: str, prefix: str, names: Iterator[int] | None = None):
         self.folder, self.prefix = folder, prefix
-        self.generation = -1
+        self._names = names if names is not None else itertools.count()   # shared by arenas of one prefix
         self.name = ""
         self.size = 0
         self._map: mmap.mmap | None = None
@@ -98,9 +100,8 @@ class Arena:
         """A writable view of at least `nbytes` (a new, larger arena when the current one is too small)."""
         if nbytes > self.size or self._map is None:
             self.close()
-            self.generation += 1
             self.size = max(1 << 20, 1 << max(0, (nbytes - 1).bit_length()))
-            self.name = f"{self.prefix}-{self.generation}"
+            self.name = f"{self.prefix}-{next(self._names)}"
             path = os.path.join(self.folder, self.name)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
             try:
@@ -121,7 +122,8 @@ class Arena:
 
 
 class Mapped:
-    """The other side's arena, mapped read-only by name (re-mapped when the name changes)."""
+    """The server's request arena on the worker's side, mapped read-only by name (re-mapped when the name
+    changes)."""
 
     def __init__(self, folder: str, prefix: str):
         self.folder, self.prefix = folder, prefix
@@ -165,10 +167,17 @@ def _host_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-def write_leaves(runs: list[list], arena: Arena) -> tuple[list[list], str]:
+ALIGN = 64   # each tensor of an answer starts at a multiple of this offset: read in place as any dtype
+
+
+def _aligned(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def write_leaves(runs: list[list], arena: Any) -> tuple[list[list], str]:
     """Each run's values as answer entries, their tensors copied into `arena`; returns (entries, arena name)."""
     flat = [[_host_bytes(v) if isinstance(v, torch.Tensor) else None for v in run] for run in runs]
-    total = sum(b.numel() for run in flat for b in run if b is not None)
+    total = sum(_aligned(b.numel()) for run in flat for b in run if b is not None)
     view = arena.reserve(total)
     dest = torch.frombuffer(view, dtype=torch.uint8, count=arena.size) if arena.size else None
     entries, offset = [], 0
@@ -180,7 +189,7 @@ def write_leaves(runs: list[list], arena: Arena) -> tuple[list[list], str]:
                 if n:
                     dest[offset:offset + n].copy_(b)   # type: ignore[index]
                 out.append({"t": [dtype_name(v.dtype), list(v.shape), offset, n]})
-                offset += n
+                offset += _aligned(n)
             elif v is None or isinstance(v, (bool, int, float, str)):
                 if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
                     out.append({"f": repr(float(v))})   # JSON has no inf/NaN
@@ -206,8 +215,9 @@ def _float(text: Any) -> float:
         raise ChannelClosed(f"a float {text!r}") from None
 
 
-def read_leaves(entries: Any, arena: memoryview, device: torch.device | None = None) -> list[list]:
-    """The runs of an answer, every tensor copied out of the worker's arena (checked against it first)."""
+def read_leaves(entries: Any, arena: Any, device: torch.device | None = None, copy: bool = True) -> list[list]:
+    """The runs of an answer, every tensor copied out of the worker's arena (`arena`: a buffer; checked against it
+    first), or with `copy=False` a view of it (gpu_server/replay/answer_arenas.py)."""
     if not isinstance(entries, list):
         raise ChannelClosed("runs that are not a list")
     size = len(arena)
@@ -222,7 +232,7 @@ def read_leaves(entries: Any, arena: memoryview, device: torch.device | None = N
                 raise ChannelClosed("a value that is not a one-key object")
             (kind, body), = e.items()
             if kind == "t":
-                values.append(_tensor(body, src, size, device))
+                values.append(_tensor(body, src, size, device, copy))
             elif kind == "v":
                 if not (body is None or isinstance(body, (bool, int, float, str))) or \
                         isinstance(body, str) and len(body) > 4096:
@@ -247,7 +257,7 @@ def _dtype(name: str) -> torch.dtype:
         raise ChannelClosed(f"an unknown dtype {name[:40]!r}") from None
 
 
-def _tensor(body: Any, src: torch.Tensor | None, size: int, device: torch.device | None) -> torch.Tensor:
+def _tensor(body: Any, src: torch.Tensor | None, size: int, device: torch.device | None, copy: bool) -> torch.Tensor:
     if not (isinstance(body, list) and len(body) == 4 and isinstance(body[0], str) and isinstance(body[1], list)):
         raise ChannelClosed("a tensor entry that is not [dtype, shape, offset, nbytes]")
     dtype, shape, offset, nbytes = _dtype(body[0]), body[1], body[2], body[3]
@@ -265,7 +275,9 @@ def _tensor(body: Any, src: torch.Tensor | None, size: int, device: torch.device
     if not nbytes:
         t = torch.empty(shape, dtype=dtype)
     else:
-        raw = src[offset:offset + nbytes].clone()   # type: ignore[index]
+        raw = src[offset:offset + nbytes]   # type: ignore[index]
+        if copy or offset % ALIGN:   # a view of another dtype needs an aligned offset (write_leaves aligns them)
+            raw = raw.clone()
         t = raw.view(dtype).reshape(shape) if not dtype.is_complex else \
             torch.view_as_complex(raw.view(torch.float32 if dtype == torch.complex64 else torch.float64)
                                   .reshape(-1, 2)).reshape(shape)

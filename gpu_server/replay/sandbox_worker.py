@@ -38,8 +38,9 @@ from gpu_server.decode import decode_job
 from gpu_server.job import Job
 from gpu_server.replay import run as replay
 from gpu_server.replay import spread
+from gpu_server.replay.answer_arenas import AnswerArenas
 from gpu_server.replay.run import KeptForward, ReplayError, flatten_outputs
-from gpu_server.replay.sandbox_wire import Arena, ChannelClosed, Mapped, NotTransferable, receive, send, write_leaves
+from gpu_server.replay.sandbox_wire import ChannelClosed, Mapped, NotTransferable, receive, send, write_leaves
 from protos import online_check_pb2 as pb
 from protos.limits import DEFAULT_LIMITS
 from protos.trees import iter_leaves
@@ -70,7 +71,7 @@ class Worker:
         self.rfd, self.wfd = ns.rfd, ns.wfd
         self.limits = DEFAULT_LIMITS.replace(max_record_bytes=max(ns.max_record_bytes, DEFAULT_LIMITS.max_record_bytes))
         self.inbox = Mapped(ns.folder, "in")
-        self.outbox = Arena(ns.folder, "out")
+        self.outbox = AnswerArenas(ns.folder, "out")
         self.kept: dict[int, tuple[KeptForward, Job]] = {}
         self.next_handle = 1
 
@@ -159,6 +160,7 @@ class Worker:
         return {"runs": spread.backward_members(fwd, bwd, self.device, match)}
 
     def answer(self, req: dict) -> dict:
+        self.outbox.release(req.get("free"))   # arenas of earlier answers the server no longer reads
         for h in req.get("drop") or ():
             self.kept.pop(h, None)
         op = req.get("op")
@@ -182,6 +184,8 @@ class Worker:
             else:
                 raise ChannelClosed(f"unknown request {str(op)[:20]!r}")
             body["runs"], body["arena"] = write_leaves(body["runs"], self.outbox)
+            self.outbox.given(body["arena"])
+            body["gone"] = self.outbox.take_gone()
             return body
         except ReplayError as exc:
             return {"replay_error": memory_message(exc, self.cap) or str(exc)}
