@@ -12,7 +12,7 @@ import torch
 
 from gpu_server.replay.answer_arenas import HOLD, AnswerArenas, AnswerMaps
 from gpu_server.replay.sandbox import InlineReplayer, ProcessReplayer, SandboxLimits
-from gpu_server.replay.sandbox_wire import ALIGN, ChannelClosed, read_leaves, write_leaves
+from gpu_server.replay.sandbox_wire import ALIGN, Arena, ChannelClosed, Mapped, read_leaves, write_leaves
 from tests.test_sandbox import MiB, frames_of, job_of
 
 
@@ -145,3 +145,23 @@ def test_outputs_held_across_requests_keep_their_values_in_the_process_replayer(
         assert proc.outbox.in_place >= HOLD and proc.outbox.copied >= 3
     finally:
         proc.close()
+
+
+def test_an_arena_replaced_while_a_view_of_it_is_alive_stays_readable_through_that_view():
+    """Both sides re-map when the other's arena grows (a new name); a view something still holds (a tensor of an
+    earlier request) keeps the old mapping until it goes, instead of failing the request with BufferError."""
+    with tempfile.TemporaryDirectory() as folder:
+        for i, fill in enumerate((b"\x01", b"\x02")):
+            with open(os.path.join(folder, f"in-{i}"), "wb") as fh:
+                fh.write(fill * 4096)
+        inbox = Mapped(folder, "in")
+        old = torch.frombuffer(inbox.view("in-0"), dtype=torch.uint8)
+        assert bytes(inbox.view("in-1")[:2]) == b"\x02\x02"
+        assert int(old.sum()) == 4096
+        arena = Arena(folder, "out")
+        view = arena.reserve(10)
+        kept = torch.frombuffer(view, dtype=torch.uint8)
+        kept[:3] = 7
+        arena.reserve(4 << 20)   # grows: a new file, the old one unlinked
+        assert kept[:3].tolist() == [7, 7, 7] and arena.name == "out-1"
+        arena.close()

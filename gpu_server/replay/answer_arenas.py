@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy
 
-from gpu_server.replay.sandbox_wire import ARENA_NAME, Arena, ChannelClosed
+from gpu_server.replay.sandbox_wire import ARENA_NAME, Arena, ChannelClosed, close_map
 
 HOLD = 2   # arenas the server holds at most; the worker keeps at most HOLD + 1
 
@@ -161,7 +161,7 @@ class AnswerMaps:
         """Unmap the arenas the worker removed (a mapping still viewed goes when its last view does)."""
         for name in names if isinstance(names, list) else ():
             m = self._maps.pop(name, None) if isinstance(name, str) else None
-            _close(m)
+            close_map(m)
 
     def close(self) -> None:
         """Forget every arena (the worker is gone or replaced); views still alive keep their mappings."""
@@ -170,13 +170,6 @@ class AnswerMaps:
             self._live.clear()
             self._free.clear()
         for m in self._maps.values():
-            _close(m)
+            close_map(m)
         self._maps.clear()
 
-
-def _close(m: mmap.mmap | None) -> None:
-    if m is not None:
-        try:
-            m.close()
-        except BufferError:   # views of it are alive: unmapped when the last one goes
-            pass

@@ -113,7 +113,7 @@ class Arena:
 
     def close(self) -> None:
         if self._map is not None:
-            self._map.close()
+            close_map(self._map)
             self._map = None
             try:
                 os.unlink(os.path.join(self.folder, self.name))
@@ -145,10 +145,18 @@ class Mapped:
         return memoryview(self._map) if self._map is not None else memoryview(b"")
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        close_map(self._map)
+        self._map = None
         self.name = ""
+
+
+def close_map(m: mmap.mmap | None) -> None:
+    """Unmap `m` now, or, while views of it are alive (a tensor something still holds), once the last one goes."""
+    if m is not None:
+        try:
+            m.close()
+        except BufferError:
+            pass
 
 
 # -- tensors and values of an answer ----------------------------------------------------------------------------------
