@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import os
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -165,3 +166,25 @@ def test_an_arena_replaced_while_a_view_of_it_is_alive_stays_readable_through_th
         arena.reserve(4 << 20)   # grows: a new file, the old one unlinked
         assert kept[:3].tolist() == [7, 7, 7] and arena.name == "out-1"
         arena.close()
+
+
+def test_a_view_collected_while_the_server_holds_its_lock_does_not_deadlock():
+    """A view in a reference cycle goes when the collector runs, which may be during an allocation the server
+    makes under its own lock (take_free makes a list): its finalizer takes that lock again, in the same thread."""
+    with tempfile.TemporaryDirectory() as folder:
+        pair = Pair(folder)
+        got, in_place = pair.answer([torch.ones(8)])
+        assert in_place
+        cycle: list = [got[0]]
+        cycle.append(cycle)
+        del got, cycle   # only the cycle holds the view now
+        done = threading.Event()
+
+        def collect_under_lock() -> None:
+            with pair.server._lock:   # as inside take_free when its new list starts a collection
+                gc.collect()
+            done.set()
+
+        threading.Thread(target=collect_under_lock, daemon=True).start()
+        assert done.wait(30), "the finalizer waited for the lock its own thread held"
+        assert pair.server.take_free() == ["out-0"]

@@ -108,7 +108,9 @@ class AnswerMaps:
         self._live: set[str] = set()
         self._free: list[str] = []
         self._epoch = 0
-        self._lock = threading.Lock()   # finalizers run in whichever thread drops the last view
+        # finalizers run in whichever thread drops the last view, the collector's included: while this thread holds
+        # the lock too (an allocation under it may start a collection), hence re-entrant
+        self._lock = threading.RLock()
         self.in_place = self.copied = 0
 
     def open(self, name: Any) -> tuple[Any, bool]:
