@@ -64,9 +64,11 @@ class AnswerArenas:
             arena = Arena(self.folder, self.prefix, self._names)
             self._free.append(arena)
         old = arena.name
-        view = arena.reserve(nbytes)
-        if old and arena.name != old:
-            self._gone.append(old)
+        try:
+            view = arena.reserve(nbytes)
+        finally:   # grown (a new name), or closed because the folder is full (ArenaFull): the old file is gone
+            if old and (arena.name != old or not arena.is_open()):
+                self._gone.append(old)
         self._current, self.name, self.size = arena, arena.name, arena.size
         return view
 

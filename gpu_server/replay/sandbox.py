@@ -43,7 +43,16 @@ from gpu_server.replay.run import (
     run_forward,
     run_forward_kept,
 )
-from gpu_server.replay.sandbox_wire import ARENA_NAME, Arena, ChannelClosed, ChannelTimeout, read_leaves, receive, send
+from gpu_server.replay.sandbox_wire import (
+    ARENA_NAME,
+    Arena,
+    ArenaFull,
+    ChannelClosed,
+    ChannelTimeout,
+    read_leaves,
+    receive,
+    send,
+)
 
 log = logging.getLogger("gpu_server")
 
@@ -277,7 +286,10 @@ class ProcessReplayer:
                     log.warning("%s: %s; starting another", self.name, exc)
             parts: list[bytes | memoryview] = []
             refs = {k: (self._ref(j, parts) if j is not None else None) for k, j in jobs.items()}
-            view = self.inbox.reserve(sum(len(p) for p in parts))
+            try:
+                view = self.inbox.reserve(sum(len(p) for p in parts))
+            except ArenaFull as exc:   # no room for the record in the arenas' folder: this call is SKIP
+                raise ReplayError(f"not replayed: {exc}") from None
             spans, off = [], 0
             for p in parts:
                 n = copy_into(view, off, p)   # a record's payload without the interpreter lock (gpu_server/memcopy.py)

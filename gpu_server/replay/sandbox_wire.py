@@ -14,6 +14,7 @@ against the arena before it reads anything.
 """
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import mmap
@@ -86,8 +87,27 @@ def receive(fd: int, timeout: float | None = None) -> dict:
     return message
 
 
+class ArenaFull(OSError):
+    """The arenas' folder has no room for the bytes an arena must hold (a small /dev/shm: shm_folder.shm_parent)."""
+
+    def __init__(self, folder: str, nbytes: int):
+        try:
+            st = os.statvfs(folder)
+            room = f"{st.f_bavail * st.f_frsize >> 20} MiB free of {st.f_blocks * st.f_frsize >> 20} MiB"
+        except OSError:
+            room = "its free space unknown"
+        super().__init__(errno.ENOSPC, f"the replay workers' shared-memory folder {folder} has no room for "
+                                       f"{nbytes / (1 << 20):.0f} MiB ({room}); give the server more shared memory "
+                                       "(docker run --shm-size=4g, compose shm_size) or free some")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
 class Arena:
-    """One side's shared-memory area: written by its owner, read by the other side through `Mapped`."""
+    """One side's shared-memory area: written by its owner, read by the other side through `Mapped`. The bytes a
+    `reserve` asks for are allocated in the file system first (posix_fallocate): where they do not fit, `ArenaFull`
+    is raised, where a write into the mapping would have killed the process with SIGBUS."""
 
     def __init__(self, folder: str, prefix: str, names: Iterator[int] | None = None):
         self.folder, self.prefix = folder, prefix
@@ -95,9 +115,12 @@ class Arena:
         self.name = ""
         self.size = 0
         self._map: mmap.mmap | None = None
+        self._fd = -1
+        self._backed = 0   # bytes from the start allocated in the file system
 
     def reserve(self, nbytes: int) -> memoryview:
-        """A writable view of at least `nbytes` (a new, larger arena when the current one is too small)."""
+        """A writable view of at least `nbytes` (a new, larger arena when the current one is too small); ArenaFull
+        when the folder has no room for them."""
         if nbytes > self.size or self._map is None:
             self.close()
             self.size = max(1 << 20, 1 << max(0, (nbytes - 1).bit_length()))
@@ -107,11 +130,34 @@ class Arena:
             try:
                 os.ftruncate(fd, self.size)
                 self._map = mmap.mmap(fd, self.size)
-            finally:
+            except BaseException:
                 os.close(fd)
+                raise
+            self._fd, self._backed = fd, 0
+        if nbytes > self._backed:
+            self._back(nbytes)
         return memoryview(self._map)
 
+    def is_open(self) -> bool:
+        return self._map is not None
+
+    def _back(self, nbytes: int) -> None:
+        """Allocate the file's first `nbytes` (only what answers have needed so far: an arena is up to twice that)."""
+        try:
+            os.posix_fallocate(self._fd, self._backed, nbytes - self._backed)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                self.close()
+                raise ArenaFull(self.folder, nbytes) from None
+            if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+            nbytes = self.size   # a file system without fallocate: writes are all that is left to try
+        self._backed = nbytes
+
     def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         if self._map is not None:
             close_map(self._map)
             self._map = None

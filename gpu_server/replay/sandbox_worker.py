@@ -40,7 +40,15 @@ from gpu_server.replay import run as replay
 from gpu_server.replay import spread
 from gpu_server.replay.answer_arenas import AnswerArenas
 from gpu_server.replay.run import KeptForward, ReplayError, flatten_outputs
-from gpu_server.replay.sandbox_wire import ChannelClosed, Mapped, NotTransferable, receive, send, write_leaves
+from gpu_server.replay.sandbox_wire import (
+    ArenaFull,
+    ChannelClosed,
+    Mapped,
+    NotTransferable,
+    receive,
+    send,
+    write_leaves,
+)
 from protos import online_check_pb2 as pb
 from protos.limits import DEFAULT_LIMITS
 from protos.trees import iter_leaves
@@ -191,6 +199,8 @@ class Worker:
             return {"replay_error": memory_message(exc, self.cap) or str(exc)}
         except NotTransferable as exc:
             return {"replay_error": f"not replayable here: {exc} has no comparable form"}
+        except ArenaFull as exc:   # no room for the answer in the arenas' folder: this call is SKIP, nothing else
+            return {"replay_error": str(exc)}
         except (MemoryError, RuntimeError, OSError) as exc:   # OSError: an arena that cannot grow (ENOMEM)
             why = memory_message(exc, self.cap)
             if why is None:

@@ -28,9 +28,32 @@ PREFIX = "gpu-server-replay-"
 LOCK = "owner.lock"
 
 
-def shm_parent() -> str | None:
-    """/dev/shm when there is one (memory), else the system's temporary folder."""
-    return "/dev/shm" if os.path.isdir("/dev/shm") else None
+SHM = "/dev/shm"
+MIN_SHM_BYTES = 1 << 30   # below this, /dev/shm is a container's default (64 MiB) or close: the arenas go elsewhere
+_said_small = False
+
+
+def shm_parent(shm: str = SHM) -> str | None:
+    """`shm` (/dev/shm: memory) when there is one holding at least MIN_SHM_BYTES, else the system's temporary folder
+    (None): a container's /dev/shm is 64 MiB unless it is given more, and an arena that does not fit there could
+    only be refused (sandbox_wire.ArenaFull). Said once in the log, with what to do."""
+    global _said_small
+    if not os.path.isdir(shm):
+        return None
+    try:
+        st = os.statvfs(shm)
+    except OSError:
+        return shm
+    total = st.f_blocks * st.f_frsize
+    if total >= MIN_SHM_BYTES:
+        return shm
+    if not _said_small:
+        _said_small = True
+        log.warning("%s holds only %d MiB (a container's default is 64 MiB): the replay workers' arenas go to %s "
+                    "instead (files: slower than memory); give the container more shared memory (docker run "
+                    "--shm-size=4g, compose shm_size) for them to stay in %s", shm, total >> 20, tempfile.gettempdir(),
+                    shm)
+    return None
 
 
 class OwnedFolder:
