@@ -62,6 +62,8 @@ def test_an_answer_arena_that_cannot_grow_is_named_gone():
             with pytest.raises(ArenaFull):
                 ring.reserve(8 * MiB)
         assert ring.take_gone() == ["out-0"] and not os.listdir(folder)
+        ring.reserve(8 * MiB)   # room again: a new arena, nothing named gone twice
+        assert ring.take_gone() == [] and ring.name == "out-2"
         ring.close()
 
 

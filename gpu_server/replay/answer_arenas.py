@@ -63,7 +63,7 @@ class AnswerArenas:
         else:
             arena = Arena(self.folder, self.prefix, self._names)
             self._free.append(arena)
-        old = arena.name
+        old = arena.name if arena.is_open() else ""   # (one closed by ArenaFull was named gone then)
         try:
             view = arena.reserve(nbytes)
         finally:   # grown (a new name), or closed because the folder is full (ArenaFull): the old file is gone
