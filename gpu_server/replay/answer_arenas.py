@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import itertools
 import mmap
-import os
 import threading
 import weakref
 from typing import Any
 
 import numpy
 
-from gpu_server.replay.sandbox_wire import ARENA_NAME, Arena, ChannelClosed, close_map
+from gpu_server.replay.sandbox_wire import Arena, check_arena_name, close_map, map_arena
 
 HOLD = 2   # arenas the server holds at most; the worker keeps at most HOLD + 1
 
@@ -117,10 +116,9 @@ class AnswerMaps:
 
     def open(self, name: Any) -> tuple[Any, bool]:
         """(the arena as a buffer, whether to read it in place)."""
-        if not (isinstance(name, str) and ARENA_NAME.fullmatch(name) and name.startswith(self.prefix + "-")):
-            raise ChannelClosed(f"an arena name {str(name)[:40]!r} that is not {self.prefix}-N")
+        check_arena_name(name, self.prefix)
         if name not in self._maps:
-            self._maps[name] = self._map(name)
+            self._maps[name] = map_arena(self.folder, name, writable=True)
         m = self._maps[name]
         if m is None:
             return memoryview(b""), False
@@ -135,14 +133,6 @@ class AnswerMaps:
         base = numpy.frombuffer(m, dtype=numpy.uint8)   # a new array per answer: the one object its views share
         weakref.finalize(base, self._unused, self._epoch, name)
         return base, True
-
-    def _map(self, name: str) -> mmap.mmap | None:
-        fd = os.open(os.path.join(self.folder, name), os.O_RDWR | os.O_NOFOLLOW)
-        try:
-            size = os.fstat(fd).st_size
-            return mmap.mmap(fd, size) if size else None
-        finally:
-            os.close(fd)
 
     def _unused(self, epoch: int, name: str) -> None:
         with self._lock:

@@ -44,11 +44,11 @@ from gpu_server.replay.run import (
     run_forward_kept,
 )
 from gpu_server.replay.sandbox_wire import (
-    ARENA_NAME,
     Arena,
     ArenaFull,
     ChannelClosed,
     ChannelTimeout,
+    is_arena_name,
     read_leaves,
     receive,
     send,
@@ -217,7 +217,7 @@ class ProcessReplayer:
         except OSError:
             return
         for name in names:
-            if ARENA_NAME.fullmatch(name) and name.startswith("out-"):
+            if is_arena_name(name, "out"):
                 try:
                     os.unlink(os.path.join(self.folder, name))
                 except OSError as exc:

@@ -177,16 +177,10 @@ class Mapped:
         self._map: mmap.mmap | None = None
 
     def view(self, name: str) -> memoryview:
-        if not (isinstance(name, str) and ARENA_NAME.fullmatch(name) and name.startswith(self.prefix + "-")):
-            raise ChannelClosed(f"an arena name {str(name)[:40]!r} that is not {self.prefix}-N")
+        check_arena_name(name, self.prefix)
         if name != self.name or self._map is None:
             self.close()
-            fd = os.open(os.path.join(self.folder, name), os.O_RDONLY | os.O_NOFOLLOW)
-            try:
-                size = os.fstat(fd).st_size
-                self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-            finally:
-                os.close(fd)
+            self._map = map_arena(self.folder, name, writable=False)
             self.name = name
         return memoryview(self._map) if self._map is not None else memoryview(b"")
 
@@ -194,6 +188,29 @@ class Mapped:
         close_map(self._map)
         self._map = None
         self.name = ""
+
+
+def is_arena_name(name: Any, prefix: str) -> bool:
+    """`name` is an arena name of this prefix (`{prefix}-N`): never a path."""
+    return isinstance(name, str) and ARENA_NAME.fullmatch(name) is not None and name.startswith(prefix + "-")
+
+
+def check_arena_name(name: Any, prefix: str) -> None:
+    """ChannelClosed unless the other side named an arena of this prefix."""
+    if not is_arena_name(name, prefix):
+        raise ChannelClosed(f"an arena name {str(name)[:40]!r} that is not {prefix}-N")
+
+
+def map_arena(folder: str, name: str, writable: bool) -> mmap.mmap | None:
+    """The other side's arena `name` in `folder`, mapped whole (never through a link); None when it is empty."""
+    fd = os.open(os.path.join(folder, name), (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return None
+        return mmap.mmap(fd, size) if writable else mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
 
 
 def close_map(m: mmap.mmap | None) -> None:
