@@ -183,6 +183,9 @@ class RecordEncoder:
             self.fill(m.values.add(), item, tensor_hook)
 
 
+_Layout = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]   # dtype, shape, stride, offset, nbytes
+
+
 class RecordDecoder:
     """Validates a record's tensor table against its payload and rebuilds its values.
 
@@ -198,49 +201,55 @@ class RecordDecoder:
         self._count = 0
         if len(payload) != record.payload_bytes:
             raise WireError(f"payload is {len(payload)} bytes but the record announces {record.payload_bytes}")
-        if len(record.tensors) > limits.max_tensors:
-            raise WireError(f"{len(record.tensors)} tensors in one record exceed the limit of {limits.max_tensors}")
-        for i, meta in enumerate(record.tensors):
-            self._check_meta(i, meta)
+        metas = record.tensors
+        self._n = len(metas)
+        if self._n > limits.max_tensors:
+            raise WireError(f"{self._n} tensors in one record exceed the limit of {limits.max_tensors}")
+        # each tensor's layout as validated, read off its meta once: (dtype, shape, stride, offset, nbytes)
+        self._layouts = [self._check_meta(i, meta) for i, meta in enumerate(metas)]
 
-    def _check_meta(self, i: int, meta: pb.TensorMeta) -> None:
+    def _check_meta(self, i: int, meta: pb.TensorMeta) -> _Layout:
         lim = self.limits
         dtype = dtype_from_name(meta.dtype)
-        if len(meta.shape) > lim.max_dims:
-            raise WireError(f"tensor {i}: {len(meta.shape)} dimensions exceed the limit of {lim.max_dims}")
+        shape = tuple(meta.shape)
+        if len(shape) > lim.max_dims:
+            raise WireError(f"tensor {i}: {len(shape)} dimensions exceed the limit of {lim.max_dims}")
         numel = 1
-        for d in meta.shape:
+        for d in shape:
             if d < 0:
-                raise WireError(f"tensor {i}: negative dimension {d} in shape {list(meta.shape)}")
+                raise WireError(f"tensor {i}: negative dimension {d} in shape {list(shape)}")
             numel *= d
             if numel > lim.max_numel:
-                raise WireError(f"tensor {i}: shape {list(meta.shape)} exceeds the limit of {lim.max_numel} elements")
+                raise WireError(f"tensor {i}: shape {list(shape)} exceeds the limit of {lim.max_numel} elements")
         elsize = dtype.itemsize
-        if meta.nbytes != numel * elsize:
-            raise WireError(f"tensor {i}: {meta.nbytes} bytes do not match shape {list(meta.shape)} of {meta.dtype} "
+        nbytes, offset = meta.nbytes, meta.offset
+        if nbytes != numel * elsize:
+            raise WireError(f"tensor {i}: {nbytes} bytes do not match shape {list(shape)} of {meta.dtype} "
                             f"({numel * elsize} bytes)")
-        if meta.offset + meta.nbytes > len(self.payload):
-            raise WireError(f"tensor {i}: bytes {meta.offset}..{meta.offset + meta.nbytes} lie outside the "
+        if offset + nbytes > len(self.payload):
+            raise WireError(f"tensor {i}: bytes {offset}..{offset + nbytes} lie outside the "
                             f"{len(self.payload)}-byte payload")
-        if meta.stride:
-            if len(meta.stride) != len(meta.shape):
-                raise WireError(f"tensor {i}: {len(meta.stride)} strides for {len(meta.shape)} dimensions")
-            if numel and any(s < 0 for s in meta.stride):
-                raise WireError(f"tensor {i}: negative stride in {list(meta.stride)}")
-            if numel and not _dense(meta.shape, meta.stride):
-                raise WireError(f"tensor {i}: strides {list(meta.stride)} do not describe a dense, non-overlapping "
-                                f"layout of shape {list(meta.shape)} (the payload holds each element once)")
+        stride = tuple(meta.stride)
+        if stride:
+            if len(stride) != len(shape):
+                raise WireError(f"tensor {i}: {len(stride)} strides for {len(shape)} dimensions")
+            if numel and any(s < 0 for s in stride):
+                raise WireError(f"tensor {i}: negative stride in {list(stride)}")
+            if numel and not _dense(shape, stride):
+                raise WireError(f"tensor {i}: strides {list(stride)} do not describe a dense, non-overlapping "
+                                f"layout of shape {list(shape)} (the payload holds each element once)")
         if len(meta.device) > lim.max_string_len:
             raise WireError(f"tensor {i}: device name longer than {lim.max_string_len}")
+        return dtype, shape, stride, offset, nbytes
 
     def tensor(self, index: int) -> torch.Tensor:
-        if index >= len(self.record.tensors):
-            raise WireError(f"tensor index {index} but the record has {len(self.record.tensors)} tensors")
+        if index >= self._n:
+            raise WireError(f"tensor index {index} but the record has {self._n} tensors")
         cached = self._tensors.get(index)
         if cached is not None:
             return cached
         try:
-            t = self._build(self.record.tensors[index])
+            t = self._build(*self._layouts[index])
         except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
             if isinstance(exc, WireError):
                 raise
@@ -249,20 +258,21 @@ class RecordDecoder:
         self._tensors[index] = t
         return t
 
-    def _build(self, meta: pb.TensorMeta) -> torch.Tensor:
-        dtype = dtype_from_name(meta.dtype)
-        shape = tuple(meta.shape)
-        if meta.nbytes == 0:
+    def _build(self, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...], offset: int,
+               nbytes: int) -> torch.Tensor:
+        if nbytes == 0:
             t = torch.empty(shape, dtype=dtype)
+        elif dtype.is_complex:
+            real = torch.float32 if dtype == torch.complex64 else torch.float64
+            flat = torch.frombuffer(self.payload, dtype=real, count=nbytes // real.itemsize, offset=offset)
+            t = torch.view_as_complex(flat.reshape(-1, 2)).reshape(shape)
         else:
-            flat = torch.frombuffer(self.payload, dtype=torch.uint8, count=meta.nbytes, offset=meta.offset)
-            if dtype.is_complex:
-                real = torch.float32 if dtype == torch.complex64 else torch.float64
-                t = torch.view_as_complex(flat.view(real).reshape(-1, 2)).reshape(shape)
-            else:
-                t = flat.view(dtype).reshape(shape)
-        if meta.stride and t.numel():
-            strided = torch.empty_strided(shape, tuple(meta.stride), dtype=dtype)
+            # the elements' bytes at their offset (any offset: x86 and ARM read unaligned elements), one dimension
+            t = torch.frombuffer(self.payload, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+            if len(shape) != 1:
+                t = t.reshape(shape)
+        if stride and t.numel():
+            strided = torch.empty_strided(shape, stride, dtype=dtype)
             strided.copy_(t)
             t = strided
         return t
