@@ -62,7 +62,7 @@ def finite_pass(request, monkeypatch):
         assert metric_kernel.kernel() is not None
         monkeypatch.setattr(metrics, "KERNEL_MIN_ELEMENTS", 1)
     else:
-        monkeypatch.setattr(metrics, "KERNEL_MIN_ELEMENTS", 1 << 62)
+        monkeypatch.setattr(metrics, "USE_KERNEL", False)
     return request.param
 
 
@@ -72,6 +72,48 @@ def test_finite_pass_equals_the_general_pass(name, bench, device, finite_pass):
     assert fast.metrics == slow.metrics, name            # every cell, bit for bit
     assert dict(fast.metrics.counts) == dict(slow.metrics.counts)
     assert fast.cosine == slow.cosine
+
+
+def test_small_outputs_take_the_compiled_pass_once_it_is_loaded(monkeypatch):
+    """An output under KERNEL_MIN_ELEMENTS takes the torch ops while the compiled pass is not loaded (nothing is
+    loaded for it), and the compiled pass once a larger output, or SMALL_BEFORE_LOADING smaller ones, loaded it:
+    the same metrics, bit for bit, either way."""
+    pytest.importorskip("numba")
+    real = metric_kernel.kernel()
+    assert real is not None
+    calls = []
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    g = torch.Generator().manual_seed(1)
+    b = torch.randn(300, dtype=torch.float64, generator=g)
+    d = (b + torch.randn(300, dtype=torch.float64, generator=g) * 1e-6).float()
+    big_b = torch.randn(metrics.KERNEL_MIN_ELEMENTS, dtype=torch.float64, generator=g)
+    monkeypatch.setattr(metrics, "USE_KERNEL", False)
+    want = metrics.analyse(b, d).metrics
+    monkeypatch.setattr(metrics, "USE_KERNEL", True)
+
+    def unloaded(before_loading: int) -> None:
+        monkeypatch.setattr(metric_kernel, "_kernel", None)
+        monkeypatch.setattr(metric_kernel, "_tried", False)
+        monkeypatch.setattr(metric_kernel, "_build", lambda: counting)
+        monkeypatch.setattr(metrics, "SMALL_BEFORE_LOADING", before_loading)
+        monkeypatch.setattr(metrics, "_small_seen", __import__("itertools").count())
+        calls.clear()
+
+    unloaded(3)
+    for _ in range(3):
+        assert metrics.analyse(b, d).metrics == want
+    assert metric_kernel.loaded() is None and not calls   # a short run: nothing loaded, torch ops
+    assert metrics.analyse(b, d).metrics == want          # the fourth small output loads it and takes it
+    assert metric_kernel.loaded() is counting and calls
+    unloaded(1000)
+    metrics.analyse(big_b, big_b.float())                 # a large output loads it ...
+    calls.clear()
+    assert metrics.analyse(b, d).metrics == want          # ... and a small one takes it from then on
+    assert calls
 
 
 @pytest.mark.parametrize("chunk", [2 * metrics._TILE + 5, metrics._TILE - 3], ids=["tiles and a part", "short"])

@@ -121,6 +121,11 @@ def _build() -> Callable[..., None] | None:
         return numba.njit(**jit)(_terms)   # type: ignore[no-any-return]
 
 
+def loaded() -> Callable[..., None] | None:
+    """The compiled `_terms` when `kernel()` has built it already in this process, else None (builds nothing)."""
+    return _kernel
+
+
 def kernel() -> Callable[..., None] | None:
     """The compiled `_terms`, or None without numba (decided once per process)."""
     global _kernel, _tried

@@ -30,6 +30,7 @@ docs/standards.md), and
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import threading
 from dataclasses import dataclass, field
@@ -495,7 +496,7 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
                              "ulp_over"), 0) for _ in quick]
     signs = [[0, 0] for _ in quick]   # sums of sign(d - b) and of sign(|d - b|): above - below, above + below
     maxima: list[dict] = [{} for _ in quick]
-    kern = metric_kernel.kernel() if dev.type == "cpu" and n >= KERNEL_MIN_ELEMENTS else None
+    kern = _kernel_for(n) if dev.type == "cpu" else None
     tiles = (_compiled_tiles(kern, flat_b, quick, bmax, start, n, counts, signs, maxima) if kern is not None
              else _torch_tiles(flat_b, quick, bmax, start, n, counts, signs, maxima))
     bb_sums: list[torch.Tensor] = []
@@ -630,9 +631,24 @@ def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: i
         yield bb_sum, tile_sums
 
 
-# Outputs from this size on take the compiled pass when numba is installed (smaller ones: the torch ops, whose
-# per-op overhead matters less than a first call's import and compile in a short-lived process).
+# Outputs from this size on take the compiled pass when numba is installed. Smaller ones take it once it is loaded
+# (by a larger output, or after SMALL_BEFORE_LOADING smaller ones: a process that checks that many is not a short
+# one), else the torch ops: loading it costs about 0.2 s and its first call for each device dtype 0.2 s more, which
+# a short-lived process with a few small outputs would not win back; a small output's torch ops cost 150-370 us
+# more than the compiled pass (256-8192 elements; the same bits either way).
 KERNEL_MIN_ELEMENTS = 1 << 14
+SMALL_BEFORE_LOADING = 256
+USE_KERNEL = True   # False: the torch ops for every output (tests, bench/metric_throughput.py)
+_small_seen = itertools.count()
+
+
+def _kernel_for(n: int):
+    """The compiled pass for a CPU chunk of n elements, or None for the torch ops (the rule above)."""
+    if not USE_KERNEL:
+        return None
+    if n >= KERNEL_MIN_ELEMENTS or next(_small_seen) >= SMALL_BEFORE_LOADING:
+        return metric_kernel.kernel()
+    return metric_kernel.loaded()
 
 
 def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, n: int, counts: list,
