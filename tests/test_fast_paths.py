@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_server.checking import pooled, pooled_kernel
 from gpu_server.checking.checker import Checker
 from gpu_server.checking.pending import PendingCalls
 from gpu_server.checking.workers import Worker
@@ -96,9 +97,9 @@ def test_small_outputs_take_the_compiled_pass_once_it_is_loaded(monkeypatch):
     monkeypatch.setattr(metrics, "USE_KERNEL", True)
 
     def unloaded(before_loading: int) -> None:
-        monkeypatch.setattr(metric_kernel, "_kernel", None)
-        monkeypatch.setattr(metric_kernel, "_tried", False)
-        monkeypatch.setattr(metric_kernel, "_build", lambda: counting)
+        monkeypatch.setattr(metric_kernel.KERNEL, "_kernel", None)
+        monkeypatch.setattr(metric_kernel.KERNEL, "_tried", False)
+        monkeypatch.setattr(metric_kernel.KERNEL, "build", lambda: counting)
         monkeypatch.setattr(metrics, "SMALL_BEFORE_LOADING", before_loading)
         monkeypatch.setattr(metrics, "_small_seen", __import__("itertools").count())
         calls.clear()
@@ -299,3 +300,45 @@ def test_kept_graphs_stay_within_their_budget_oldest_dropped_first():
     names, held = kept(size + size // 2, first, second)   # room for one: the older call's graphs are dropped
     assert names == [second.name] and held <= size + size // 2
     assert kept(1, first) == ([], 0)   # larger than the budget: not kept at all
+
+
+def _pooled_cases():
+    g = torch.Generator().manual_seed(0)
+    for dev_dt, bench_dt in ((torch.float32, torch.float64), (torch.bfloat16, torch.float32),
+                             (torch.float16, torch.float32)):
+        for shape in ((5,), (4, 64), (3, 7, 33), (300, 200)):
+            b = torch.randn(shape, dtype=torch.float64, generator=g).to(bench_dt)
+            b.view(-1)[::7] *= 1e3
+            d = (b.double() * (1 + torch.randn(shape, dtype=torch.float64, generator=g) * 1e-3)).to(dev_dt)
+            s = b.to(dev_dt)
+            if b.numel() > 10:   # not finite, zero and subnormal bench values, a gross error (clipped)
+                d.view(-1)[1], d.view(-1)[2], s.view(-1)[6] = float("inf"), float("nan"), float("-inf")
+                b.view(-1)[3], b.view(-1)[4] = 0.0, 1e-30
+                d.view(-1)[5] = -d.view(-1)[5] * 50
+            yield f"{str(dev_dt)[6:]} {shape}", b, d, s
+
+
+@pytest.mark.parametrize("tolerance", [pooled.SPREAD_TOLERANCE, 2.3])
+@pytest.mark.parametrize("max_elements", [pooled.MAX_ELEMENTS, 100])
+def test_pooled_compiled_pass_equals_the_torch_ops(tolerance, max_elements, monkeypatch):
+    """gpu_server/checking/pooled_kernel.py's one pass gives every pooled sum bit for bit as the torch ops do: float32
+    devices (float64 work), bfloat16 and float16 (float32 work), rows, subsampling, a tolerance that is not a power of
+    two, inf/NaN, zero and subnormal bench values, a clipped gross error."""
+    pytest.importorskip("numba")
+    assert metric_kernel.kernel() is not None and pooled_kernel.kernel() is not None
+    for name, b, d, s in _pooled_cases():
+        monkeypatch.setattr(pooled, "USE_KERNEL", True)
+        assert pooled._kernel() is not None
+        compiled = pooled._terms(b, d, s, pooled.CLIP_ULP, tolerance, max_elements)
+        monkeypatch.setattr(pooled, "USE_KERNEL", False)
+        assert pooled._kernel() is None
+        assert compiled == pooled._terms(b, d, s, pooled.CLIP_ULP, tolerance, max_elements), name
+
+
+def test_pooled_compiled_pass_waits_for_the_metrics_one(monkeypatch):
+    """The pooled errors take their compiled pass only once the metrics' one is loaded (a short run loads none)."""
+    pytest.importorskip("numba")
+    monkeypatch.setattr(metric_kernel.KERNEL, "_kernel", None)
+    assert pooled._kernel() is None
+    monkeypatch.setattr(metric_kernel.KERNEL, "_kernel", metric_kernel.KERNEL.build())
+    assert pooled._kernel() is pooled_kernel.kernel() is not None

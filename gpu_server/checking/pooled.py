@@ -28,7 +28,8 @@ that is the same-dtype run's own (the device no further from the bench than that
 biased: HOST_Z) is a pass with a note.
 
 Cost: about sixty vectorised torch ops per observed output on the tensors already in memory, in the bench dtype on
-the bench's device, one synchronisation (0.5 ms for a small output on one CPU core); an output of more than
+the bench's device, one synchronisation (0.5 ms for a small output on one CPU core; on a CPU with numba the thirty
+elementwise ones are one compiled pass, gpu_server/checking/pooled_kernel.py); an output of more than
 `max_elements` (MAX_ELEMENTS) elements is subsampled with a fixed stride (every k-th element in row-major order), so
 that no output costs more than about 2.5 ms.
 """
@@ -46,6 +47,8 @@ from typing import Any
 import torch
 
 from gpu_server.atomic_file import write_atomic
+from gpu_server.checking import pooled_kernel
+from gpu_server.judging import metric_kernel
 from gpu_server.reports import files as report_files
 from gpu_server.reports.rank_reports import _BOM, clean
 
@@ -181,31 +184,24 @@ def _terms(bench: torch.Tensor, device: torch.Tensor, same: torch.Tensor, clip: 
     s = same.detach().reshape(-1)[::stride].to(device=b.device, dtype=wd)
     n = b.numel()
     fi = torch.finfo(device.dtype)
-    mag = b.abs()
-    ok = (mag >= fi.tiny) & (mag <= fi.max) & torch.isfinite(d) & torch.isfinite(s)
-    one = torch.ones((), dtype=wd, device=b.device)
-    b, d, s = torch.where(ok, b, one), torch.where(ok, d, one), torch.where(ok, s, one)   # e = 0 where not ok
-    mant, exp = torch.frexp(b)
     k = float(2 ** (_MANTISSA[device.dtype] + 1))
-    scale = torch.exp2(exp.to(wd).neg_())       # 2^-E: x * 2^-E is within a factor 2 of m, exact (no overflow)
     buf = torch.empty((1 + _K, n), dtype=wd, device=b.device)   # rows: mask, p, q, w, e_s, e_s * sign
-    m, p, q, w, e_s, e_ss = buf
-    m.copy_(ok)
-    e_d = torch.mul(d, scale).sub_(mant).mul_(k).clamp_(-clip, clip)   # a gross error saturates at +-clip
-    torch.mul(s, scale, out=e_s).sub_(mant).mul_(k).clamp_(-clip, clip)
-    sign = mant.sign_()
-    torch.sub(e_d, e_s, out=p)
-    torch.mul(p, sign, out=q)
-    torch.mul(e_s, sign, out=e_ss)
-    a = e_d * e_d
-    c = e_s * e_s
-    torch.sub(a, c, alpha=tolerance, out=w)
+    extra = torch.empty((4, n), dtype=wd, device=b.device)      # rows: e_d^2, e_s^2, p^2, w^2
+    kern = _kernel() if b.device.type == "cpu" else None
+    if kern is not None:
+        consts = torch.tensor([fi.tiny, fi.max, k, clip, tolerance, 1.0], dtype=wd)
+        nz = kern(b.contiguous().numpy(), d.contiguous().numpy(), s.contiguous().numpy(), consts.numpy(),
+                  torch.empty(1, dtype=wd).numpy(), buf.numpy(), extra.numpy())
+        nonzero = torch.tensor(float(nz), dtype=wd)
+    else:
+        nonzero = _elementwise(b, d, s, fi, k, clip, tolerance, buf, extra)
+    a, c, pp, ww = extra
     # whole rows of the last dimension, at least ROW_BLOCK elements (a normalisation's or softmax's row-wise error
     # of a correct device stays inside one group); fixed blocks of BLOCKS elements (in the subsampled order)
     row = device.shape[-1] if device.dim() else 1
     row_len = max(1, round(row * max(1, -(-ROW_BLOCK // max(1, row))) / stride))
     g_rows = _groups(buf, row_len)
-    squares = torch.stack([(p * p).sum(), a.sum(), c.sum(), (w * w).sum(), torch.count_nonzero(p).to(wd)]).double()
+    squares = torch.stack([pp.sum(), a.sum(), c.sum(), ww.sum(), nonzero]).double()
     sums = torch.cat([g_rows.sum(dim=1), squares])     # n, sum p, q, w, e_s, e_s * sign; sum p^2, a, c, w^2; nz
     parts, counts = [sums, _group_sums(g_rows)], [g_rows.shape[1]]
     g = g_rows if BLOCKS[0] % row_len == 0 else _groups(buf, BLOCKS[0])
@@ -226,6 +222,45 @@ def _terms(bench: torch.Tensor, device: torch.Tensor, same: torch.Tensor, clip: 
     whole = [sp, sq, sw, ses, sess]
     scales.append([v * v for v in whole] + [cnt * v for v in whole] + [cnt * cnt, 1.0])
     return el, scales
+
+
+def _elementwise(b: torch.Tensor, d: torch.Tensor, s: torch.Tensor, fi: Any, k: float, clip: float,
+                 tolerance: float, buf: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    """The elementwise terms of `_terms` as torch ops (any device; gpu_server/checking/pooled_kernel.py computes the
+    same on a CPU in one pass): fills buf's and extra's rows, returns the count of non-zero p (a 0-dim tensor)."""
+    wd = b.dtype
+    mag = b.abs()
+    ok = (mag >= fi.tiny) & (mag <= fi.max) & torch.isfinite(d) & torch.isfinite(s)
+    one = torch.ones((), dtype=wd, device=b.device)
+    b, d, s = torch.where(ok, b, one), torch.where(ok, d, one), torch.where(ok, s, one)   # e = 0 where not ok
+    mant, exp = torch.frexp(b)
+    scale = torch.exp2(exp.to(wd).neg_())       # 2^-E: x * 2^-E is within a factor 2 of m, exact (no overflow)
+    m, p, q, w, e_s, e_ss = buf
+    a, c, pp, ww = extra
+    m.copy_(ok)
+    e_d = torch.mul(d, scale).sub_(mant).mul_(k).clamp_(-clip, clip)   # a gross error saturates at +-clip
+    torch.mul(s, scale, out=e_s).sub_(mant).mul_(k).clamp_(-clip, clip)
+    sign = mant.sign_()
+    torch.sub(e_d, e_s, out=p)
+    torch.mul(p, sign, out=q)
+    torch.mul(e_s, sign, out=e_ss)
+    torch.mul(e_d, e_d, out=a)
+    torch.mul(e_s, e_s, out=c)
+    torch.sub(a, torch.mul(c, tolerance, out=w), out=w)   # two roundings, as the compiled pass (alpha= fuses them)
+    torch.mul(p, p, out=pp)
+    torch.mul(w, w, out=ww)
+    return torch.count_nonzero(p).to(wd)
+
+
+def _kernel():
+    """The compiled elementwise pass for a CPU output, when the metrics' compiled pass is loaded (the same rule:
+    gpu_server/judging/metrics.py's `_kernel_for`), else None: the torch ops."""
+    if not USE_KERNEL or metric_kernel.loaded() is None:
+        return None
+    return pooled_kernel.kernel()
+
+
+USE_KERNEL = True   # False: the torch ops on a CPU too (tests)
 
 
 def _var_of_sum(sum_x: float, sum_x2: float, n: float, mean: float, grouped: list[tuple[float, float, float]]) -> float:

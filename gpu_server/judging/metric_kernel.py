@@ -29,9 +29,6 @@ COUNT_KEYS = ("hundredth", "thousandth", "ten_thousandth", "small", "small_bad",
               "below")
 MAX_KEYS = ("abs", "rel", "ulp")   # the maxes[] slots
 
-_lock = threading.Lock()
-_kernel: Callable[..., None] | None = None
-_tried = False
 
 
 def _terms(b: Any, bbits: Any, d: Any, spb: Any, spf: Any, ae: Any, tile: int, bmax: float, dmax: float,
@@ -107,31 +104,49 @@ def _terms(b: Any, bbits: Any, d: Any, spb: Any, spf: Any, ae: Any, tile: int, b
     counts[8] += c_below
 
 
-def _build() -> Callable[..., None] | None:
-    try:
-        import numba  # type: ignore[import-untyped]
-    except ImportError:
-        log.info("numba is not installed: the metrics run as torch ops (same results, slower; pip install numba)")
-        return None
+class LazyKernel:
+    """A function compiled with numba on first use (`get`), once per process, or None without numba; `loaded` is
+    what `get` made so far, building nothing. The compiled code is cached beside the function's file or in numba's
+    user cache when either is writable, else compiled in memory."""
 
-    jit = dict(nogil=True, error_model="numpy", fastmath=False)
-    try:
-        return numba.njit(cache=True, **jit)(_terms)   # type: ignore[no-any-return]
-    except Exception:  # noqa: BLE001 - no writable cache location: compile in memory
-        return numba.njit(**jit)(_terms)   # type: ignore[no-any-return]
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        self._lock = threading.Lock()
+        self._kernel: Callable[..., Any] | None = None
+        self._tried = False
+
+    def build(self) -> Callable[..., Any] | None:
+        try:
+            import numba  # type: ignore[import-untyped]
+        except ImportError:
+            log.info("numba is not installed: the metrics run as torch ops (same results, slower; pip install numba)")
+            return None
+        jit = dict(nogil=True, error_model="numpy", fastmath=False)
+        try:
+            return numba.njit(cache=True, **jit)(self.fn)   # type: ignore[no-any-return]
+        except Exception:  # noqa: BLE001 - no writable cache location: compile in memory
+            return numba.njit(**jit)(self.fn)   # type: ignore[no-any-return]
+
+    def get(self) -> Callable[..., Any] | None:
+        if not self._tried:
+            with self._lock:
+                if not self._tried:
+                    self._kernel = self.build()
+                    self._tried = True
+        return self._kernel
+
+    def loaded(self) -> Callable[..., Any] | None:
+        return self._kernel
+
+
+KERNEL = LazyKernel(_terms)
 
 
 def loaded() -> Callable[..., None] | None:
     """The compiled `_terms` when `kernel()` has built it already in this process, else None (builds nothing)."""
-    return _kernel
+    return KERNEL.loaded()
 
 
 def kernel() -> Callable[..., None] | None:
     """The compiled `_terms`, or None without numba (decided once per process)."""
-    global _kernel, _tried
-    if not _tried:
-        with _lock:
-            if not _tried:
-                _kernel = _build()
-                _tried = True
-    return _kernel
+    return KERNEL.get()
