@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 
-from gpu_server import malloc_policy
+from gpu_server import malloc_policy, omp_wait
 from gpu_server.config import ServerConfigError, load_server_config
 from gpu_server.replay import prestart
 from protos.limits import DEFAULT_LIMITS, MiB
@@ -122,6 +122,7 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="[gpu-server] %(levelname)s %(message)s", stream=sys.stderr)
     ns = _args(argv)
     malloc_policy.keep_freed_memory()   # (the replay workers do the same at their start)
+    omp_wait.passive(os.environ)   # before torch loads libgomp; the replay workers inherit it (gpu_server/omp_wait.py)
     try:
         config = load_server_config(ns.config)
     except ServerConfigError as exc:

@@ -78,3 +78,29 @@ def test_discard_kills_the_interpreters_nobody_took_and_take_passes_over_a_dead_
     finally:
         prestart.discard()
     assert prestart.take() is None
+
+
+@pytest.mark.parametrize("given", [None, "ACTIVE"])
+def test_the_replay_workers_openmp_threads_wait_passively_unless_the_user_says(tmp_path, monkeypatch, given):
+    """gpu_server/omp_wait.py: a replay worker's environment has OMP_WAIT_POLICY=PASSIVE (its idle OpenMP threads
+    sleep instead of spinning on the cores the server needs), or the policy the user gave the server."""
+    if given is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    with support.Server(str(tmp_path)) as server:
+        pids = replay_workers(server.proc.pid)
+        with open(f"/proc/{pids[0]}/environ", "rb") as fh:
+            env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
+        assert env.get(b"OMP_WAIT_POLICY") == (given or "PASSIVE").encode()
+        assert server.stop() == 0
+
+
+def test_the_command_line_sets_the_policy_before_torch_loads_openmp(tmp_path, monkeypatch):
+    """gpu-server sets OMP_WAIT_POLICY for itself before it imports torch (libgomp reads it once, when loaded):
+    here its first steps run in this process and stop at a missing config file."""
+    from gpu_server import cli
+
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert cli.main(["--config", str(tmp_path / "missing.json"), "--out", str(tmp_path / "out")]) == 2
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"

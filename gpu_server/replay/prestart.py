@@ -20,6 +20,8 @@ import subprocess
 import sys
 import threading
 
+from gpu_server import omp_wait
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -48,7 +50,7 @@ def launch() -> Launched:
     """Start one replay worker interpreter (it imports torch, then waits for its arguments on its pipe)."""
     to_child_r, to_child_w = os.pipe()
     from_child_r, from_child_w = os.pipe()
-    env = dict(os.environ, MALLOC_ARENA_MAX="2", PYTHONUNBUFFERED="1")
+    env = omp_wait.passive(dict(os.environ, MALLOC_ARENA_MAX="2", PYTHONUNBUFFERED="1"))
     cmd = [sys.executable, "-m", "gpu_server.replay.sandbox_worker", "--rfd", str(to_child_r),
            "--wfd", str(from_child_w)]
     try:
