@@ -290,3 +290,19 @@ def test_concurrent_requests_on_one_replayer_are_serialised():
     finally:
         proc.close()
     assert len(results) == 4 and all(torch.equal(r.bench[0], results[0].bench[0]) for r in results)
+
+
+@pytest.mark.parametrize("mode,warmed", [("process", 0), ("thread", 1)])
+def test_the_server_loads_the_meta_kernels_only_where_it_replays(tmp_path, monkeypatch, mode, warmed):
+    """The replays' meta dry runs need torch's meta kernels (about 0.6 s of CPU and 38 MB to load): the server's own
+    process loads them at start only with --replay-in thread; replay worker processes load them at their start."""
+    from gpu_server.checking import workers
+    from gpu_server.checking.pending import PendingCalls
+    from gpu_server.reports.summary import Summary
+
+    calls: list[int] = []
+    monkeypatch.setattr(workers.replay, "warm_up", lambda: calls.append(1))
+    pool = workers.WorkerPool([], str(tmp_path), "20260101000000", Summary(), PendingCalls(1 << 20),
+                              sandbox=SandboxLimits(mode))
+    pool.drain_and_stop()
+    assert len(calls) == warmed

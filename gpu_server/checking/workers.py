@@ -147,7 +147,11 @@ class WorkerPool:
         self.pending = pending
         self.on_complete = on_complete or (lambda done, half, files: None)
         self.release = release or (lambda n: None)
-        replay.warm_up()   # before the transport opens (the pool is built first): no record waits for it
+        limits = sandbox or SandboxLimits()
+        if limits.mode != "process":
+            # the replays' meta dry runs load torch's meta kernels: before the transport opens (the pool is built
+            # first), so that no record waits for them. Replays in worker processes load them there, at their start.
+            replay.warm_up()
         self.on_quarantine = on_quarantine or (lambda key, why: None)
         cpu_workers = sum(d.type == "cpu" for d in devices)
         if cpu_workers > 1:
@@ -158,7 +162,6 @@ class WorkerPool:
                      "count", cpu_workers, torch.get_num_threads())
         # each worker's replays run in its own capped worker process (gpu_server/replay/sandbox.py): started now, ready
         # while the transport opens (the first replay waits for it)
-        limits = sandbox or SandboxLimits()
         self.replayers = [make_replayer(d, limits, torch.get_num_threads(), max_record_bytes, f"replay-{i}")
                           for i, d in enumerate(devices)]
         self.workers = [Worker(Checker(d, summary, evidence=evidence,
