@@ -238,7 +238,7 @@ def _analyse_floats(bench: torch.Tensor, devices: list, chunk: int, row: DtypeTh
     accs, fast = [], []
     for dmax, dmax_value in zip(dmaxs, maxima[1:]):
         acc = _Accumulator(bench.dtype, device_dtype, row)
-        acc.set_norms(bmax, dmax)
+        acc.set_norms(bmax, dmax, maxima[0], dmax_value)
         accs.append(acc)
         # every element finite on both sides and in the device dtype: the inf/nan terms are all zero
         fast.append(bench_ok and dmax_value < _FAST_LIMIT)
@@ -302,23 +302,26 @@ class _Accumulator:
         self.counts = dict.fromkeys(("hundredth", "thousandth", "ten_thousandth", "binary", "above", "below",
                                      "small", "small_bad", "normal", "rel_bad", "inf_nan", "inf_nan_bad",
                                      "ulp_over"), 0)
+        # Python numbers while only the compiled pass adds to them (its counts, maxima and tile sums come back as
+        # numbers: the same float64 additions, no torch call per statistic); a torch pass makes them 0-dim tensors
+        self.sums: dict[str, Any] = dict.fromkeys(("sq", "rel", "ulp", "dot", "bb", "dd"), 0.0)
+        self.maxima: dict[str, Any] = dict.fromkeys(("abs", "rel", "ulp"), -math.inf)
         zero = torch.zeros((), dtype=torch.float64)
-        self.sums = {k: zero for k in ("sq", "rel", "ulp", "dot", "bb", "dd")}
-        self.maxima = {k: torch.full((), -math.inf, dtype=torch.float64) for k in ("abs", "rel", "ulp")}
         self.bmax = self.dmax = zero
+        self.norms = (0.0, 0.0)   # bmax and dmax as numbers
         self._resolved: tuple[dict[str, int], dict[str, float]] | None = None
 
-    def set_norms(self, bmax: torch.Tensor, dmax: torch.Tensor) -> None:
-        self.bmax, self.dmax = bmax, dmax
+    def set_norms(self, bmax: torch.Tensor, dmax: torch.Tensor, bmax_value: float, dmax_value: float) -> None:
+        self.bmax, self.dmax, self.norms = bmax, dmax, (bmax_value, dmax_value)
 
     def _count(self, key: str, mask: torch.Tensor) -> None:
         self.counts[key] = self.counts[key] + torch.count_nonzero(mask)   # a tensor: no device sync per count
 
     def _sum(self, key: str, values: torch.Tensor) -> None:
-        self.sums[key] = self.sums[key].to(values.device) + _tiled_sum(values)
+        self.sums[key] = _on(self.sums[key], values.device) + _tiled_sum(values)
 
     def _max(self, key: str, values: torch.Tensor) -> None:
-        self.maxima[key] = torch.maximum(self.maxima[key].to(values.device), values.max())  # NaN propagates
+        self.maxima[key] = torch.maximum(_on(self.maxima[key], values.device), values.max())  # NaN propagates
 
     def add(self, bench: torch.Tensor, device: torch.Tensor) -> None:
         p = self.p
@@ -376,14 +379,25 @@ class _Accumulator:
     def _resolve(self) -> tuple[dict[str, int], dict[str, float]]:
         """Every count and float statistic as Python numbers, in two transfers (no device sync per statistic)."""
         if self._resolved is None:
-            dev = self.bmax.device
             names = list(self.counts)
+            parts = [*self.counts.values(), *self.sums.values(), *self.maxima.values()]
+            if not any(isinstance(v, torch.Tensor) for v in parts):   # the compiled pass alone: numbers already
+                s = {k: numpy.float64(v) for k, v in self.sums.items()}
+                with numpy.errstate(divide="ignore", invalid="ignore"):   # as torch: 0 / 0 is NaN, x / 0 inf
+                    cos = float(s["dot"] / (numpy.sqrt(s["bb"]) * numpy.sqrt(s["dd"])))
+                floats = {"bmax": self.norms[0], "dmax": self.norms[1], "cos": cos,
+                          **{f"sum_{k}": float(v) for k, v in self.sums.items()},
+                          **{f"max_{k}": float(v) for k, v in self.maxima.items()}}
+                self._resolved = ({k: int(self.counts[k]) for k in names}, floats)
+                return self._resolved
+            dev = self.bmax.device
             ints = torch.stack([torch.as_tensor(self.counts[k], dtype=torch.int64, device=dev) for k in names])
-            cos = self.sums["dot"] / (self.sums["bb"].sqrt() * self.sums["dd"].sqrt())
-            floats = {"bmax": self.bmax, "dmax": self.dmax, "cos": cos, **{f"sum_{k}": v for k, v in self.sums.items()},
-                      **{f"max_{k}": v for k, v in self.maxima.items()}}
-            values = torch.stack([v.to(device=dev, dtype=torch.float64) for v in floats.values()]).tolist()
-            self._resolved = (dict(zip(names, ints.tolist())), dict(zip(floats, values)))
+            sums = {k: _on(v, dev) for k, v in self.sums.items()}
+            cos = sums["dot"] / (sums["bb"].sqrt() * sums["dd"].sqrt())
+            tensors = {"bmax": self.bmax, "dmax": self.dmax, "cos": cos, **{f"sum_{k}": v for k, v in sums.items()},
+                       **{f"max_{k}": _on(v, dev) for k, v in self.maxima.items()}}
+            values = torch.stack([v.to(device=dev, dtype=torch.float64) for v in tensors.values()]).tolist()
+            self._resolved = (dict(zip(names, ints.tolist())), dict(zip(tensors, values)))
         return self._resolved
 
     def cosine(self, numel: int) -> CosineCheck:
@@ -437,6 +451,13 @@ _TILE = 1 << 15   # elements per tile on a CPU bench: every float64 temporary of
 def _tile_of(device: torch.device, n: int) -> int:
     """Elements per tile of a chunk of `n` on `device`: `_TILE` on a CPU, the whole chunk elsewhere."""
     return _TILE if device.type == "cpu" else max(1, n)
+
+
+def _on(value: Any, device: torch.device) -> torch.Tensor:
+    """A statistic kept as a number or a 0-dim tensor, as a float64 tensor on `device` (the same value)."""
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return torch.tensor(value, dtype=torch.float64, device=device)
 
 
 def _tiled_sum(values: torch.Tensor) -> torch.Tensor:
@@ -509,8 +530,12 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
     f64 = torch.float64
     for j, (acc, _) in enumerate(quick):
         c, mx = counts[j], maxima[j]
-        net, moved = (torch.as_tensor(v, dtype=f64, device=dev) for v in signs[j])
-        above, below = ((moved + net) / 2).to(torch.int64), ((moved - net) / 2).to(torch.int64)
+        net, moved = signs[j]
+        if isinstance(net, int) and isinstance(moved, int):   # the compiled pass's counts
+            above, below = (moved + net) // 2, (moved - net) // 2
+        else:
+            net, moved = (torch.as_tensor(v, dtype=f64, device=dev) for v in signs[j])
+            above, below = ((moved + net) / 2).to(torch.int64), ((moved - net) / 2).to(torch.int64)
         acc.counts["binary"] = acc.counts["binary"] + above + below
         acc.counts["above"] = acc.counts["above"] + above
         acc.counts["below"] = acc.counts["below"] + below
@@ -518,10 +543,19 @@ def _add_finite_chunk(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, sta
             acc.counts[key] = acc.counts[key] + value
         acc.counts["normal"] = acc.counts["normal"] + (n - c["small"])
         for key in _SUMS:
-            acc.sums[key] = acc.sums[key].to(dev) + _in_order(per_tile[j][key])
+            acc.sums[key] = _plus(acc.sums[key], _in_order(per_tile[j][key]), dev)
         for key in ("abs", "rel", "ulp"):
-            acc.maxima[key] = torch.maximum(acc.maxima[key].to(dev), mx[key])
-        acc.sums["bb"] = acc.sums["bb"].to(dev) + _in_order(bb_sums)
+            old, new = acc.maxima[key], mx[key]
+            both = isinstance(old, float) and isinstance(new, float)   # (finite here: no NaN to propagate)
+            acc.maxima[key] = max(old, new) if both else torch.maximum(_on(old, dev), _on(new, dev))
+        acc.sums["bb"] = _plus(acc.sums["bb"], _in_order(bb_sums), dev)
+
+
+def _plus(total: Any, value: Any, device: torch.device) -> Any:
+    """total + value, each a number or a 0-dim tensor: numbers while both are (the same float64 addition)."""
+    if isinstance(total, float) and isinstance(value, float):
+        return total + value
+    return _on(total, device) + value
 
 
 def _torch_tiles(flat_b: torch.Tensor, quick: list, bmax: torch.Tensor, start: int, n: int, counts: list,
@@ -693,8 +727,11 @@ def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor,
             kern(b, bits, d, np_spb, np_spf, np_ae, size, bmax_f, dmax_f[j], acc0.eps, p.small_value,
                  p.small_atol, p.rtol, scale, p.ulp_min_exponent, p.ulp_threshold, bounds, np_bb[:m], j == 0,
                  sj["sq"][:m], sj["rel"][:m], sj["ulp"][:m], sj["dot"][:m], sj["dd"][:m], tally[j], top[j])
-            tile_sums.append({k: v[:m].sum() for k, v in sums[j].items()})
-        yield bb[:m].sum(), tile_sums
+            tile_sums += [v[:m].sum() for v in sums[j].values()]
+        # the tile's sums (torch's) as numbers, in one transfer: added as numbers from here on
+        values = torch.stack([bb[:m].sum(), *tile_sums]).tolist()
+        k = len(_SUMS)
+        yield values[0], [dict(zip(sums[j], values[1 + k * j:1 + k * (j + 1)])) for j in range(len(quick))]
     for j in range(len(quick)):
         got = dict(zip(metric_kernel.COUNT_KEYS, tally[j].tolist()))
         above, below = got.pop("above"), got.pop("below")
@@ -702,7 +739,7 @@ def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor,
         for key, value in got.items():
             counts[j][key] = counts[j][key] + value
         for key, value in zip(metric_kernel.MAX_KEYS, top[j].tolist()):
-            maxima[j][key] = torch.tensor(value, dtype=f64, device=dev)
+            maxima[j][key] = value
 
 
 _KERNEL_DTYPES = (torch.float32, torch.float64)   # device values the kernel reads as they are
