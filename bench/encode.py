@@ -42,7 +42,7 @@ def _together(recs: list[PendingRecord]) -> bytes | None:
 
 
 def _alone(recs: list[PendingRecord]) -> bytes | None:
-    return batch_frame([encode_record(rec, "bench", 0)[1] for rec in recs])
+    return batch_frame([encode_record(rec, "bench", 0) for rec in recs])
 
 
 def _floor(recs: list[PendingRecord]) -> bytes | None:

@@ -34,9 +34,8 @@ from typing import Any
 import torch
 
 from protos import huge_pages as thp
-from protos import online_check_pb2 as pb
 from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH
-from protos.framing import DATA_TAG, varint
+from protos.framing import DATA_TAG, chunk_head, varint
 from protos.reuse_pool import ReusePool
 from protos.torch_compat import disable_torch_function
 
@@ -291,7 +290,7 @@ def frame_headers(head: bytes, seq: int, size: int, chunk_bytes: int) -> Iterato
     pos = 0
     while True:
         n = min(chunk_bytes, size - pos)
-        prefix = head if pos == 0 else pb.Frame(chunk=pb.Chunk(seq=seq, offset=pos)).SerializeToString()
+        prefix = head if pos == 0 else chunk_head(seq, pos)
         yield pos, n, (prefix + DATA_TAG + varint(n) if n else prefix)
         pos += n
         if pos >= size:

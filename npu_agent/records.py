@@ -32,10 +32,12 @@ from npu_agent.payload import (
 )
 from npu_agent.snapshot import HELD, Snapshot
 from protos import online_check_pb2 as pb
-from protos.codec import _ALIGN, RecordEncoder, dtype_name
+from protos import record_bytes as wire
+from protos.codec import _ALIGN, dtype_name
 from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH, file_chunks
-from protos.framing import batch_head, encode_batch, encode_frames
+from protos.framing import batch_head, encode_batch, encode_frames, record_head
 from protos.limits import CHUNK_BYTES
+from protos.record_bytes import RecordEncoder
 
 FORWARD, BACKWARD = pb.FORWARD, pb.BACKWARD
 log = logging.getLogger("npu_agent")
@@ -93,20 +95,27 @@ class PendingRecord:
 
 
 class Encoded:
-    """A record ready for the wire: the Record, and its payload in one buffer (small records) or its complete
-    `frames` (large ones, written straight into them: npu_agent/payload.py).
+    """A record ready for the wire: the Record (`serialized`: its bytes, payload_bytes set; protos/record_bytes.py),
+    and its payload in one buffer (small records) or its complete `frames` (large ones, written straight into them:
+    npu_agent/payload.py).
 
     It is what an encoded record keeps until the server acknowledges it, so it is kept to few objects the garbage
     collector tracks (a record alive across collections is promoted; enough promotions start a full collection of
     the training's whole heap): no per-buffer tuples or views until `buffers` is asked for."""
 
-    __slots__ = ("record", "_data", "size", "frames", "later", "in_file", "batch")
+    __slots__ = ("serialized", "seq", "_data", "size", "frames", "later", "in_file", "batch")
 
-    def __init__(self, record: pb.Record, data: bytes | bytearray | memoryview | None, size: int,
+    def __init__(self, serialized: bytes, seq: int, data: bytes | bytearray | memoryview | None, size: int,
                  frames: list[bytes] | None = None, later: _Later | None = None) -> None:
-        self.record, self._data, self.size, self.frames, self.later = record, data, size, frames, later
+        self.serialized, self.seq, self._data, self.size, self.frames, self.later = serialized, seq, data, size, \
+            frames, later
         self.in_file = False   # written by write_file: the payload is in that file only (read_back gets it again)
         self.batch: _Together | None = None   # encoded with others straight into their Batch frame
+
+    @property
+    def record(self) -> pb.Record:
+        """The Record as protobuf reads it (tests, tools: the agent itself never builds one)."""
+        return pb.Record.FromString(self.serialized)
 
     @property
     def buffers(self) -> list[tuple[int, memoryview]]:
@@ -120,7 +129,7 @@ class Encoded:
         """The record's frames (any chunking below the limit is valid on the wire)."""
         if self.frames is not None:
             return self.frames
-        return encode_frames(self.record, self.buffers, self.size, chunk_bytes)
+        return encode_frames(self.serialized, self.seq, self.buffers, self.size, chunk_bytes)
 
 
 class _Later:
@@ -151,7 +160,7 @@ def write_file(rec: PendingRecord, fd: int, at: int = 0) -> int:
     if changed:
         rec.encoded = None
         os.ftruncate(fd, at)
-        _, enc = encode_record(rec, later.run_id, later.rank, later.chunk_bytes, changed=changed)
+        enc = encode_record(rec, later.run_id, later.rank, later.chunk_bytes, changed=changed)
         return write_frames(fd, at, enc.wire_frames(later.chunk_bytes))
     done.later, done.in_file = None, True
     _let_go(rec)
@@ -200,10 +209,10 @@ def batch_frame(encoded: list[Encoded]) -> bytes | None:
     if len(encoded) < 2 or any(enc.frames is not None or enc.later is not None or enc.in_file for enc in encoded):
         return None
     shared = encoded[0].batch
-    if shared is not None and shared.seqs == tuple(enc.record.header.seq for enc in encoded) \
+    if shared is not None and shared.seqs == tuple(enc.seq for enc in encoded) \
             and all(enc.batch is shared for enc in encoded):
         return shared.frame
-    return encode_batch([(enc.record.SerializeToString(), enc.buffers, enc.size) for enc in encoded])
+    return encode_batch([(enc.serialized, enc.buffers, enc.size) for enc in encoded])
 
 
 class _Together:
@@ -229,7 +238,7 @@ def encode_together(recs: list[PendingRecord], run_id: str, rank: int) -> bool:
     if any(enc.size > _SMALL for _, enc, _ in laid):
         return False
     total = sum(enc.size for _, enc, _ in laid)
-    head = batch_head([out.SerializeToString() for out, _, _ in laid], total)
+    head = batch_head([out for out, _, _ in laid], total)
     frame, addr = _uninitialised_bytes(len(head) + total)
     ctypes.memmove(addr, head, len(head))
     view = memoryview(frame)
@@ -244,19 +253,18 @@ def encode_together(recs: list[PendingRecord], run_id: str, rank: int) -> bool:
         if bad:
             encode_record(rec, run_id, rank, changed=bad)
             continue
-        rec.encoded = Encoded(out, enc.data, enc.size)
+        rec.encoded = Encoded(out, rec.seq, enc.data, enc.size)
         rec.encoded.batch = shared
         _let_go(rec)
     return True
 
 
 class _PayloadEncoder(RecordEncoder):
-    """RecordEncoder that only lays tensors out (their TensorMeta, built in place in the Record's table, and their
-    offset); `copy_payload()` copies them into one payload."""
+    """RecordEncoder that only lays tensors out (their TensorMeta and their offset); `copy_payload()` copies them
+    into one payload."""
 
-    def __init__(self, table: Any) -> None:   # table: the Record's repeated TensorMeta field
+    def __init__(self) -> None:
         super().__init__()
-        self.table = table
         self.places: list[tuple[int, int, torch.Tensor]] = []   # (offset, nbytes, tensor as referenced)
         self.frames: list[bytes] | None = None
         self.data: bytes | bytearray | memoryview | None = None
@@ -265,21 +273,15 @@ class _PayloadEncoder(RecordEncoder):
     def tensor(self, t: torch.Tensor, requires_grad: bool | None = None, device: str | None = None) -> int:
         if t.layout != torch.strided:
             raise TypeError(f"{t.layout} tensors are not supported on the wire")
-        meta = self.table.add()
-        meta.dtype = dtype_name(t.dtype)
-        meta.shape.extend(t.shape)
-        meta.requires_grad = t.requires_grad if requires_grad is None else requires_grad
-        meta.device = device or _device_name(t.device)
-        if not t.is_contiguous():
-            stride = _clone_stride(t)
-            if stride is not None:
-                meta.stride.extend(stride)
+        stride = _clone_stride(t) if not t.is_contiguous() else None
         nbytes = t.numel() * t.element_size()
         self.size = (self.size + _ALIGN - 1) // _ALIGN * _ALIGN
-        meta.offset, meta.nbytes = self.size, nbytes
+        self.metas.append(wire.tensor_entry(dtype_name(t.dtype), t.shape, stride or (), self.size, nbytes,
+                                            t.requires_grad if requires_grad is None else requires_grad,
+                                            device or _device_name(t.device)))
         self.places.append((self.size, nbytes, t))
         self.size += nbytes
-        return len(self.table) - 1
+        return len(self.metas) - 1
 
     def copy_payload(self, snaps: list[Snapshot], head: Callable[[], bytes], seq: int, chunk_bytes: int) -> list[int]:
         """Copy every tensor into the payload; returns the ids of tensors found changed (not sendable). `head()`:
@@ -318,6 +320,8 @@ class _PayloadEncoder(RecordEncoder):
 
 
 _SMALL = 256 << 10   # larger payloads are written straight into their frames
+_AUTOCAST: dict[tuple[bool, str, str], bytes] = {}   # Record.autocast's bytes by (enabled, dtype, device type)
+_GRAD_ENABLED, _INPLACE, _BACKWARD_EXPECTED = wire.boolean(7, True), wire.boolean(9, True), wire.boolean(13, True)
 _DEVICE_NAMES: dict[torch.device, str] = {}
 
 
@@ -343,20 +347,19 @@ def _clone_stride(t: torch.Tensor) -> tuple[int, ...] | None:
 
 
 def encode_record(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int = CHUNK_BYTES,
-                  defer: bool = False, changed: list[int] | None = None) -> tuple[pb.Record, Encoded]:
-    """Build the protobuf Record and its payload (each tensor copied once from the training's memory; a large
+                  defer: bool = False, changed: list[int] | None = None) -> Encoded:
+    """Write the Record and its payload (each tensor copied once from the training's memory; a large
     payload straight into frames of at most chunk_bytes). A record is encoded once; later calls (re-sends) return
     the same encoding. `defer`: a large payload is only laid out; `write_file` copies it later, straight into a
     file. `changed`: tensors found changed already (the record goes out skipped)."""
     if rec.encoded is not None:
-        return rec.encoded.record, rec.encoded
+        return rec.encoded
     if not changed:
         out, enc, changed = _encode(rec, run_id, rank, chunk_bytes, defer=defer)
         if enc.later is not None:
-            rec.encoded = Encoded(out, None, enc.size, None,
-                                  _Later(enc, enc.later, pb.Frame(record=out).SerializeToString(), run_id, rank,
-                                         chunk_bytes))
-            return out, rec.encoded
+            rec.encoded = Encoded(out, rec.seq, None, enc.size, None,
+                                  _Later(enc, enc.later, record_head(out), run_id, rank, chunk_bytes))
+            return rec.encoded
     if changed:
         with HELD.lock:
             first = HELD.changed == len(changed)
@@ -368,9 +371,9 @@ def encode_record(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int =
             if s is not None:
                 s.tree = None
         out, enc, _ = _encode(rec, run_id, rank, chunk_bytes, with_tensors=False)
-    done = rec.encoded = Encoded(out, enc.data, enc.size, enc.frames)
+    done = rec.encoded = Encoded(out, rec.seq, enc.data, enc.size, enc.frames)
     _let_go(rec)
-    return out, done
+    return done
 
 
 def _let_go(rec: PendingRecord) -> None:
@@ -384,58 +387,64 @@ def _let_go(rec: PendingRecord) -> None:
 
 
 def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int, with_tensors: bool = True,
-            defer: bool = False, layout_only: bool = False) -> tuple[pb.Record, _PayloadEncoder, Any]:
-    """(the Record, its encoder, the ids of tensors found changed); `layout_only`: the Record and the layout, with
-    the snapshots to copy from in place of the ids (encode_together copies them)."""
-    # Every message is built where it lives in the Record (no temporary messages, no CopyFrom).
-    out = pb.Record()
-    h = out.header
-    h.run_id, h.rank, h.step, h.seq, h.name, h.direction = run_id, rank, rec.step, rec.seq, rec.name, rec.direction
-    if rec.module:
-        h.module = rec.module[:MAX_TEXT]
-    if rec.source:
-        h.source = rec.source[:MAX_TEXT]
-    out.grad_enabled, out.inplace, out.backward_expected = rec.grad_enabled, rec.inplace, rec.backward_expected
-    out.skip_reason = rec.skip_reason
-    out.autocast.SetInParent()
-    out.autocast.enabled, out.autocast.dtype, out.autocast.device_type = rec.autocast
-    out.intra_op_threads = torch.get_num_threads() if rec.autocast[2] in ("cpu", "") else 0
-    if rec.collective is not None:
-        c, w = rec.collective, out.collective
-        w.job, w.group, w.seq, w.op, w.root = c.job, c.group, c.seq, c.op, c.root
-        w.ranks.extend(c.ranks)
-        w.async_op, w.error, w.unfinished = c.async_op, c.error[:MAX_TEXT], c.unfinished
-    enc = _PayloadEncoder(out.tensors)
+            defer: bool = False, layout_only: bool = False) -> tuple[bytes, _PayloadEncoder, Any]:
+    """(the Record's bytes, its encoder, the ids of tensors found changed); `layout_only`: the Record and the
+    layout, with the snapshots to copy from in place of the ids (encode_together copies them). The Record is
+    written as bytes, fields in number order (protos/record_bytes.py)."""
+    enc = _PayloadEncoder()
     snaps: list[Snapshot] = []
-
+    args = kwargs = output = grad_output = grad_input = positions = b""
     if with_tensors:
         if rec.inputs is not None and rec.inputs.tree is not None:
             grads = rec.inputs.requires_grad
             hook = lambda t: {"requires_grad": id(t) in grads}  # noqa: E731
-            args, kwargs = rec.inputs.tree
-            enc.fill_sequence(out.args, args, hook)
-            enc.fill_mapping(out.kwargs, kwargs, hook)
+            tree_args, tree_kwargs = rec.inputs.tree
+            args = wire.message(4, enc.sequence(tree_args, hook))
+            kwargs = wire.message(5, enc.mapping(tree_kwargs, hook))
             snaps.append(rec.inputs)
-        for field, snap in (("output", rec.output), ("grad_output", rec.grad_output),
-                            ("grad_input", rec.grad_input)):
+        trees = []
+        for field, snap in ((6, rec.output), (11, rec.grad_output), (12, rec.grad_input)):
             if snap is not None and snap.tree is not None:
-                enc.fill(getattr(out, field), snap.tree, _not_requiring_grad)
+                trees.append(wire.message(field, enc.value(snap.tree, _not_requiring_grad)))
                 snaps.append(snap)
+            else:
+                trees.append(b"")
+        output, grad_output, grad_input = trees
         if rec.grad_input is not None:
-            out.grad_input_positions.extend(rec.grad_input_positions)
+            positions = wire.packed(15, rec.grad_input_positions)
+    random = b""
     if rec.rng_state or rec.mask is not None:
-        out.random.generator_state = rec.rng_state
-        out.random.device_type = rec.rng_device
+        mask = b""
         if rec.mask is not None and with_tensors:
-            out.random.mask = enc.tensor(rec.mask, requires_grad=False)
-            out.random.has_mask = True
-    out.payload_bytes = enc.size
+            mask = wire.uint(3, enc.tensor(rec.mask, requires_grad=False)) + wire.boolean(4, True)
+        random = wire.message(10, wire.raw(1, rec.rng_state) + wire.string(2, rec.rng_device) + mask)
+    header = wire.message(1, b"".join((
+        wire.string_seen(1, run_id), wire.uint(2, rank), wire.uint(3, rec.step), wire.uint(4, rec.seq),
+        wire.string(5, rec.name), wire.uint(6, rec.direction), wire.string_seen(7, rec.module[:MAX_TEXT]),
+        wire.string_seen(8, rec.source[:MAX_TEXT]))))
+    autocast = _AUTOCAST.get(rec.autocast)
+    if autocast is None:
+        enabled, dtype, device_type = rec.autocast
+        autocast = _AUTOCAST[rec.autocast] = wire.message(
+            8, wire.boolean(1, enabled) + wire.string(2, dtype) + wire.string(3, device_type))
+    collective = b""
+    if rec.collective is not None:
+        c = rec.collective
+        collective = wire.message(17, b"".join((
+            wire.string(1, c.job), wire.string(2, c.group), wire.packed(3, c.ranks), wire.uint(4, c.seq),
+            wire.string(5, c.op), wire.sint32(6, c.root), wire.boolean(7, c.async_op),
+            wire.string(8, c.error[:MAX_TEXT]), wire.boolean(9, c.unfinished))))
+    out = b"".join((
+        header, *enc.metas, wire.uint(3, enc.size), args, kwargs, output, _GRAD_ENABLED if rec.grad_enabled else b"",
+        autocast, _INPLACE if rec.inplace else b"", random, grad_output, grad_input,
+        _BACKWARD_EXPECTED if rec.backward_expected else b"", wire.string(14, rec.skip_reason), positions,
+        wire.uint(16, torch.get_num_threads() if rec.autocast[2] in ("cpu", "") else 0), collective))
     if layout_only:
         return out, enc, snaps
     if defer and enc.size > _SMALL:
         enc.later = snaps
         return out, enc, []
-    changed = enc.copy_payload(snaps, lambda: pb.Frame(record=out).SerializeToString(), rec.seq, chunk_bytes)
+    changed = enc.copy_payload(snaps, lambda: record_head(out), rec.seq, chunk_bytes)
     return out, enc, changed
 
 

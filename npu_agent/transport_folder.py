@@ -192,7 +192,7 @@ class FolderTransport:
         fsync for all); any other record gets its own file."""
         assert self._events is not None
         who = self.identity
-        encoded = [encode_record(rec, who.run_id, who.rank, self.chunk_bytes)[1] for rec in recs]
+        encoded = [encode_record(rec, who.run_id, who.rank, self.chunk_bytes) for rec in recs]
         consecutive = all(b.seq == a.seq + 1 for a, b in zip(recs, recs[1:]))
         batch = batch_frame(encoded) if consecutive else None
         if batch is not None:

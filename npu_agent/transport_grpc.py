@@ -297,7 +297,7 @@ class GrpcTransport:
         its own frames. False when that stream is gone (or the transport closed) before the last frame was queued:
         the records were not sent and go again later."""
         who = self.identity
-        encoded = [encode_record(rec, who.run_id, who.rank, self.chunk_bytes)[1] for rec in recs]
+        encoded = [encode_record(rec, who.run_id, who.rank, self.chunk_bytes) for rec in recs]
         batch = batch_frame(encoded)
         frames: Iterable[bytes] = [batch] if batch is not None else (
             frame for enc in encoded for frame in enc.wire_frames(self.chunk_bytes))

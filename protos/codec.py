@@ -1,7 +1,7 @@
-"""Values and tensors <-> protobuf, on both sides of the wire.
+"""Values and tensors <-> protobuf, on both sides of the wire: the names of dtypes, memory formats and layouts.
 
-Encoding (agent): `RecordEncoder` turns a snapshot tree (tuples, lists, dicts, tensors, scalars, dtypes, ...)
-into `Value` messages plus a table of `TensorMeta` and a list of zero-copy byte views of the tensors.
+Encoding (agent): protos/record_bytes.py writes a snapshot tree (tuples, lists, dicts, tensors, scalars, dtypes,
+...) as `Value` bytes plus a table of `TensorMeta`.
 
 Decoding (server): `RecordDecoder` validates the whole tensor table against the payload and the limits first,
 then rebuilds values. Nothing is executed, unpickled or looked up by name outside the fixed tables below.
@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from protos import online_check_pb2 as pb
 from protos.limits import DEFAULT_LIMITS, Limits
-
-TensorHook = Callable[[torch.Tensor], dict[str, Any]]   # TensorMeta overrides for one tensor
 
 if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
     raise ImportError("the online checker's wire format is little-endian; this host is big-endian")
@@ -70,117 +68,6 @@ class Opaque:
 
     def __repr__(self) -> str:
         return f"<opaque {self.type_name}>"
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The raw little-endian bytes of a contiguous CPU tensor, without a copy."""
-    flat = t.reshape(-1)
-    if flat.dtype.is_complex:
-        flat = torch.view_as_real(flat).reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # numpy is a buffer
-
-
-class RecordEncoder:
-    """Accumulates the tensors of one record. `value()` may be called for several trees of the same record."""
-
-    def __init__(self) -> None:
-        self.metas: list[pb.TensorMeta] = []
-        self.buffers: list[tuple[int, memoryview]] = []  # (offset, bytes)
-        self.size = 0
-
-    def tensor(self, t: torch.Tensor, requires_grad: bool | None = None, device: str | None = None) -> int:
-        t = t.detach()
-        meta = pb.TensorMeta(dtype=dtype_name(t.dtype), shape=list(t.shape),
-                             requires_grad=t.requires_grad if requires_grad is None else requires_grad,
-                             device=device or str(t.device))
-        if t.layout != torch.strided:
-            raise TypeError(f"{t.layout} tensors are not supported on the wire")
-        if not t.is_contiguous():
-            meta.stride.extend(t.stride())
-            t = t.contiguous()
-        if t.device.type != "cpu":
-            t = t.to("cpu")
-        view = tensor_bytes(t)
-        self.size = (self.size + _ALIGN - 1) // _ALIGN * _ALIGN
-        meta.offset, meta.nbytes = self.size, view.nbytes
-        self.size += view.nbytes
-        self.metas.append(meta)
-        self.buffers.append((meta.offset, view))
-        return len(self.metas) - 1
-
-    def value(self, obj: Any, tensor_hook: TensorHook | None = None) -> pb.Value:
-        """Encode `obj`. `tensor_hook(t) -> dict` may give TensorMeta overrides (requires_grad, device)."""
-        v = pb.Value()
-        self.fill(v, obj, tensor_hook)
-        return v
-
-    def mapping(self, obj: dict[str, Any], tensor_hook: TensorHook | None = None) -> pb.Mapping:
-        return self.value(obj, tensor_hook).dict
-
-    def fill(self, v: pb.Value, obj: Any, tensor_hook: TensorHook | None = None) -> None:
-        """Encode `obj` into the empty Value `v`, in place (nested values are built where they live: no copies)."""
-        if obj is None:
-            v.none = True
-        elif isinstance(obj, torch.Tensor):
-            v.tensor = self.tensor(obj, **tensor_hook(obj)) if tensor_hook else self.tensor(obj)
-        elif isinstance(obj, bool):
-            v.b = obj
-        elif isinstance(obj, int):
-            if -(1 << 63) <= obj < (1 << 63):
-                v.i = obj
-            else:
-                v.f = float(obj)
-        elif isinstance(obj, float):
-            v.f = obj
-        elif isinstance(obj, torch.Size):   # before tuple: a Size is one
-            v.size.SetInParent()
-            for n in obj:
-                v.size.items.add().i = int(n)
-        elif isinstance(obj, tuple):
-            seq = v.named_tuple if hasattr(obj, "n_fields") or hasattr(obj, "_fields") else v.tuple
-            self.fill_sequence(seq, obj, tensor_hook)
-        elif isinstance(obj, list):
-            self.fill_sequence(v.list, obj, tensor_hook)
-        elif isinstance(obj, dict):
-            if not all(isinstance(k, str) for k in obj):
-                bad = next(k for k in obj if not isinstance(k, str))
-                v.opaque = f"dict with {type(bad).__name__} keys"
-            else:
-                self.fill_mapping(v.dict, obj, tensor_hook)
-        elif isinstance(obj, complex):
-            v.c.real, v.c.imag = obj.real, obj.imag
-        elif isinstance(obj, str):
-            v.s = obj
-        elif isinstance(obj, torch.dtype):
-            v.dtype = dtype_name(obj)
-        elif isinstance(obj, torch.device):
-            v.device = str(obj)
-        elif isinstance(obj, torch.memory_format):
-            v.memory_format = _MEMORY_FORMAT_NAMES.get(obj, str(obj))
-        elif isinstance(obj, torch.layout):
-            v.layout = _LAYOUT_NAMES.get(obj, str(obj))
-        elif obj is Ellipsis:
-            v.ellipsis = True
-        elif isinstance(obj, slice):
-            v.slice.SetInParent()
-            self.fill(v.slice.start, obj.start, tensor_hook)
-            self.fill(v.slice.stop, obj.stop, tensor_hook)
-            self.fill(v.slice.step, obj.step, tensor_hook)
-        elif isinstance(obj, Opaque):
-            v.opaque = obj.type_name
-        else:
-            v.opaque = type(obj).__qualname__[:200]
-
-    def fill_sequence(self, seq: pb.Sequence, items: Sequence[Any], tensor_hook: TensorHook | None = None) -> None:
-        seq.SetInParent()   # an empty tuple is still a tuple
-        for item in items:
-            self.fill(seq.items.add(), item, tensor_hook)
-
-    def fill_mapping(self, m: pb.Mapping, obj: dict[str, Any], tensor_hook: TensorHook | None = None) -> None:
-        m.SetInParent()
-        for k, item in obj.items():
-            m.keys.append(k)
-            self.fill(m.values.add(), item, tensor_hook)
 
 
 _Layout = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]   # dtype, shape, stride, offset, nbytes

@@ -25,19 +25,37 @@ Buffers = list[tuple[int, memoryview]]   # (offset inside the payload, bytes); t
 _DATA_FIELD = 15           # Frame.data
 DATA_TAG = bytes([_DATA_FIELD << 3 | 2])   # its tag, length-delimited (b"\x7a")
 _BATCH_TAG = b"\x2a"       # Frame.batch = 5, length-delimited
-_RECORD_TAG = b"\x0a"      # Batch.records = 1, length-delimited
+_RECORD_TAG = b"\x0a"      # Batch.records = 1, length-delimited; Frame.record = 1 too
+_CHUNK_TAG = b"\x12"       # Frame.chunk = 2, length-delimited
+_SEQ_TAG, _OFFSET_TAG = b"\x08", b"\x10"   # Chunk.seq = 1, Chunk.offset = 2, varints
 
 
-def encode_frames(record: pb.Record, buffers: Buffers, payload_bytes: int, chunk_bytes: int) -> Iterator[bytes]:
-    """Yield one record as Frame messages (bytes) carrying at most chunk_bytes of payload each."""
-    record.payload_bytes = payload_bytes
-    seq = record.header.seq
-    head = pb.Frame(record=record).SerializeToString()
+def record_head(serialized: bytes) -> bytes:
+    """`pb.Frame(record=record).SerializeToString()` from the Record's own bytes (`serialized`), without building
+    a Frame: each protobuf message the agent makes is an allocation arena in protobuf's C library (upb), and that
+    library calls the C allocator's malloc_trim(0) every 10,000 arena blocks it frees, which hands back every free
+    page of the training process too, so that its next tensors fault in new pages (docs/design.md §5, "Records
+    written as bytes")."""
+    return b"".join((_RECORD_TAG, varint(len(serialized)), serialized))
+
+
+def chunk_head(seq: int, offset: int) -> bytes:
+    """`pb.Frame(chunk=pb.Chunk(seq=seq, offset=offset)).SerializeToString()`, built by hand (see record_head);
+    proto3 leaves out a field at zero."""
+    body = b"".join([*((_SEQ_TAG, varint(seq)) if seq else ()), *((_OFFSET_TAG, varint(offset)) if offset else ())])
+    return b"".join((_CHUNK_TAG, varint(len(body)), body))
+
+
+def encode_frames(serialized: bytes, seq: int, buffers: Buffers, payload_bytes: int,
+                  chunk_bytes: int) -> Iterator[bytes]:
+    """Yield one record as Frame messages (bytes) carrying at most chunk_bytes of payload each: `serialized` is the
+    Record's bytes (its payload_bytes set), `seq` its sequence number."""
+    head = record_head(serialized)
     pos = 0
     cursor = _Cursor(buffers, payload_bytes)
     while True:
         n = min(chunk_bytes, payload_bytes - pos)
-        prefix = head if pos == 0 else pb.Frame(chunk=pb.Chunk(seq=seq, offset=pos)).SerializeToString()
+        prefix = head if pos == 0 else chunk_head(seq, pos)
         yield b"".join([prefix, DATA_TAG, varint(n), *cursor.take(n)]) if n else prefix
         pos += n
         if pos >= payload_bytes:

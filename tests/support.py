@@ -277,7 +277,7 @@ def to_job(rec, run_id: str = "test", rank: int = 0):
 
     if rec.seq < 0:
         rec.seq = 0
-    record, enc = encode_record(rec, run_id, rank)
+    enc = encode_record(rec, run_id, rank)
     asm = FrameAssembler()
     done = None
     for frame in enc.wire_frames(1 << 20):

@@ -318,7 +318,7 @@ def test_greedy_records_through_a_real_server_are_skip(tmp_path):
     for seq, (name, args, kwargs, out) in enumerate(calls):
         rec = PendingRecord(name=f"{name}.{seq}", step=0, inputs=snapshot((args, kwargs)), output=snapshot(out),
                             seq=seq)
-        record, enc = encode_record(rec, "greedy", 0)
+        enc = encode_record(rec, "greedy", 0)
         msgs += list(enc.wire_frames(1 << 20))
     with support.Server(str(tmp_path)) as srv:
         acks = support.stream_acks(srv.port, msgs, lambda acks: len(acks) >= len(calls))

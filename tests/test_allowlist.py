@@ -290,7 +290,7 @@ class _Evil:
 
 def _frames(name: str, args: tuple, kwargs: dict, out, seq: int, rank: int, run_id: str) -> list[bytes]:
     rec = PendingRecord(name=name, step=0, inputs=snapshot((args, kwargs)), output=snapshot(out), seq=seq)
-    record, enc = encode_record(rec, run_id, rank)
+    enc = encode_record(rec, run_id, rank)
     return list(enc.wire_frames(1 << 20))
 
 

@@ -29,7 +29,8 @@ def _records(dtype: torch.dtype) -> list[tuple]:
             mode.capturer.next_step(step + 1)
             for rec in sink:
                 rec.seq = len(out)
-                head, enc = encode_record(rec, "run", 0)
+                enc = encode_record(rec, "run", 0)
+                head = enc.record
                 out.append((rec.name, rec.direction, head.SerializeToString(),
                             b"".join(bytes(f) for f in enc.wire_frames(1 << 30))))
             sink.clear()

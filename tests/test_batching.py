@@ -37,7 +37,8 @@ def _relu(seq: int, n: int = 8, name: str = "relu") -> PendingRecord:
 def _encoded(recs: list[PendingRecord], run_id: str = "batch") -> list[tuple[bytes, list, int]]:
     out = []
     for rec in recs:
-        record, enc = encode_record(rec, run_id, 0)
+        enc = encode_record(rec, run_id, 0)
+        record = enc.record
         out.append((record.SerializeToString(), enc.buffers, enc.size))
     return out
 
@@ -131,10 +132,10 @@ def test_large_payload_written_into_its_frames_is_the_generic_encoding(monkeypat
     from protos.codec import RecordDecoder
 
     assert records.FRAMES_IN_PLACE, "CPython: large payloads are written straight into their frames"
-    record, enc = encode_record(_large_record(1), "big", 0, chunk_bytes)
+    enc = encode_record(_large_record(1), "big", 0, chunk_bytes)
     assert enc.frames is not None and len(enc.frames) == -(-enc.size // chunk_bytes)
     monkeypatch.setattr(records, "FRAMES_IN_PLACE", False)
-    ref_record, ref = encode_record(_large_record(1), "big", 0, chunk_bytes)
+    ref = encode_record(_large_record(1), "big", 0, chunk_bytes)
     assert ref.frames is None
     assert list(enc.wire_frames(chunk_bytes)) == list(ref.wire_frames(chunk_bytes))
     asm = FrameAssembler()

@@ -34,7 +34,8 @@ def sum_record(run_id: str, seq: int, numel: int, chunk: int = 4 * MiB, rank: in
     x = torch.arange(numel, dtype=torch.int64) % 7
     rec = PendingRecord(name=f"Torch.sum.{seq}", step=0, seq=seq, inputs=snapshot(((x,), {})),
                         output=snapshot(torch.sum(x)))
-    record, enc = encode_record(rec, run_id, rank, chunk)
+    enc = encode_record(rec, run_id, rank, chunk)
+    record = enc.record
     return record, [bytes(f) for f in enc.wire_frames(chunk)]
 
 
@@ -113,7 +114,7 @@ def test_a_record_holds_what_arrived_never_what_its_header_announces():
     big = torch.ones(4 * MiB, dtype=torch.float32)   # 16 MiB, compared as an output: 64x
     rec = PendingRecord(name="Functional.relu.0", step=0, seq=1, inputs=snapshot(((big,), {})),
                         output=snapshot(big))
-    record, enc = encode_record(rec, "r", 0, 1 * MiB)
+    enc = encode_record(rec, "r", 0, 1 * MiB)
     first = next(iter(enc.wire_frames(1 * MiB)))
     frame = pb.Frame.FromString(first)
     asm.arrived(len(first))

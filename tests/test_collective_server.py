@@ -46,7 +46,7 @@ def frames(rank: int, seq: int, name: str, x, out, group_seq: int, op: str = "su
            group: str = "0") -> list[bytes]:
     rec = PendingRecord(name=name, step=0, inputs=snapshot(((x,), {})), output=snapshot(out), seq=seq,
                         collective=CollectiveCall(job=JOB, group=group, ranks=tuple(ranks), seq=group_seq, op=op))
-    _, enc = encode_record(rec, f"run-r{rank}", rank)
+    enc = encode_record(rec, f"run-r{rank}", rank)
     return list(enc.wire_frames(1 << 20))
 
 

@@ -51,9 +51,11 @@ RAW_RUN, RAW_RANK = "rawclient", 1
 def _record(name: str, args: tuple, kwargs: dict, out, seq: int, corrupt: bool = False) -> list[bytes]:
     """One record's frames as a client sends them; `corrupt`: its first tensor's bytes no longer match its shape."""
     rec = PendingRecord(name=name, step=0, inputs=snapshot((args, kwargs)), output=snapshot(out), seq=seq)
-    record, enc = encode_record(rec, RAW_RUN, RAW_RANK)
+    enc = encode_record(rec, RAW_RUN, RAW_RANK)
     if corrupt:
+        record = enc.record
         record.tensors[0].nbytes += 4
+        enc.serialized = record.SerializeToString()   # the bytes the frames carry
     return list(enc.wire_frames(1 << 20))
 
 

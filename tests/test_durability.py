@@ -233,7 +233,7 @@ def _relu_frames(seq: int, run: str = "resend", rank: int = 0) -> list[bytes]:
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seq))
     rec = PendingRecord(name=f"Functional.relu.{seq}", step=0, seq=seq, inputs=snapshot(((x,), {})),
                         output=snapshot(torch.relu(x)))
-    _, enc = encode_record(rec, run, rank)
+    enc = encode_record(rec, run, rank)
     return list(enc.wire_frames(1 << 20))
 
 

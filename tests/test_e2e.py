@@ -106,9 +106,11 @@ def _raw_record(name: str, seq: int, tensors=(), corrupt=False) -> list[bytes]:
     rec = PendingRecord(name=name, step=0, seq=seq)
     rec.inputs = snapshot((tuple(tensors), {}))
     rec.output = snapshot(tensors[0] * 2 if tensors else None)
-    record, enc = encode_record(rec, "rawclient", 0)
+    enc = encode_record(rec, "rawclient", 0)
     if corrupt:
+        record = enc.record
         record.tensors[0].nbytes += 4   # bytes no longer match the shape
+        enc.serialized = record.SerializeToString()   # the bytes the frames carry
     return list(enc.wire_frames(1 << 20))
 
 

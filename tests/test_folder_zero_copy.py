@@ -47,12 +47,12 @@ def _record(kind: str, seq: int) -> PendingRecord:
 
 
 def _in_memory(kind: str, seq: int, chunk: int) -> bytes:
-    _, enc = encode_record(_record(kind, seq), RUN, 2, chunk)
+    enc = encode_record(_record(kind, seq), RUN, 2, chunk)
     return b"".join(file_chunks(enc.wire_frames(chunk)))
 
 
 def _into_file(rec: PendingRecord, path: str, chunk: int) -> bytes:
-    _, enc = encode_record(rec, RUN, 2, chunk, defer=True)
+    enc = encode_record(rec, RUN, 2, chunk, defer=True)
     assert enc.later is not None and rec.inputs is not None   # laid out, nothing copied yet
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
@@ -80,7 +80,7 @@ def test_the_file_holds_exactly_the_bytes_of_the_in_memory_path(tmp_path, kind, 
 def test_a_tensor_changed_without_a_copy_makes_the_file_a_skipped_record(tmp_path):
     rec = _record("one", 4)
     x = rec.inputs.tree[0][0]   # type: ignore[union-attr]
-    _, enc = encode_record(rec, RUN, 2, defer=True)
+    encode_record(rec, RUN, 2, defer=True)
     x.add_(1)   # written by code the capture mode did not see: its `_version` moves, no copy was made
     fd = os.open(tmp_path / "r.rec", os.O_RDWR | os.O_CREAT, 0o600)
     try:

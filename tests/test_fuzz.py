@@ -36,7 +36,8 @@ def valid_record(seq: int = 0, name: str = "Functional.linear.0") -> tuple[pb.Re
     w = torch.randn(6, 3, generator=g).t()  # non-contiguous: strides travel
     args = ((x, w, [1, 2.5, None, (torch.arange(3), {"k": slice(0, 2)})]), {"bias": None, "dt": torch.bfloat16})
     rec = PendingRecord(name=name, step=0, inputs=snapshot(args), output=snapshot(x.to(torch.bfloat16)), seq=seq)
-    record, enc = encode_record(rec, "fuzzrun", 0)
+    enc = encode_record(rec, "fuzzrun", 0)
+    record = enc.record
     frames = list(enc.wire_frames(96))
     return record, frames
 

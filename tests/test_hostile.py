@@ -91,7 +91,7 @@ def relu_frames(run_id: str, seq: int, rank: int = 0) -> list[bytes]:
     x = torch.linspace(-2, 2, 8)
     rec = PendingRecord(name=f"Functional.relu.{seq}", step=0, inputs=snapshot(((x,), {})),
                         output=snapshot(torch.relu(x)), seq=seq)
-    record, enc = encode_record(rec, run_id, rank)
+    enc = encode_record(rec, run_id, rank)
     return list(enc.wire_frames(1 << 20))
 
 

@@ -38,7 +38,7 @@ def _steps(raw: bytes) -> tuple[list, list]:
 
 def test_one_large_record_is_validated_on_the_event_loop():
     rec = _record(0, 1 << 18)   # 1 MiB of float32 in one message
-    _, enc = encode_record(rec, "inline", 0)
+    enc = encode_record(rec, "inline", 0)
     (frame,) = list(enc.wire_frames(4 << 20))
     assert len(frame) > stream_mod.INLINE_BYTES
     calls, answers = _steps(bytes(frame))
@@ -47,10 +47,10 @@ def test_one_large_record_is_validated_on_the_event_loop():
 
 
 def test_many_records_of_one_batch_are_validated_on_a_thread():
-    few = [encode_record(_record(seq, 16), "inline", 0)[1] for seq in range(stream_mod.INLINE_RECORDS)]
+    few = [encode_record(_record(seq, 16), "inline", 0) for seq in range(stream_mod.INLINE_RECORDS)]
     calls, answers = _steps(batch_frame(few))
     assert [c.heavy for c in calls] == [False] and len(answers) == stream_mod.INLINE_RECORDS
-    many = [encode_record(_record(seq, 16), "inline", 0)[1] for seq in range(stream_mod.INLINE_RECORDS + 1)]
+    many = [encode_record(_record(seq, 16), "inline", 0) for seq in range(stream_mod.INLINE_RECORDS + 1)]
     calls, answers = _steps(batch_frame(many))
     assert [c.heavy for c in calls] == [True]
     assert all(a.status == pb.Ack.ACCEPTED for a in answers) and len(answers) == stream_mod.INLINE_RECORDS + 1

@@ -142,7 +142,7 @@ def _captured_add(run: str, rank: int, seq: int, shape=(2, 2)):
             torch.add(a, b)
     rec = sink.forward("Torch.add.0")
     rec.seq = seq
-    record, enc = encode_record(rec, run, rank)
+    enc = encode_record(rec, run, rank)
     asm, done = FrameAssembler(), None
     for frame in enc.wire_frames(1 << 20):
         done = asm.feed(pb.Frame.FromString(frame))

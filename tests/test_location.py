@@ -221,7 +221,8 @@ def test_module_and_source_cross_the_wire_bounded():
     job = to_job(rec)
     assert (job.module, job.source) == ("TinyLM.blocks.0", "train.py:3 (forward)")
     long = PendingRecord(name="Torch.relu.1", step=0, seq=1, module="m" * 2000, source="s" * 600)
-    record, _ = encode_record(long, "run", 0)
+    _ = encode_record(long, "run", 0)
+    record = _.record
     assert len(record.header.module) == len(record.header.source) == location.MAX_TEXT
 
 
@@ -229,7 +230,8 @@ def test_the_server_keeps_an_odd_module_or_source_cut_and_escaped():
     rec = PendingRecord(name="Torch.relu.0", step=0, seq=0)
     rec.inputs = snapshot(((torch.randn(2),), {}))
     rec.output = snapshot(torch.randn(2))
-    record, enc = encode_record(rec, "run", 0)
+    enc = encode_record(rec, "run", 0)
+    record = enc.record
     record.header.module = "a\nb" * 1000           # longer than the server keeps, with newlines
     record.header.source = "train.py:1 (\x1b[31mforward\u202e)"
     job = decode_job(record, bytes(enc.buffers[0][1]) if enc.buffers else b"")

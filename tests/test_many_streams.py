@@ -27,7 +27,7 @@ def record_frames(run_id: str, seq: int = 0) -> list[bytes]:
     x = torch.linspace(-2, 2, 8)
     rec = PendingRecord(name="Functional.relu.0", step=0, inputs=snapshot(((x,), {})), output=snapshot(torch.relu(x)),
                         seq=seq)
-    record, enc = encode_record(rec, run_id, 0)
+    enc = encode_record(rec, run_id, 0)
     return list(enc.wire_frames(1 << 20))
 
 

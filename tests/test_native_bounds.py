@@ -334,7 +334,7 @@ def test_every_allowlisted_api_with_an_index_argument_has_a_rule():
 
 # -- through a real server ---------------------------------------------------------------------------------------
 def _frames(name: str, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any, seq: int, run_id: str) -> list[bytes]:
-    record, enc = encode_record(_record(name, args, kwargs, out, seq), run_id, 0)
+    enc = encode_record(_record(name, args, kwargs, out, seq), run_id, 0)
     return list(enc.wire_frames(1 << 20))
 
 

@@ -194,7 +194,7 @@ def send_raw(port: int, recs: list[PendingRecord]) -> list:
     """Stream the records to the server over raw gRPC (as tests/test_e2e.py does); the acknowledgements."""
     frames = []
     for rec in recs:
-        record, enc = encode_record(rec, RUN_ID, 0)
+        enc = encode_record(rec, RUN_ID, 0)
         frames += list(enc.wire_frames(1 << 20))
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:

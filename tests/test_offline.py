@@ -139,7 +139,8 @@ spool.open("20260101000000")
 tickets = []
 for seq, rec in enumerate(sink):
     rec.seq = seq
-    record, enc = encode_record(rec, "run1", 0)
+    enc = encode_record(rec, "run1", 0)
+    record = enc.record
     asm, done = FrameAssembler(), None
     for frame in enc.wire_frames(1 << 20):
         done = asm.feed(pb.Frame.FromString(frame))

@@ -25,10 +25,10 @@ def _record(seq: int, n: int) -> PendingRecord:
 
 def _agent_frames() -> list[bytes]:
     """Frames as the agent sends them: a record alone, a record in chunks, a batch, an end, a hello."""
-    one, enc = encode_record(_record(0, 64), "parse", 0)
-    big, big_enc = encode_record(_record(1, 3000), "parse", 0, chunk_bytes=4096)
+    enc = encode_record(_record(0, 64), "parse", 0)
+    big_enc = encode_record(_record(1, 3000), "parse", 0, chunk_bytes=4096)
     small = [encode_record(_record(2 + i, 16), "parse", 0) for i in range(3)]
-    batch = batch_frame([e for _, e in small])
+    batch = batch_frame(small)
     assert batch is not None
     return [*enc.wire_frames(1 << 20), *big_enc.wire_frames(4096), batch,
             pb.Frame(end=pb.End(run_id="parse", rank=0, last_seq=4)).SerializeToString(),

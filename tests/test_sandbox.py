@@ -29,7 +29,7 @@ SVD_N = 1536       # a linalg_svd whose float64 bench run takes seconds on any C
 def frames_of(name: str, fn, *args, run_id: str = "sandbox", seq: int = 0, **kwargs) -> list[bytes]:
     out = fn(*args, **kwargs)
     rec = PendingRecord(name=name, step=0, inputs=snapshot((args, kwargs)), output=snapshot(out), seq=seq)
-    _, enc = encode_record(rec, run_id, 0)
+    enc = encode_record(rec, run_id, 0)
     return list(enc.wire_frames(4 * MiB))
 
 
@@ -217,7 +217,7 @@ def test_process_and_inline_replays_give_the_same_outputs():
     x, w = torch.randn(4, 8, requires_grad=True), torch.randn(3, 8)
     rec = PendingRecord(name="Functional.linear.0", step=0, inputs=snapshot(((x, w), {})),
                         output=snapshot(torch.nn.functional.linear(x, w)), seq=0)
-    _, enc = encode_record(rec, "same", 0)
+    enc = encode_record(rec, "same", 0)
     job = job_of(list(enc.wire_frames(MiB)))
     inline = InlineReplayer(torch.device("cpu")).forward(job, keep=False, match=True)
     proc = ProcessReplayer(torch.device("cpu"), SandboxLimits(timeout_s=60), torch.get_num_threads(), 64 * MiB)

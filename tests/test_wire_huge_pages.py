@@ -107,7 +107,7 @@ def _record(numel: int, seq: int = 0) -> PendingRecord:
 
 def _frames(numel: int, chunk: int) -> list[bytes]:
     payload.FRAMES.clear()
-    _, enc = encode_record(_record(numel), "wire", 0, chunk)
+    enc = encode_record(_record(numel), "wire", 0, chunk)
     return [bytes(f) for f in enc.wire_frames(chunk)]
 
 
@@ -140,7 +140,7 @@ def test_the_server_joins_chunks_byte_for_byte_with_and_without_huge_pages(monke
     numel, chunk = (9 * MiB + 12) // 4, 3 * MiB + 5
     monkeypatch.setenv(ENV, "1")
     frames = _frames(numel, chunk)
-    _, enc = encode_record(_record(numel), "wire", 0, chunk)
+    enc = encode_record(_record(numel), "wire", 0, chunk)
     expect = b"".join(bytes(parse_frame(f)[1]) for f in enc.wire_frames(chunk))
     rec, joined = _join(frames)
     assert joined == expect and len(joined) == rec.payload_bytes
