@@ -23,6 +23,7 @@ from npu_agent.refusal import classify, client_certificate_refusal, plaintext_re
 from npu_agent.transport import Refusal, StreamIdentity, TransportEvents
 from protos import online_check_pb2 as pb
 from protos.contract import STREAM_METHOD
+from protos.framing import AckView, parse_ack
 from protos.limits import CHUNK_BYTES
 
 log = logging.getLogger("npu_agent")
@@ -160,8 +161,8 @@ class GrpcTransport:
         """One stream, from open to broken: re-send notice, then acknowledgements until it ends."""
         assert self._channel is not None and self._events is not None
         q: queue.Queue[bytes] = queue.Queue(maxsize=8)
-        stub: grpc.StreamStreamMultiCallable[bytes, pb.Ack] = self._channel.stream_stream(
-            METHOD, request_serializer=None, response_deserializer=pb.Ack.FromString)
+        stub: grpc.StreamStreamMultiCallable[bytes, AckView | pb.Ack] = self._channel.stream_stream(
+            METHOD, request_serializer=None, response_deserializer=parse_ack)
         with self._lock:
             self._generation += 1
             generation = self._generation
@@ -211,7 +212,7 @@ class GrpcTransport:
                 return
             yield item
 
-    def _dispatch(self, ack: pb.Ack) -> None:
+    def _dispatch(self, ack: AckView | pb.Ack) -> None:
         assert self._events is not None
         status = _ACK_STATUS.get(ack.status, "UNKNOWN")
         if status == "END_ACCEPTED":

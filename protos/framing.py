@@ -151,6 +151,58 @@ def _read_varint(raw: bytes, pos: int) -> tuple[int, int]:
             raise IndexError("varint longer than 10 bytes")
 
 
+class AckView:
+    """An acknowledgement as `parse_ack` read it: the fields of `pb.Ack`, without a protobuf message."""
+
+    __slots__ = ("seq", "status", "reason", "count")
+
+    def __init__(self, seq: int, status: int, reason: str, count: int) -> None:
+        self.seq, self.status, self.reason, self.count = seq, status, reason, count
+
+
+_ACK_SEQ, _ACK_STATUS, _ACK_REASON, _ACK_COUNT = 0x08, 0x10, 0x1A, 0x20   # Ack's keys: 1, 2, 4 varints, 3 a string
+_ACK_STATUSES = range(5)   # Ack.Status's values
+
+
+def parse_ack(raw: bytes) -> AckView | pb.Ack:
+    """An Ack the agent receives, as `pb.Ack.FromString(raw)` reads it (same fields, same DecodeError), without
+    building a protobuf message when it is the plain kind every server writes: each message protobuf's library
+    builds is an arena it frees, and it trims the process's heap every 10,000 (see `record_head`). Fields in any
+    order and repeated (the last one counts); anything else (another field, a varint of 10 bytes, an unknown status,
+    a reason that is not UTF-8, a cut-off message) is left to protobuf."""
+    seq = status = count = 0
+    reason = ""
+    pos, n = 0, len(raw)
+    try:
+        while pos < n:
+            key = raw[pos]
+            pos += 1
+            if key == _ACK_REASON:
+                length, pos = _read_varint(raw, pos)
+                if pos + length > n:
+                    return pb.Ack.FromString(raw)
+                reason = raw[pos:pos + length].decode()
+                pos += length
+                continue
+            if key not in (_ACK_SEQ, _ACK_STATUS, _ACK_COUNT):
+                return pb.Ack.FromString(raw)   # another field
+            start = pos
+            value, pos = _read_varint(raw, pos)
+            if pos - start > 9:
+                return pb.Ack.FromString(raw)
+            if key == _ACK_SEQ:
+                seq = value
+            elif key == _ACK_COUNT:
+                count = value
+            elif value in _ACK_STATUSES:
+                status = value
+            else:
+                return pb.Ack.FromString(raw)
+    except (IndexError, UnicodeDecodeError):
+        return pb.Ack.FromString(raw)
+    return AckView(seq, status, reason, count)
+
+
 def split_batch(frame: pb.Frame, limits: Limits, data: bytes | memoryview | None = None
                 ) -> list[tuple[pb.Record, bytes | memoryview]]:
     """The records of a Batch frame, each with its own payload (views into `data`: the frame's data, by default
