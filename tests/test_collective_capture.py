@@ -188,10 +188,14 @@ def _rank_main(rank: int, init_file: str, result_dir: str) -> None:
                   "sample_counts": sample_counts, "failed": failed, "raised": raised}
         with open(os.path.join(result_dir, f"{rank}.json"), "w") as fh:
             json.dump(result, fh)
-        dist.destroy_process_group()
+        dist.barrier()   # both results written before either rank closes its connections
     except BaseException:   # noqa: BLE001 - reported to the parent
         with open(os.path.join(result_dir, f"{rank}.err"), "w") as fh:
             fh.write(traceback.format_exc())
+    # No teardown: the group whose all_reduce timed out still has gloo's work on it, and destroying it (or the other
+    # rank closing its connections first) can end in std::terminate inside gloo under load ("terminate called
+    # without an active exception", SIGABRT), which is gloo's and not what these tests check.
+    os._exit(0)
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +204,15 @@ def ranks() -> dict[int, dict]:
         ctx = mp.start_processes(_rank_main, args=(os.path.join(tmp, "init"), tmp), nprocs=WORLD, join=False,
                                  start_method="spawn")
         end = time.monotonic() + 90
-        while not ctx.join(timeout=1):
+        while True:
+            try:
+                if ctx.join(timeout=1):
+                    break
+            except mp.ProcessExitedException:
+                # a rank that wrote its results and then died in gloo's own teardown: its results stand
+                if not all(os.path.exists(os.path.join(tmp, f"{r}.json")) for r in range(WORLD)):
+                    raise
+                break
             if time.monotonic() > end:
                 for p in ctx.processes:
                     if p.is_alive():
