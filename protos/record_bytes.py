@@ -3,9 +3,9 @@
 The agent builds no protobuf message per record. Each message protobuf's Python library (upb) makes lives in an
 allocation arena of its own, and so does the map of each message whose unset fields were read; upb calls the C
 allocator's `malloc_trim(0)` every 10,000 arena blocks it frees. A record took 8 to 17 of them, so the agent made
-upb trim the heap every thousand records or so, and a trim hands every free page of the process back to the
-kernel: the training's own, freed between its steps and about to be reused. Its next tensors then fault in new
-pages, tens of thousands a step on the mid transformer of bench/overhead.py.
+upb trim the heap every 600 to 1,200 records, and a trim hands every free page of the process back to the kernel:
+the training's own, freed between its steps and about to be reused. Its next tensors then fault in new pages, as
+many as it had freed.
 
 So the agent writes the bytes itself, in the canonical form protobuf writes them (fields in number order, proto3
 defaults left out, a set sub-message or oneof member always written, repeated numbers packed): the server parses
