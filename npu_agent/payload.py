@@ -35,7 +35,8 @@ import torch
 
 from protos import huge_pages as thp
 from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH
-from protos.framing import DATA_TAG, chunk_head, varint
+from protos.framing import DATA_TAG, chunk_head
+from protos.record_bytes import varint
 from protos.reuse_pool import ReusePool
 from protos.torch_compat import disable_torch_function
 

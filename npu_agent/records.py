@@ -107,8 +107,8 @@ class Encoded:
 
     def __init__(self, serialized: bytes, seq: int, data: bytes | bytearray | memoryview | None, size: int,
                  frames: list[bytes] | None = None, later: _Later | None = None) -> None:
-        self.serialized, self.seq, self._data, self.size, self.frames, self.later = serialized, seq, data, size, \
-            frames, later
+        self.serialized, self.seq = serialized, seq
+        self._data, self.size, self.frames, self.later = data, size, frames, later
         self.in_file = False   # written by write_file: the payload is in that file only (read_back gets it again)
         self.batch: _Together | None = None   # encoded with others straight into their Batch frame
 

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.limits import Limits
+from protos.record_bytes import message, uint, varint
 
 Buffers = list[tuple[int, memoryview]]   # (offset inside the payload, bytes); the gaps between them are zeros
 
@@ -25,9 +26,7 @@ Buffers = list[tuple[int, memoryview]]   # (offset inside the payload, bytes); t
 _DATA_FIELD = 15           # Frame.data
 DATA_TAG = bytes([_DATA_FIELD << 3 | 2])   # its tag, length-delimited (b"\x7a")
 _BATCH_TAG = b"\x2a"       # Frame.batch = 5, length-delimited
-_RECORD_TAG = b"\x0a"      # Batch.records = 1, length-delimited; Frame.record = 1 too
-_CHUNK_TAG = b"\x12"       # Frame.chunk = 2, length-delimited
-_SEQ_TAG, _OFFSET_TAG = b"\x08", b"\x10"   # Chunk.seq = 1, Chunk.offset = 2, varints
+_RECORD_TAG = b"\x0a"      # Batch.records = 1, length-delimited
 
 
 def record_head(serialized: bytes) -> bytes:
@@ -36,14 +35,12 @@ def record_head(serialized: bytes) -> bytes:
     library calls the C allocator's malloc_trim(0) every 10,000 arena blocks it frees, which hands back every free
     page of the training process too, so that its next tensors fault in new pages (docs/design.md §5, "Records
     written as bytes")."""
-    return b"".join((_RECORD_TAG, varint(len(serialized)), serialized))
+    return message(1, serialized)   # Frame.record
 
 
 def chunk_head(seq: int, offset: int) -> bytes:
-    """`pb.Frame(chunk=pb.Chunk(seq=seq, offset=offset)).SerializeToString()`, built by hand (see record_head);
-    proto3 leaves out a field at zero."""
-    body = b"".join([*((_SEQ_TAG, varint(seq)) if seq else ()), *((_OFFSET_TAG, varint(offset)) if offset else ())])
-    return b"".join((_CHUNK_TAG, varint(len(body)), body))
+    """`pb.Frame(chunk=pb.Chunk(seq=seq, offset=offset)).SerializeToString()`, built by hand (see record_head)."""
+    return message(2, uint(1, seq) + uint(2, offset))   # Frame.chunk: Chunk.seq, Chunk.offset
 
 
 def encode_frames(serialized: bytes, seq: int, buffers: Buffers, payload_bytes: int,
@@ -161,7 +158,7 @@ class AckView:
 
 
 _ACK_SEQ, _ACK_STATUS, _ACK_REASON, _ACK_COUNT = 0x08, 0x10, 0x1A, 0x20   # Ack's keys: 1, 2, 4 varints, 3 a string
-_ACK_STATUSES = range(5)   # Ack.Status's values
+_ACK_STATUSES = frozenset(pb.Ack.Status.values())
 
 
 def parse_ack(raw: bytes) -> AckView | pb.Ack:
@@ -260,20 +257,3 @@ class _Cursor:
             want -= take
         return pieces
 
-
-_VARINT1 = [bytes((i,)) for i in range(0x80)]   # the one-byte varints
-
-
-def varint(n: int) -> bytes:
-    """Protobuf's base-128 varint of a non-negative integer."""
-    if 0 <= n < 0x80:
-        return _VARINT1[n]
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)

@@ -24,11 +24,28 @@ from typing import Any
 import torch
 
 from protos.codec import _LAYOUT_NAMES, _MEMORY_FORMAT_NAMES, Opaque, dtype_name
-from protos.framing import varint
 
 TensorHook = Callable[[torch.Tensor], dict[str, Any]]   # TensorMeta overrides for one tensor
 
 _U64 = (1 << 64) - 1
+_VARINT1 = [bytes((i,)) for i in range(0x80)]   # the one-byte varints
+
+
+def varint(n: int) -> bytes:
+    """Protobuf's base-128 varint of a non-negative integer."""
+    if 0 <= n < 0x80:
+        return _VARINT1[n]
+    out = bytearray()
+    while True:
+        b = n & 0x7F
+        n >>= 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
 # The key of each field number below 32 (all this schema's), by wire type: a list lookup, not a call.
 _VARINT_KEY = [varint(f << 3) for f in range(32)]
 _FIXED64_KEY = [varint(f << 3 | 1) for f in range(32)]
@@ -124,6 +141,11 @@ _STR, _DTYPE, _DEVICE, _MEMORY_FORMAT, _LAYOUT, _OPAQUE = 5, 10, 11, 16, 17, 18
 _TUPLE, _LIST, _DICT, _SLICE, _SIZE, _COMPLEX, _NAMED_TUPLE = 7, 8, 9, 12, 14, 15, 19
 
 
+def _int(n: int) -> bytes:
+    """Value.i: a sint64 (zigzag) oneof member, written even when 0."""
+    return _INT + varint(((n << 1) ^ (n >> 63)) & _U64)
+
+
 def _text(field: int, s: str) -> bytes:
     """A oneof string: written even when empty."""
     e = s.encode()
@@ -153,13 +175,12 @@ class RecordEncoder:
             return _TRUE if obj else _FALSE
         if isinstance(obj, int):
             if -(1 << 63) <= obj < (1 << 63):
-                return _INT + varint(((obj << 1) ^ (obj >> 63)) & _U64)
+                return _int(obj)
             return _FLOAT + struct.pack("<d", float(obj))
         if isinstance(obj, float):
             return _FLOAT + struct.pack("<d", obj)
         if isinstance(obj, torch.Size):   # before tuple: a Size is one
-            return message(_SIZE, b"".join([message(1, _INT + varint(((int(n) << 1) ^ (int(n) >> 63)) & _U64))
-                                            for n in obj]))
+            return message(_SIZE, b"".join([message(1, _int(int(n))) for n in obj]))
         if isinstance(obj, tuple):
             named = hasattr(obj, "n_fields") or hasattr(obj, "_fields")
             return message(_NAMED_TUPLE if named else _TUPLE, self.sequence(obj, hook))

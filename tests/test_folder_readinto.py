@@ -19,8 +19,9 @@ from gpu_server.intake.folder import BadFile, FolderReader, _Dir
 from protos import online_check_pb2 as pb
 from protos.codec import WireError
 from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH
-from protos.framing import DATA_TAG, data_field_at, parse_frame, varint
+from protos.framing import DATA_TAG, data_field_at, parse_frame
 from protos.limits import Limits
+from protos.record_bytes import varint
 
 RUN = "readinto0123456789"
 WHOLE = 1 << 40   # a HEAD_BYTES no frame exceeds: every frame read as a whole (the path before)

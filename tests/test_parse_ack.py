@@ -9,7 +9,8 @@ import pytest
 from google.protobuf.message import DecodeError
 
 from protos import online_check_pb2 as pb
-from protos.framing import AckView, parse_ack, varint
+from protos.framing import AckView, parse_ack
+from protos.record_bytes import varint
 
 
 def _fields(ack) -> tuple[int, int, str, int]:

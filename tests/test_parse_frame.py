@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from npu_agent.records import PendingRecord, batch_frame, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
-from protos.framing import DATA_TAG, parse_frame, varint
+from protos.framing import DATA_TAG, parse_frame
+from protos.record_bytes import varint
 
 FUZZ = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow], database=None)
 

@@ -68,8 +68,3 @@ KERNEL = LazyKernel(_pooled_terms)
 def kernel():
     """The compiled `_pooled_terms`, or None without numba (decided once per process)."""
     return KERNEL.get()
-
-
-def loaded():
-    """The compiled `_pooled_terms` when built already in this process, else None."""
-    return KERNEL.loaded()
