@@ -153,6 +153,29 @@ def test_a_chunks_sums_are_its_tiles_sums_added_in_order():
     assert metrics._tiled_sum(values[:5]).item() == values[:5].sum().item()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_tiles_rows_summed_together_are_each_row_summed_alone(threads):
+    """The compiled pass sums a tile's summands, a row each of one buffer, with one sum over the rows' first m
+    elements: each row's value must be the bits torch gives that row's elements summed alone (as the torch ops and
+    _tiled_sum sum them), for any length up to a tile and any thread count."""
+    g = torch.Generator().manual_seed(3)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for trial in range(120):
+            rows = 1 + 5 * (1 + trial % 3)
+            grid = torch.randn(rows, metrics._TILE, dtype=torch.float64, generator=g)
+            if trial % 2:
+                grid = grid.abs() * 10.0 ** (trial % 600 - 300)
+            m = [1, 3, 7, 8, 9, 15, 17, 63, 65, 4095, 4097, metrics._TILE][trial % 12] if trial < 60 else \
+                int(torch.randint(1, metrics._TILE + 1, (), generator=g))
+            together = grid[:, :m].sum(1).tolist()
+            alone = [grid[r][:m].clone().sum().item() for r in range(rows)]
+            assert together == alone, (trial, m)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_the_compiled_pass_runs_when_numba_is_installed(monkeypatch):
     pytest.importorskip("numba")
     calls = []

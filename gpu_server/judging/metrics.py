@@ -704,10 +704,14 @@ def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor,
     scale = 2.0 ** p.ulp_precision
     bmax_f = float(bmax)
     dmax_f = [float(acc.dmax) for acc, _ in quick]
-    bb = sc.get("bb", size, f64, dev)
-    np_bb = bb.numpy()
-    sums = [{k: sc.get(f"{k}{j}", size, f64, dev) for k in _SUMS} for j in range(len(quick))]
-    np_sums = [{k: v.numpy() for k, v in s.items()} for s in sums]
+    # every summand of the tile in one buffer, a row each: the bench's (b / bmax)^2, then each output's _SUMS; the
+    # rows are summed by one torch sum over the last dimension, each row as torch sums it alone (the same bits:
+    # tests/test_fast_paths.py), in one call and one transfer instead of one sum per row
+    k = len(_SUMS)
+    grid = sc.get(f"grid{len(quick)}", (1 + k * len(quick)) * size, f64, dev).view(1 + k * len(quick), size)
+    np_grid = grid.numpy()
+    np_bb = np_grid[0]
+    np_sums = [dict(zip(_SUMS, np_grid[1 + k * j:1 + k * (j + 1)])) for j in range(len(quick))]
     src = flat_b[start:start + n]
     b_all = src.numpy() if src.dtype == f64 and src.is_contiguous() else None   # else copied tile by tile
     d_srcs = [flat_d[start:start + n] for _, flat_d in quick]
@@ -719,7 +723,6 @@ def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor,
         m = hi - lo
         b = b_all[lo:hi] if b_all is not None else sc.get("b", size, f64, dev)[:m].copy_(src[lo:hi]).numpy()
         bits = b.view(numpy.int64)
-        tile_sums = []
         for j in range(len(quick)):
             d_all = d_alls[j]
             d = d_all[lo:hi] if d_all is not None else sc.get("d", size, f64, dev)[:m].copy_(d_srcs[j][lo:hi]).numpy()
@@ -727,11 +730,9 @@ def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor,
             kern(b, bits, d, np_spb, np_spf, np_ae, size, bmax_f, dmax_f[j], acc0.eps, p.small_value,
                  p.small_atol, p.rtol, scale, p.ulp_min_exponent, p.ulp_threshold, bounds, np_bb[:m], j == 0,
                  sj["sq"][:m], sj["rel"][:m], sj["ulp"][:m], sj["dot"][:m], sj["dd"][:m], tally[j], top[j])
-            tile_sums += [v[:m].sum() for v in sums[j].values()]
-        # the tile's sums (torch's) as numbers, in one transfer: added as numbers from here on
-        values = torch.stack([bb[:m].sum(), *tile_sums]).tolist()
-        k = len(_SUMS)
-        yield values[0], [dict(zip(sums[j], values[1 + k * j:1 + k * (j + 1)])) for j in range(len(quick))]
+        # the tile's sums (torch's) as numbers: added as numbers from here on
+        values = grid[:, :m].sum(1).tolist()
+        yield values[0], [dict(zip(_SUMS, values[1 + k * j:1 + k * (j + 1)])) for j in range(len(quick))]
     for j in range(len(quick)):
         got = dict(zip(metric_kernel.COUNT_KEYS, tally[j].tolist()))
         above, below = got.pop("above"), got.pop("below")
