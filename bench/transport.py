@@ -7,6 +7,7 @@
                                                                 # server (e.g. the previous main), same run
     python bench/transport.py --sizes 4k,1m --rows ours,raw     # only some sizes and transports
     python bench/transport.py --repeat 1                        # each row once (a third of the time, noisier)
+    python bench/transport.py --rtt-ms 2                        # as across a network with 2 ms of round trip
 
 For each tensor size it measures, with the receiving side in a separate process, after one warm-up record (the
 connection and TLS handshake are not timed):
@@ -35,6 +36,11 @@ It prints MB/s, records/s and the CPU time per record of the sending and the rec
 from /proc, in clock ticks) of that run, then the ratios of the fastest runs: ours / raw gRPC (the goal: >= 0.9),
 ours (mTLS) / raw mTLS (the same goal), mTLS / raw gRPC (what encryption costs), ours / raw TCP, batched / one a
 message, folder / ours.
+
+With `--rtt-ms R` every row but the folder's sends through a relay on loopback that holds each byte R/2 ms each way
+(bench/delay_relay.py), as a network between the training's host and the server's would: what the receiver's
+flow-control window allows then shows (at most one window in flight per round trip). The relay's CPU is in neither
+column.
 """
 from __future__ import annotations
 
@@ -156,6 +162,7 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
 
 
 _RUN: dict = {}   # the run being timed: its receiving child, and the clocks at its start; then its CPU seconds
+RTT_S = 0.0       # --rtt-ms: each receiving child behind a relay (bench/delay_relay.py) holding bytes RTT/2 each way
 
 
 def _start() -> None:
@@ -187,6 +194,12 @@ class Child:
         if not line.startswith("PORT"):
             raise RuntimeError(f"{mode} server did not start: {line!r}")
         self.port = int(line.split()[1])
+        self.relay = None
+        if RTT_S and self.port:   # the senders connect to the relay in front of it (not the folder: no network)
+            self.relay = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                        "delay_relay.py"), str(self.port),
+                                           str(RTT_S / 2)], stdout=subprocess.PIPE, text=True)
+            self.port = int(self.relay.stdout.readline().split()[1])
         _RUN["child"] = self
 
     def wait_line(self, prefix: str) -> str:
@@ -199,6 +212,9 @@ class Child:
         self.proc.stdin.close()
         self.proc.kill()
         self.proc.wait()
+        if self.relay is not None:
+            self.relay.kill()
+            self.relay.wait()
 
 
 # ----------------------------------------------------------------------------------------------- sending side
@@ -364,7 +380,7 @@ def _baseline(root: str, size: int, mib: float, quick: bool) -> dict:
     (records, seconds, sender CPU seconds, receiver CPU seconds)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--root", root, "--sizes", str(size), "--rows",
            ",".join(BASELINE_ROWS), "--emit", "--repeat", "1"] + (["--mib", str(mib)] if mib else []) + \
-        (["--quick"] if quick else [])
+        (["--quick"] if quick else []) + (["--rtt-ms", str(RTT_S * 1e3)] if RTT_S else [])
     out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=root))
     rows = {}
     for line in out.stdout.splitlines():
@@ -387,6 +403,9 @@ def main(argv=None) -> int:
                    "each row's fastest is printed (default 3)")
     p.add_argument("--baseline", default="", help="another checkout (a folder with npu_agent/ and gpu_server/): "
                    "also measure its agent and server (ours, mTLS) in the same run, printed as 'before' rows")
+    p.add_argument("--rtt-ms", type=float, default=0.0, help="a network's round trip between sender and receiver: "
+                   "every gRPC and TCP row through a relay that holds each byte half of it each way "
+                   "(bench/delay_relay.py; the folder row is not delayed)")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     p.add_argument("--tls", default="", help=argparse.SUPPRESS)
     p.add_argument("--nfs", default="", help=argparse.SUPPRESS)
@@ -399,6 +418,8 @@ def main(argv=None) -> int:
     import logging
 
     logging.basicConfig(level=logging.ERROR)
+    global RTT_S
+    RTT_S = ns.rtt_ms / 1e3
     total = (ns.mib or (32 if ns.quick else 256)) * MiB
     sizes = [_size(t) for t in ns.sizes.split(",") if t.strip()]
     keys = [k.strip() for k in ns.rows.split(",") if k.strip()]
@@ -406,7 +427,8 @@ def main(argv=None) -> int:
     if unknown:
         p.error(f"unknown --rows {unknown}; choose from {','.join(ROWS)}")
     if not ns.emit:
-        print(f"transport throughput on loopback, {total / MiB:.0f} MiB per size and transport, the fastest of "
+        print(f"transport throughput on loopback{f' with a round trip of {ns.rtt_ms:g} ms' if RTT_S else ''}, "
+              f"{total / MiB:.0f} MiB per size and transport, the fastest of "
               f"{ns.repeat} runs of each (the rows alternating); receiver in another process; CPUs: {os.cpu_count()}"
               + (f"; 'before': {ns.baseline}" if ns.baseline else ""))
     with tempfile.TemporaryDirectory(prefix="bench-pki-") as tmp:

@@ -21,3 +21,17 @@ def test_every_row_of_the_wire_bench_runs(tmp_path):
     for label in ROWS.values():   # each row once: its fastest of the two runs
         assert sum(line.strip().startswith("64 KiB " + label) for line in lines) == 1, (label, run.stdout)
     assert any("ours/raw gRPC" in line and "folder/ours" in line for line in lines), run.stdout
+
+
+def test_the_wire_bench_runs_across_a_delaying_relay(tmp_path):
+    """--rtt-ms puts bench/delay_relay.py in front of each receiver: every record still arrives (ours counts the
+    acknowledgements, raw gRPC and TCP the bytes, and fail the bench otherwise), TLS handshakes pass through it, and
+    the folder row, which has no network, runs as before."""
+    rows = {k: ROWS[k] for k in ("ours", "tls", "raw", "tcp", "folder")}
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "transport.py"), "--mib", "1", "--sizes", "64k",
+                          "--rows", ",".join(rows), "--repeat", "1", "--rtt-ms", "2"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "with a round trip of 2 ms" in run.stdout.splitlines()[0]
+    for label in rows.values():
+        assert any(line.strip().startswith("64 KiB " + label) for line in run.stdout.splitlines()), (label, run.stdout)
