@@ -224,17 +224,34 @@ def padded_relu_frames(run_id: str, total: int, first: int) -> list[bytes]:
     return out
 
 
+def test_the_streams_windows_together_stay_within_the_budget():
+    """docs/security.md: each stream's flow-control window is one chunk at most, the budget over --max-streams where
+    that is less, never below gRPC's 64 KiB: all windows together hold at most the budget (or 64 KiB a stream)."""
+    from gpu_server.intake.grpc_service import GRPC_WINDOW, STREAM_WINDOW, stream_window
+
+    assert STREAM_WINDOW == 4 * MiB and GRPC_WINDOW == 64 * 1024
+    for memory, streams, want in [(6 << 30, 1024, 4 * MiB), (1 << 30, 1024, 1 * MiB), (64 * MiB, 1024, 64 * 1024),
+                                  (16 * MiB, 1024, 64 * 1024), (64 * MiB, 10, 4 * MiB), (40 * MiB, 16, 2.5 * MiB)]:
+        window = stream_window(DEFAULT_LIMITS.replace(max_streams=streams), ByteBudget(memory))
+        assert window == want, (memory, streams, window)
+        assert streams * window <= max(memory, streams * GRPC_WINDOW)
+    assert stream_window(DEFAULT_LIMITS, None) == GRPC_WINDOW
+
+
 def test_60_streams_of_large_frames_stay_within_the_documented_bound(tmp_path):
-    """docs/security.md: peak RSS <= start + 2 x --memory-mb + 2 x streams x the largest message + 128 MiB. The
+    """docs/security.md: peak RSS <= start + 2 x --memory-mb + 2 x streams x the largest message + streams x each
+    stream's flow-control window (64 KiB here: 64 MiB of budget over 1024 streams) + 128 MiB. The
     audit's case: --memory-mb 64 and 60 streams, each opening a record of 16 MiB with the largest message the server
     reads (4 MiB of chunk + 1/16 of the budget for its header: 8 MiB) at once. Measured before: 2.35 GB (each
     stream's message held before the budget was asked, and megabytes more buffered behind it by gRPC)."""
-    from gpu_server.intake.grpc_service import largest_message
+    from gpu_server.intake.grpc_service import largest_message, stream_window
 
     work = str(tmp_path)
     memory = 64 * MiB
     largest = largest_message(DEFAULT_LIMITS.replace(max_record_bytes=memory // 2), ByteBudget(memory))
     assert largest == 8 * MiB
+    window = stream_window(DEFAULT_LIMITS, ByteBudget(memory))
+    assert window == 64 * 1024
     with support.Server(work, args=("--memory-mb", str(memory // MiB), "--replay-in", "thread")) as srv:
         stream = support.stream_acks(srv.port, [hello("warm"), *relu_frames("warm", 0)], lambda acks: len(acks) >= 1)
         assert stream[0].status == pb.Ack.ACCEPTED, stream
@@ -253,7 +270,7 @@ def test_60_streams_of_large_frames_stay_within_the_documented_bound(tmp_path):
     assert [a.status for a in acks] == [pb.Ack.ACCEPTED] * STREAMS, {a.reason for a in acks}
     assert rows == STREAMS + 1
     assert "each stream reading may also have one message of at most 8.0 MiB" in log
-    bound = 2 * memory + 2 * STREAMS * largest + 128 * MiB
+    bound = 2 * memory + 2 * STREAMS * largest + STREAMS * window + 128 * MiB
     print(f"\n{STREAMS} streams, first messages of {largest / MiB:.0f} MiB, --memory-mb {memory // MiB}: peak RSS "
           f"{peak / MiB:.0f} MiB, {(peak - base) / MiB:.0f} MiB above the {base / MiB:.0f} MiB before (bound "
           f"{bound / MiB:.0f}); all checked in {took:.1f} s")

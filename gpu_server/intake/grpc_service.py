@@ -11,7 +11,8 @@ moment
 gRPC hands it over, before anything waits; a record's bytes as they arrive (never what its header announces), and a
 complete record at its estimated peak until it is checked. A stream reads its next message only while the budget
 is below its limit and its connection holds less than `--connection-memory-mb`; meanwhile gRPC buffers at most its
-flow-control window (`STREAM_WINDOW`, one chunk: the window is not grown by bandwidth probing) for it. A record
+flow-control window (`stream_window`: at most one chunk, and all streams' windows together at most the budget;
+never grown by bandwidth probing) for it. A record
 half received is cut (its stream closed, its bytes released, the reason logged and sent) when nothing arrives for
 `--record-timeout-s`,
 when after that long it arrives slower than `--min-record-rate-mb` (time spent waiting for the budget does not
@@ -50,12 +51,12 @@ from protos.limits import CHUNK_BYTES, Limits, MiB, log_text
 
 log = logging.getLogger("gpu_server")
 SERVICE = SERVICE_NAME
-# Bytes an agent may send on one stream before the server asks for more (HTTP/2's stream flow-control window). gRPC's
-# 64 KiB default held a stream to a few windows a round trip: with 2 ms of round trip (python bench/transport.py
-# --rtt-ms 2) 176-202 MB/s from 64 KiB to 16 MiB records, against 387-551 MB/s with one chunk (docs/design.md §5,
-# "The gRPC stream's window"). A stream that is not reading buffers at most this much: within what
-# docs/security.md counts for each stream.
+# Bytes an agent may send on one stream before the server asks for more (HTTP/2's stream flow-control window): at
+# most one chunk (`stream_window`). gRPC's 64 KiB default held a stream to a few windows a round trip: with 2 ms of
+# round trip (python bench/transport.py --rtt-ms 2) 176-202 MB/s from 64 KiB to 16 MiB records, against 387-551 MB/s
+# with one chunk (docs/design.md §5, "The gRPC stream's window").
 STREAM_WINDOW = CHUNK_BYTES
+GRPC_WINDOW = 64 * 1024   # gRPC's own initial window: the least a stream gets
 _ACK_QUEUE = 256          # messages whose answers wait to be sent on one stream; then the stream stops reading
 _TICKET_SLICE_S = 0.25    # a thread waits this long at most for one ticket before giving its place to another
 
@@ -370,10 +371,10 @@ class GrpcServer:
                    ("grpc.so_reuseport", 0),
                    ("grpc.keepalive_permit_without_calls", 1),
                    # a stream not reading (its budget or its connection's share is full) gets no more than its
-                   # flow-control window buffered: a fixed STREAM_WINDOW (one chunk), never grown by bandwidth
-                   # probing (which would grow it without a bound we set)
+                   # flow-control window buffered: a fixed `stream_window`, never grown by bandwidth probing (which
+                   # would grow it without a bound we set)
                    ("grpc.http2.bdp_probe", 0),
-                   ("grpc.http2.lookahead_bytes", STREAM_WINDOW),
+                   ("grpc.http2.lookahead_bytes", stream_window(limits, self.handler.budget)),
                    # ping idle agents: a connection gone half-open frees its stream slot within ~80 s
                    ("grpc.keepalive_time_ms", 60_000),
                    ("grpc.keepalive_timeout_ms", 20_000),
@@ -473,6 +474,15 @@ def largest_message(limits: Limits, budget: ByteBudget | None) -> int:
     if budget is None:
         return limits.max_frame_bytes
     return min(limits.max_frame_bytes, CHUNK_BYTES + max(1 << 20, budget.limit // HEADER_FACTOR))
+
+
+def stream_window(limits: Limits, budget: ByteBudget | None) -> int:
+    """Each stream's flow-control window: one chunk (`STREAM_WINDOW`), less where the memory budget shared out over
+    `--max-streams` is less, never below gRPC's 64 KiB. A stream that stops reading has at most this much buffered by
+    gRPC, so all streams together hold at most the budget's worth (or 64 KiB each) this way (docs/security.md)."""
+    if budget is None:
+        return GRPC_WINDOW
+    return min(STREAM_WINDOW, max(GRPC_WINDOW, budget.limit // max(1, limits.max_streams)))
 
 
 def make_server(handler: StreamHandler, bind: str, limits: Limits, tls_path: str = "") -> GrpcServer:
