@@ -7,19 +7,17 @@ a few kilobytes, not a thread, and thousands of agents share one server. At most
 limit and the fix (the agent logs it), and the server logs the refusal.
 
 Every byte is counted in the memory budget (`--memory-mb`, gpu_server/intake/budget.py `ByteBudget`): a message the
-moment
-gRPC hands it over, before anything waits; a record's bytes as they arrive (never what its header announces), and a
-complete record at its estimated peak until it is checked. A stream reads its next message only while the budget
+moment gRPC hands it over, before anything waits; a record's bytes as they arrive (never what its header announces),
+and a complete record at its estimated peak until it is checked. A stream reads its next message only while the budget
 is below its limit and its connection holds less than `--connection-memory-mb`; meanwhile gRPC buffers at most its
-flow-control window (`stream_window`: at most one chunk, and all streams' windows together at most the budget;
-never grown by bandwidth probing) for it. A record
-half received is cut (its stream closed, its bytes released, the reason logged and sent) when nothing arrives for
-`--record-timeout-s`,
-when after that long it arrives slower than `--min-record-rate-mb` (time spent waiting for the budget does not
-count), or when it has been half received for `--record-max-s`, whatever its size. Frames come in as raw bytes and
-go through the stream's `RecordStream` (gpu_server/intake/stream.py: parsed, never unpickled; large records validated
-off the event loop); every record gets an acknowledgement, bad ones a REJECTED with the reason, and the stream goes
-on. This module is the I/O: reading, waiting for room, cutting a stalled record, sending the answers.
+flow-control window (`stream_window`: at most one chunk, and all streams' windows together at most the budget; never
+grown by bandwidth probing) for it. A record half received is cut (its stream closed, its bytes released, the reason
+logged and sent) when nothing arrives for `--record-timeout-s`, when after that long it arrives slower than
+`--min-record-rate-mb` (time spent waiting for the budget does not count), or when it has been half received for
+`--record-max-s`, whatever its size. Frames come in as raw bytes and go through the stream's `RecordStream`
+(gpu_server/intake/stream.py: parsed, never unpickled; large records validated off the event loop); every record gets
+an acknowledgement, bad ones a REJECTED with the reason, and the stream goes on. This module is the I/O: reading,
+waiting for room, cutting a stalled record, sending the answers.
 
 End messages count only for a (run, rank) whose records came over the same connection (under mutual TLS: with the
 same client certificate). Every wire string that reaches the log is escaped (`protos.limits.log_text`). With mutual
