@@ -18,12 +18,12 @@ import logging
 import os
 import signal
 import sys
-import threading
 import time
 
 from gpu_server import malloc_policy, omp_wait
 from gpu_server.config import ServerConfigError, load_server_config
 from gpu_server.replay import prestart
+from gpu_server.stop_signal import StopSignal
 from protos.limits import DEFAULT_LIMITS, MiB
 from protos.net import is_loopback
 
@@ -179,15 +179,9 @@ def main(argv=None) -> int:
         print("gpu-server: --exit-when-done needs --world-size N (or a non-empty rank_list)", file=sys.stderr)
         return 2
     # Installed before the server starts (start-up may replay a spool; the port may be open already): a SIGTERM
-    # from then on drains what was accepted, never kills the process with records half-reported.
-    stop = threading.Event()
-
-    def on_signal(signum, _frame):
-        log.info("%s: draining what was accepted, then exiting", signal.Signals(signum).name)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # from then on drains what was accepted, never kills the process with records half-reported. The handler takes
+    # no lock (gpu_server/stop_signal.py).
+    stop = StopSignal().install(signal.SIGTERM, signal.SIGINT)
     try:
         app = ServerApp(config, ns.out, device=ns.device, workers=ns.workers, limits=limits,
                         backward_budget=int(ns.backward_memory_mb * MiB),
@@ -225,6 +219,8 @@ def main(argv=None) -> int:
             last = line
     if tty and not ns.quiet:
         print(file=sys.stderr)
+    if stop.is_set():
+        log.info("%s: draining what was accepted, then exiting", stop.name)
     t0 = time.time()
     app.shutdown()
     paths = app.finish()

@@ -112,6 +112,16 @@ MUTATIONS = (
           "            return REJECTED, reason, None\n",
           "            return ACCEPTED, \"\", None\n"),),
         ("tests/test_fuzz.py",)),
+    Mutation(
+        "sigterm-sets-an-event",
+        "the SIGTERM handler sets a threading.Event the main thread waits on: a signal inside the wait hangs it",
+        (("gpu_server/stop_signal.py", "        self.signum: int | None = None\n",
+          "        self.signum: int | None = None\n        import threading\n        self._ev = threading.Event()\n"),
+         ("gpu_server/stop_signal.py", "            os.write(self._w, b\"\\0\")\n",
+          "            self._ev.set()\n"),
+         ("gpu_server/stop_signal.py", "            ready, _, _ = select.select([self._r], [], [], timeout)\n",
+          "            ready = self._ev.wait(timeout) and False\n")),
+        ("tests/test_stop_signal.py",)),
 )
 
 

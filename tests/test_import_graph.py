@@ -112,7 +112,7 @@ def test_the_walker_sees_every_kind_of_import(tmp_path, source, expected):
 # vocabulary every room takes from (a decoded record, the keys, the status words, the CSV columns, the small file
 # helpers) and imports no room.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("the command line", ("gpu_server.cli",)),
+    ("the command line", ("gpu_server.cli", "gpu_server.stop_signal")),
     ("the offline tools", ("gpu_server.tools",)),
     ("the server", ("gpu_server.app",)),
     ("the intake", ("gpu_server.intake",)),
