@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PY = sys.executable
@@ -73,25 +74,39 @@ def agent_config(path: str, port: int = 0, nfs_path: str = "", tls_path: str = "
     return path
 
 
-class Server:
-    """A real `gpu-server` subprocess. Use as a context manager; `stop()` sends SIGTERM and waits."""
+# what the `gpu-server` command runs
+SERVER_MAIN = "import sys\nfrom gpu_server.cli import main\nsys.exit(main())\n"
 
-    def __init__(self, workdir: str, port: int | None = None, args=(), out: str | None = None, **config):
+
+class Server:
+    """A real `gpu-server` process: its command's main forked from a helper that imported torch (tests/zygote.py),
+    or with `fresh=True` (or TESTS_FRESH_PYTHON=1) the command itself. Use as a context manager; `stop()` sends
+    SIGTERM and waits."""
+
+    def __init__(self, workdir: str, port: int | None = None, args=(), out: str | None = None, fresh: bool = False,
+                 **config):
         self.workdir = workdir
+        self.fresh = fresh   # a fresh interpreter (the `gpu-server` command) even where others are forked
         self.port = free_port() if port is None else port
         self.out = out or os.path.join(workdir, "out")
         self.config = server_config(os.path.join(workdir, f"server_{self.port}.json"), self.port, **config)
         self.log_path = os.path.join(workdir, f"server_{self.port}.log")
         self.args = list(args)
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | Any | None = None   # a Popen or a zygote.Forked
         self.nfs = bool(config.get("nfs_path"))
 
     def start(self, wait: float = 60) -> "Server":
+        from tests import zygote
+
         self._log = open(self.log_path, "a")
         since = self._log.tell()    # a restart on the same port appends to the same log
         cmd = [os.path.join(os.path.dirname(PY), "gpu-server"), "--config", self.config, "--out", self.out,
                "--quiet", *self.args]
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir)
+        if self.fresh or zygote.fresh():
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir)
+        else:   # the same command's main, in a process forked once torch is imported (tests/zygote.py)
+            self.proc = zygote.spawn("server", SERVER_MAIN, cmd[1:], dict(os.environ), self.workdir, self.log_path,
+                                     argv0=cmd[0])
         deadline = time.time() + wait
         while time.time() < deadline:
             if self.proc.poll() is not None:

@@ -24,7 +24,8 @@ def _ended(proc: subprocess.Popen, timeout: float = 120) -> int:
 
 @pytest.mark.parametrize("workers", [1, 2])
 def test_the_server_s_workers_are_the_interpreters_it_started_ahead(tmp_path, workers):
-    with support.Server(str(tmp_path), args=("--workers", str(workers))) as server:
+    # the command as a fresh interpreter (not forked from a helper that imported torch already: tests/zygote.py)
+    with support.Server(str(tmp_path), args=("--workers", str(workers)), fresh=True) as server:
         pids = replay_workers(server.proc.pid)
         assert len(pids) == workers, pids          # started before torch was imported: no more, none left over
         with open(f"/proc/{pids[0]}/cmdline", "rb") as fh:
