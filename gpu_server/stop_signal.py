@@ -18,7 +18,8 @@ from types import FrameType
 
 
 class StopSignal:
-    """Installed for SIGTERM and SIGINT by `install`; `wait(timeout)` until one comes; `name` of the first."""
+    """`install(*signums)` (the command line: SIGTERM and SIGINT); `wait(timeout)` until one comes; `name` of the
+    first."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -26,7 +27,7 @@ class StopSignal:
         os.set_blocking(self._w, False)
 
     def install(self, *signums: int) -> "StopSignal":
-        for signum in signums or (signal.SIGTERM, signal.SIGINT):
+        for signum in signums:
             signal.signal(signum, self.handler)
         return self
 
@@ -48,7 +49,7 @@ class StopSignal:
             ready, _, _ = select.select([self._r], [], [], timeout)
             if ready:
                 os.read(self._r, 4096)
-        return self.signum is not None
+        return self.is_set()
 
     def close(self) -> None:
         """Close the pipe (the handlers stay installed: `install` others first)."""

@@ -5,6 +5,7 @@ Event (a server under SIGTERM then never drained)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,8 +63,8 @@ def test_without_a_signal_the_wait_times_out_and_a_later_wait_returns_at_once():
         t = time.monotonic()
         assert stop.wait(0.05) is False and time.monotonic() - t >= 0.05
         assert not stop.is_set() and stop.name == ""
-        stop.handler(15, None)   # as the handler runs when SIGTERM comes
-        stop.handler(2, None)    # a second signal: the first is the one named
+        stop.handler(signal.SIGTERM, None)   # as the handler runs when SIGTERM comes
+        stop.handler(signal.SIGINT, None)    # a second signal: the first is the one named
         assert stop.is_set() and stop.name == "SIGTERM"
         t = time.monotonic()
         assert stop.wait(30) is True and time.monotonic() - t < 10
