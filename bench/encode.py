@@ -3,12 +3,14 @@
     python bench/encode.py [--records 64] [--rounds 30] [--sizes 4k,64k]
 
 For each size, 64 records of a relu call (input and output, each of that size / 2 bytes of float32) are encoded
-and framed three ways, alternating round by round, the fastest round of each kept (training-thread CPU):
+and framed four ways, alternating round by round, the fastest round of each kept (training-thread CPU):
 * together:      npu_agent.records.encode_together, each tensor copied once into the Batch frame (what the sender
                  does);
 * alone, joined: each record encoded alone into its own payload (npu_agent.records.encode_record), then the
                  payloads joined into the frame (protos.framing.encode_batch): one copy more, and each payload
                  allocated;
+* together, Python walk: the same with the record's values and tensor table written in Python
+                 (npu_agent.records.PythonWalk), as where npu_agent/_fastencode.c is not built;
 * floor:         each tensor's bytes memmoved into one preallocated buffer, nothing else: the copy itself.
 It prints microseconds per record and the ratios to the floor. Both encodings give the same bytes
 (tests/test_batching.py).
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
+from npu_agent import records  # noqa: E402
 from npu_agent.records import PendingRecord, batch_frame, encode_record, encode_together  # noqa: E402
 from npu_agent.snapshot import iter_tensors, snapshot  # noqa: E402
 
@@ -45,6 +48,19 @@ def _alone(recs: list[PendingRecord]) -> bytes | None:
     return batch_frame([encode_record(rec, "bench", 0) for rec in recs])
 
 
+def _in_python(way):
+    """`way` with the record's values written by the Python walk (records.PythonWalk), as without the compiled
+    module (npu_agent/_fastencode.c)."""
+    def run(recs: list[PendingRecord]) -> bytes | None:
+        keep = list(records._WALK)
+        records._WALK[:] = [records.PythonWalk]
+        try:
+            return way(recs)
+        finally:
+            records._WALK[:] = keep
+    return run
+
+
 def _floor(recs: list[PendingRecord]) -> bytes | None:
     tensors = [t for rec in recs for s in (rec.inputs, rec.output) if s is not None for t in iter_tensors(s.tree)]
     out = bytearray(sum(t.nbytes for t in tensors))
@@ -56,7 +72,8 @@ def _floor(recs: list[PendingRecord]) -> bytes | None:
     return None
 
 
-WAYS = {"together": _together, "alone, joined": _alone, "floor": _floor}
+WAYS = {"together": _together, "together, Python walk": _in_python(_together), "alone, joined": _alone,
+        "floor": _floor}
 
 
 def main() -> None:
@@ -80,9 +97,12 @@ def main() -> None:
                 way(recs)
                 best[name] = min(best[name], (time.thread_time() - t0) / ns.records * 1e6)
         line = "   ".join(f"{k} {v:6.1f}" for k, v in best.items())
-        print(f"  {size:>4}: {line}   together/floor {best['together'] / best['floor']:.2f}   "
-              f"alone/floor {best['alone, joined'] / best['floor']:.2f}   together/alone "
-              f"{best['together'] / best['alone, joined']:.2f}")
+        print(f"  {size:>4}: {line}")
+        print(f"        together/floor {best['together'] / best['floor']:.2f}   Python walk/floor "
+              f"{best['together, Python walk'] / best['floor']:.2f}   alone/floor "
+              f"{best['alone, joined'] / best['floor']:.2f}   together/alone "
+              f"{best['together'] / best['alone, joined']:.2f}   compiled/Python "
+              f"{best['together'] / best['together, Python walk']:.2f}")
 
 
 if __name__ == "__main__":

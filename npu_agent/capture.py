@@ -376,7 +376,7 @@ class Capturer:
         self.collectives = collectives.Collectives(self._submit_direct, ranks)
         collectives.install()
         # a call the sampling skips, answered in C where built: the same bookkeeping as before_call's
-        from npu_agent import fastskip  # here: `python -m npu_agent.fastskip` imports the package first
+        from npu_agent import fastskip  # here: `python -m npu_agent.compiled` imports the package first
 
         self.skip = fastskip.skipper(self)
 

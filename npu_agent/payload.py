@@ -217,6 +217,10 @@ class Spans:
         if size > end:
             self.zero(end, size - end)
 
+    def one_span(self) -> int:
+        """The address of the whole payload when it lies in one piece written by `Region.write`, else 0."""
+        return 0
+
     def copy(self, off: int, nbytes: int, t: torch.Tensor) -> None:
         """Write tensor `t` (nbytes of it) at payload offset `off`."""
         src = dense_address(t, nbytes)
@@ -243,6 +247,9 @@ class Region(Spans):
 
     def write(self, off: int, src: int, n: int) -> None:   # one span: no search
         ctypes.memmove(self._addr + off, src, n)
+
+    def one_span(self) -> int:
+        return self._addr if type(self).write is Region.write else 0
 
 
 class SmallPayload(Region):

@@ -33,7 +33,7 @@ from npu_agent.payload import (
 from npu_agent.snapshot import HELD, Snapshot
 from protos import online_check_pb2 as pb
 from protos import record_bytes as wire
-from protos.codec import _ALIGN, dtype_name
+from protos.codec import _ALIGN, _DTYPE_NAMES, dtype_name
 from protos.folder_format import FOLDER_MAGIC, FRAME_LENGTH, file_chunks
 from protos.framing import batch_head, encode_batch, encode_frames, record_head
 from protos.limits import CHUNK_BYTES
@@ -303,9 +303,8 @@ class _PayloadEncoder(RecordEncoder):
         """Copy every tensor into `target` under the copy-on-write handshake; the ids of tensors found changed."""
         reads = [(s, HELD.begin(s)) for s in snaps]
         source = {tid: src for _, read in reads for tid, src in read}
-        for off, nbytes, t in self.places:
-            if nbytes:
-                target.copy(off, nbytes, source.get(id(t), t))
+        walk = _WALK[0] if _WALK else walker()
+        walk.copy_places(target, self.places, source, target.one_span())
         changed: list[int] = []
         again: dict[int, torch.Tensor] = {}
         for s, read in reads:
@@ -392,6 +391,7 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int, with_t
     layout, with the snapshots to copy from in place of the ids (encode_together copies them). The Record is
     written as bytes, fields in number order (protos/record_bytes.py)."""
     enc = _PayloadEncoder()
+    walk = _WALK[0] if _WALK else walker()
     snaps: list[Snapshot] = []
     args = kwargs = output = grad_output = grad_input = positions = b""
     if with_tensors:
@@ -399,13 +399,13 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int, with_t
             grads = rec.inputs.requires_grad
             hook = lambda t: {"requires_grad": id(t) in grads}  # noqa: E731
             tree_args, tree_kwargs = rec.inputs.tree
-            args = wire.message(4, enc.sequence(tree_args, hook))
-            kwargs = wire.message(5, enc.mapping(tree_kwargs, hook))
+            args = wire.message(4, walk.sequence(enc, tree_args, grads, hook))
+            kwargs = wire.message(5, walk.mapping(enc, tree_kwargs, grads, hook))
             snaps.append(rec.inputs)
         trees = []
         for field, snap in ((6, rec.output), (11, rec.grad_output), (12, rec.grad_input)):
             if snap is not None and snap.tree is not None:
-                trees.append(wire.message(field, enc.value(snap.tree, _not_requiring_grad)))
+                trees.append(wire.message(field, walk.value(enc, snap.tree, None, _not_requiring_grad)))
                 snaps.append(snap)
             else:
                 trees.append(b"")
@@ -418,10 +418,6 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int, with_t
         if rec.mask is not None and with_tensors:
             mask = wire.uint(3, enc.tensor(rec.mask, requires_grad=False)) + wire.boolean(4, True)
         random = wire.message(10, wire.raw(1, rec.rng_state) + wire.string(2, rec.rng_device) + mask)
-    header = wire.message(1, b"".join((
-        wire.string_seen(1, run_id), wire.uint(2, rank), wire.uint(3, rec.step), wire.uint(4, rec.seq),
-        wire.string(5, rec.name), wire.uint(6, rec.direction), wire.string_seen(7, rec.module[:MAX_TEXT]),
-        wire.string_seen(8, rec.source[:MAX_TEXT]))))
     autocast = _AUTOCAST.get(rec.autocast)
     if autocast is None:
         enabled, dtype, device_type = rec.autocast
@@ -434,11 +430,13 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int, with_t
             wire.string(1, c.job), wire.string(2, c.group), wire.packed(3, c.ranks), wire.uint(4, c.seq),
             wire.string(5, c.op), wire.sint32(6, c.root), wire.boolean(7, c.async_op),
             wire.string(8, c.error[:MAX_TEXT]), wire.boolean(9, c.unfinished))))
-    out = b"".join((
-        header, *enc.metas, wire.uint(3, enc.size), args, kwargs, output, _GRAD_ENABLED if rec.grad_enabled else b"",
-        autocast, _INPLACE if rec.inplace else b"", random, grad_output, grad_input,
-        _BACKWARD_EXPECTED if rec.backward_expected else b"", wire.string(14, rec.skip_reason), positions,
-        wire.uint(16, torch.get_num_threads() if rec.autocast[2] in ("cpu", "") else 0), collective))
+    out = walk.record(
+        (run_id, rank, rec.step, rec.seq, rec.name, rec.direction, rec.module[:MAX_TEXT], rec.source[:MAX_TEXT]),
+        enc.metas, enc.size,
+        (args, kwargs, output, _GRAD_ENABLED if rec.grad_enabled else b"", autocast, _INPLACE if rec.inplace else b"",
+         random, grad_output, grad_input, _BACKWARD_EXPECTED if rec.backward_expected else b"",
+         wire.string(14, rec.skip_reason), positions,
+         wire.uint(16, torch.get_num_threads() if rec.autocast[2] in ("cpu", "") else 0), collective))
     if layout_only:
         return out, enc, snaps
     if defer and enc.size > _SMALL:
@@ -450,3 +448,63 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int, with_t
 
 def _not_requiring_grad(t: torch.Tensor) -> dict[str, Any]:
     return {"requires_grad": False}
+
+
+class PythonWalk:
+    """A record's values written by its encoder's own methods (protos.record_bytes.RecordEncoder), its tensors
+    copied by the target's. `grads`: the ids of the tensors that require grad, or None (none does): what `hook`
+    answers. npu_agent/_fastencode.c has the same five functions and writes the same bytes
+    (tests/test_fastencode.py)."""
+
+    @staticmethod
+    def sequence(enc: _PayloadEncoder, items: Any, grads: Any, hook: Callable[[torch.Tensor], dict[str, Any]]
+                 ) -> bytes:
+        return enc.sequence(items, hook)
+
+    @staticmethod
+    def mapping(enc: _PayloadEncoder, obj: dict[str, Any], grads: Any, hook: Callable[[torch.Tensor], dict[str, Any]]
+                ) -> bytes:
+        return enc.mapping(obj, hook)
+
+    @staticmethod
+    def value(enc: _PayloadEncoder, obj: Any, grads: Any, hook: Callable[[torch.Tensor], dict[str, Any]]) -> bytes:
+        return enc.value(obj, hook)
+
+    @staticmethod
+    def record(head: tuple[str, int, int, int, str, int, str, str], metas: list[bytes], size: int,
+               tail: tuple[bytes, ...]) -> bytes:
+        """The Record's bytes: its header (`head`: run id, rank, step, seq, name, direction, module, source), its
+        tensor table, the payload's size, then `tail`, its other fields as written already."""
+        run_id, rank, step, seq, name, direction, module, source = head
+        header = wire.message(1, b"".join((
+            wire.string_seen(1, run_id), wire.uint(2, rank), wire.uint(3, step), wire.uint(4, seq),
+            wire.string(5, name), wire.uint(6, direction), wire.string_seen(7, module), wire.string_seen(8, source))))
+        return b"".join((header, *metas, wire.uint(3, size), *tail))
+
+    @staticmethod
+    def copy_places(target: Spans, places: list[tuple[int, int, torch.Tensor]], source: dict[int, torch.Tensor],
+                    addr: int) -> None:
+        """Each place's tensor, or its copy-on-write source (`source[id(tensor)]`), into the target. (`addr`, the
+        target's one span or 0, is what the compiled copy writes to directly.)"""
+        for off, nbytes, t in places:
+            if nbytes:
+                target.copy(off, nbytes, source.get(id(t), t))
+
+
+_WALK: list[Any] = []   # the walk `_encode` uses: the compiled module or PythonWalk, chosen at the first record
+
+
+def walker() -> Any:
+    """npu_agent/_fastencode.c where it is built and loads (npu_agent.compiled), else PythonWalk; chosen once."""
+    if not _WALK:
+        # imported here: `python -m npu_agent.compiled` imports the package first
+        from npu_agent.compiled import ENCODE
+
+        module = ENCODE.load()
+        if module is not None and type(torch.Tensor).__instancecheck__ is not type.__instancecheck__:
+            module = None   # the C walk takes a subclass check for isinstance(obj, torch.Tensor)
+        if module is not None:
+            module.configure(torch.Tensor, torch.nn.Parameter, torch.Size, torch.strided, _DTYPE_NAMES, _DEVICE_NAMES,
+                             _ALIGN)
+        _WALK.append(module if module is not None else PythonWalk)
+    return _WALK[0]

@@ -11,9 +11,10 @@ fi
 # pyproject keeps an open range (torch>=2.13) for users who bring their own CUDA/NPU torch.
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,fast]'
-# The agent's compiled answer for calls the sampling skips (npu_agent/_fastskip.c, plain C, a few seconds). Where it
-# cannot be compiled the agent answers them in Python, with the same records: setup goes on.
-.venv/bin/python -m npu_agent.fastskip --build || true
+# The agent's compiled modules (npu_agent/_fastskip.c: the calls the sampling skips; npu_agent/_fastencode.c: a
+# record's values; plain C, a few seconds). Where they cannot be compiled the agent does that work in Python, with
+# the same records: setup goes on.
+.venv/bin/python -m npu_agent.compiled --build || true
 # The project's own bytecode, written once: an editable install leaves it to the first import, and where
 # PYTHONDONTWRITEBYTECODE=1 is set (as on this project's CI machines) every server, replay worker and training
 # process would compile the sources again (0.15-0.3 s of each start, measured here). Python checks each file's

@@ -122,6 +122,24 @@ MUTATIONS = (
          ("gpu_server/stop_signal.py", "            ready, _, _ = select.select([self._r], [], [], timeout)\n",
           "            ready = self._ev.wait(timeout) and False\n")),
         ("tests/test_stop_signal.py",)),
+    Mutation(
+        "fastencode-loses-requires-grad",
+        "the compiled walk leaves TensorMeta.requires_grad out of the tensors it writes itself",
+        (("npu_agent/_fastencode.c", "    if (rg && (put_key(&e, 6, 0) < 0 || put_byte(&e, 1) < 0))\n",
+          "    if (0 && rg && (put_key(&e, 6, 0) < 0 || put_byte(&e, 1) < 0))\n"),),
+        ("tests/test_fastencode.py",)),
+    Mutation(
+        "fastencode-int-not-zigzag",
+        "the compiled walk writes a negative int as a plain varint instead of zigzag (Value.i is a sint64)",
+        (("npu_agent/_fastencode.c", "    uint64_t zigzag = ((uint64_t)v << 1) ^ (uint64_t)(v >> 63);\n",
+          "    uint64_t zigzag = (uint64_t)v;\n"),),
+        ("tests/test_fastencode.py",)),
+    Mutation(
+        "fastencode-ignores-copy-on-write",
+        "the compiled copy writes the training's tensor as it is now, not the copy taken before the training wrote it",
+        (("npu_agent/_fastencode.c", "        if (src == NULL)\n            src = t;\n",
+          "        src = t;\n"),),
+        ("tests/test_fastencode.py", "tests/test_capture_refs.py", "tests/test_batching.py")),
 )
 
 

@@ -20,9 +20,9 @@ from tests.support import ListSink, agent_config
 @pytest.fixture(scope="module")
 def compiled():
     """The compiled module, built here if the set-up did not build it (scripts/setup.sh does)."""
-    if not fastskip.binary_path().exists():
-        fastskip.build(quiet=True)
-    fastskip._loaded.clear()
+    if not fastskip.SKIP.binary_path().exists():
+        fastskip.SKIP.build(quiet=True)
+    fastskip.SKIP.loaded.clear()
     module = fastskip.load()
     assert module is not None, "npu_agent/_fastskip.c did not load"
     return module
@@ -260,13 +260,13 @@ def test_no_skipper_without_a_sampler_or_with_a_scope_or_a_list(compiled):
 
 
 def test_pure_python_when_asked_or_not_built(monkeypatch, tmp_path, compiled):
-    monkeypatch.setattr(fastskip, "_loaded", [])
+    monkeypatch.setattr(fastskip.SKIP, "loaded", [])
     monkeypatch.setenv(fastskip.PURE_PYTHON_ENV, "1")
     assert fastskip.load() is None
     assert _capturer(sample_steps=2).skip is None
-    monkeypatch.setattr(fastskip, "_loaded", [])
+    monkeypatch.setattr(fastskip.SKIP, "loaded", [])
     monkeypatch.delenv(fastskip.PURE_PYTHON_ENV)
-    monkeypatch.setattr(fastskip, "SOURCE", tmp_path / "_fastskip.c")   # a changed source: its binary is not built
+    monkeypatch.setattr(fastskip.SKIP, "source", tmp_path / "_fastskip.c")   # a changed source: its binary is not built
     (tmp_path / "_fastskip.c").write_text("/* another source */\n")
     assert fastskip.load() is None
 
@@ -274,10 +274,10 @@ def test_pure_python_when_asked_or_not_built(monkeypatch, tmp_path, compiled):
 def test_the_binary_is_named_by_its_source(tmp_path, monkeypatch):
     src = tmp_path / "_fastskip.c"
     src.write_text("int a;\n")
-    monkeypatch.setattr(fastskip, "SOURCE", src)
-    first = fastskip.binary_path()
+    monkeypatch.setattr(fastskip.SKIP, "source", src)
+    first = fastskip.SKIP.binary_path()
     src.write_text("int b;\n")
-    assert fastskip.binary_path() != first and first.parent == tmp_path
+    assert fastskip.SKIP.binary_path() != first and first.parent == tmp_path
 
 
 def test_the_skips_counted_in_c_reach_the_sampler_once_when_its_counts_are_read(compiled):
