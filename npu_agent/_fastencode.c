@@ -1,10 +1,17 @@
-/* A record's values and tensor table as protobuf bytes, in C (docs/design.md §5, "Values encoded in C").
+/* A record's values, tensor table and header as protobuf bytes, and its dense tensors' copy, in C (docs/design.md
+ * §5, "Values encoded in C").
  *
  * npu_agent.records lays a record out with protos.record_bytes.RecordEncoder: each argument and output a Value,
- * each tensor an entry of Record.tensors (its TensorMeta) and a place in the payload. In Python that walk is some
- * 20 us of a small record's 30 us of encoding (bench/encode.py). `sequence`, `mapping` and `value` here write the
- * very bytes RecordEncoder.sequence, .mapping and .value write, for the same encoder object: a tensor's entry is
- * appended to enc.metas, its place to enc.places, and enc.size moved on, as _PayloadEncoder.tensor does.
+ * each tensor an entry of Record.tensors (its TensorMeta) and a place in the payload; then it writes the Record
+ * and copies each tensor into the payload. In Python that is some 30 us of a small record's encoding beyond the
+ * copy itself (bench/encode.py). The functions here do the same steps for the same encoder object, in the same
+ * order, and write the same bytes:
+ *   value, sequence, mapping  RecordEncoder.value, .sequence, .mapping (a tensor's entry appended to enc.metas, its
+ *                             place to enc.places, enc.size moved on, as _PayloadEncoder.tensor does);
+ *   record                    the Record: header, tensor table, payload size, then its other fields as given;
+ *   copy_places               _PayloadEncoder.copy_into's loop: a dense CPU tensor memmoved into a payload in one
+ *                             piece (the interpreter lock released for 64 KiB and more), anything else by the
+ *                             payload's own `copy`.
  *
  * Only the common cases are written here: None, bool, int, float, exact tuples, lists, str-keyed dicts, torch.Size
  * and contiguous strided tensors of the exact classes torch.Tensor and torch.nn.Parameter whose dtype and device
@@ -12,7 +19,8 @@
  * a named tuple, a subclass of int, float, list or dict, a value nested deeper than MAX_DEPTH) is handed to the
  * encoder's own Python method (enc.tensor or enc.value), which writes it as always; so the two paths cannot differ
  * by design, and tests/test_fastencode.py checks that they give the same bytes. An error raised by Python code
- * called from here propagates as it would from the Python walk.
+ * called from here propagates as it would from the Python walk. Python code called from here may let the
+ * training's thread run, and change a list being walked: items are read afresh, and held while used.
  *
  * Build: `python -m npu_agent.compiled --build` (scripts/setup.sh runs it). */
 #define PY_SSIZE_T_CLEAN
