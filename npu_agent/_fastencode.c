@@ -13,12 +13,12 @@
  *                             piece (the interpreter lock released for 64 KiB and more), anything else by the
  *                             payload's own `copy`.
  *
- * Only the common cases are written here: None, bool, int, float, exact tuples, lists, str-keyed dicts, torch.Size
- * and contiguous strided tensors of the exact classes torch.Tensor and torch.nn.Parameter whose dtype and device
- * names are known already. Anything else (a tensor subclass, a non-contiguous tensor, a string, a dtype, a slice,
- * a named tuple, a subclass of int, float, list or dict, a value nested deeper than MAX_DEPTH) is handed to the
- * encoder's own Python method (enc.tensor or enc.value), which writes it as always; so the two paths cannot differ
- * by design, and tests/test_fastencode.py checks that they give the same bytes. An error raised by Python code
+ * Only the common cases are written here: None, bool, int, float, str, exact tuples, lists, str-keyed dicts,
+ * torch.Size, dtypes and contiguous strided tensors of the exact classes torch.Tensor and torch.nn.Parameter whose
+ * dtype and device names are known already. Anything else (a tensor subclass, a non-contiguous tensor, a device, a
+ * slice, a named tuple, a subclass of int, float, str, list or dict, a value nested deeper than MAX_DEPTH) is handed
+ * to the encoder's own Python method (enc.tensor or enc.value), which writes it as always; so the two paths cannot
+ * differ by design, and tests/test_fastencode.py checks that they give the same bytes. An error raised by Python code
  * called from here propagates as it would from the Python walk. Python code called from here may let the
  * training's thread run, and change a list being walked: items are read afresh, and held while used.
  *
@@ -30,7 +30,7 @@
 
 #define MAX_DEPTH 64
 
-static PyObject *tensor_type, *parameter_type, *size_type, *strided, *dtype_names, *device_names;
+static PyObject *tensor_type, *parameter_type, *size_type, *dtype_type, *strided, *dtype_names, *device_names;
 static long long align = 1;
 static PyObject *s_layout, *s_is_contiguous, *s_numel, *s_element_size, *s_dtype, *s_device, *s_shape, *s_metas,
     *s_places, *s_size, *s_tensor, *s_value, *s_requires_grad, *s_is_cpu, *s_is_conj, *s_is_neg, *s_nbytes,
@@ -404,6 +404,16 @@ put_value(Ctx *c, Buf *b, PyObject *obj, int depth)
     }
     if (PyFloat_CheckExact(obj))
         return put_double(b, PyFloat_AS_DOUBLE(obj));
+    if (PyUnicode_CheckExact(obj))
+        return put_text(b, 5, obj, 1);
+    if (tp == (PyTypeObject *)dtype_type) {   /* by its name, when the table has it */
+        PyObject *name = PyDict_GetItemWithError(dtype_names, obj);
+        if (name != NULL && PyUnicode_CheckExact(name))
+            return put_text(b, 10, name, 1);
+        if (PyErr_Occurred())
+            return -1;
+        return put_python(c, b, obj);
+    }
     if (tp == (PyTypeObject *)size_type)
         return put_size(c, b, obj);
     if (PyTuple_CheckExact(obj) || PyList_CheckExact(obj)) {
@@ -688,18 +698,19 @@ fe_mapping(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 static PyObject *
 fe_configure(PyObject *m, PyObject *args)
 {
-    PyObject *t, *p, *s, *st, *dn, *vn;
+    PyObject *t, *p, *s, *dt, *st, *dn, *vn;
     long long al;
-    if (!PyArg_ParseTuple(args, "OOOOO!O!L", &t, &p, &s, &st, &PyDict_Type, &dn, &PyDict_Type, &vn, &al))
+    if (!PyArg_ParseTuple(args, "OOOOOO!O!L", &t, &p, &s, &dt, &st, &PyDict_Type, &dn, &PyDict_Type, &vn, &al))
         return NULL;
-    if (!PyType_Check(t) || !PyType_Check(p) || !PyType_Check(s) || al < 1) {
-        PyErr_SetString(PyExc_TypeError, "configure(Tensor, Parameter, Size, strided, dtype names, device names, "
-                                         "alignment >= 1)");
+    if (!PyType_Check(t) || !PyType_Check(p) || !PyType_Check(s) || !PyType_Check(dt) || al < 1) {
+        PyErr_SetString(PyExc_TypeError, "configure(Tensor, Parameter, Size, dtype, strided, dtype names, device "
+                                         "names, alignment >= 1)");
         return NULL;
     }
     Py_INCREF(t); Py_XSETREF(tensor_type, t);
     Py_INCREF(p); Py_XSETREF(parameter_type, p);
     Py_INCREF(s); Py_XSETREF(size_type, s);
+    Py_INCREF(dt); Py_XSETREF(dtype_type, dt);
     Py_INCREF(st); Py_XSETREF(strided, st);
     Py_INCREF(dn); Py_XSETREF(dtype_names, dn);
     Py_INCREF(vn); Py_XSETREF(device_names, vn);
@@ -709,8 +720,9 @@ fe_configure(PyObject *m, PyObject *args)
 
 static PyMethodDef fe_methods[] = {
     {"configure", fe_configure, METH_VARARGS,
-     "configure(torch.Tensor, torch.nn.Parameter, torch.Size, torch.strided, dtype -> name dict, device -> name "
-     "dict, payload alignment): the types and tables the walk reads (the dicts are the Python path's own)"},
+     "configure(torch.Tensor, torch.nn.Parameter, torch.Size, torch.dtype, torch.strided, dtype -> name dict, "
+     "device -> name dict, payload alignment): the types and tables the walk reads (the dicts are the Python "
+     "path's own)"},
     {"value", (PyCFunction)(void (*)(void))fe_value, METH_FASTCALL,
      "value(enc, obj, grads, hook) -> bytes: RecordEncoder.value(obj, hook) for enc; grads: ids of the tensors "
      "that require grad, or None"},

@@ -504,7 +504,7 @@ def walker() -> Any:
         if module is not None and type(torch.Tensor).__instancecheck__ is not type.__instancecheck__:
             module = None   # the C walk takes a subclass check for isinstance(obj, torch.Tensor)
         if module is not None:
-            module.configure(torch.Tensor, torch.nn.Parameter, torch.Size, torch.strided, _DTYPE_NAMES, _DEVICE_NAMES,
-                             _ALIGN)
+            module.configure(torch.Tensor, torch.nn.Parameter, torch.Size, torch.dtype, torch.strided, _DTYPE_NAMES,
+                             _DEVICE_NAMES, _ALIGN)
         _WALK.append(module if module is not None else PythonWalk)
     return _WALK[0]

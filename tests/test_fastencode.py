@@ -31,6 +31,10 @@ class Color(enum.IntEnum):
     RED = 3
 
 
+class Tag(str):
+    """A str subclass: the C walk hands it to the encoder's Python method."""
+
+
 class Tagged(torch.Tensor):
     """A tensor subclass: the C walk hands it to the encoder's Python method."""
 
@@ -69,6 +73,8 @@ def _values() -> list[tuple[tuple, dict, object]]:
         ((torch.Size([2, 3]), torch.Size([]), torch.Size([0, 1 << 40])), {"size": torch.Size([4])}, torch.Size([1])),
         (((1, (2, [3, {"a": 4}])), [], ()), {"d": {}, "l": [1, [2]]}, {"out": torch.ones(2), "n": [None]}),
         (("text", "", "é", torch.float32, torch.device("cpu"), torch.channels_last, torch.strided), {}, "s"),
+        ((Tag("sub"), torch.bfloat16, torch.int8, torch.bool, torch.complex128, torch.float8_e4m3fn, torch.uint16),
+         {"dtype": torch.float64, "reduction": "mean"}, [torch.qint8, "x"]),
         ((slice(1, None, 2), slice(torch.tensor(1), 3), Ellipsis, 1 + 2j, Opaque("Thing")), {}, object()),
         ((Point(1, torch.ones(2)), Color.RED, np.float64(2.5), collections.OrderedDict(b=1, a=2)), {}, True),
         (({1: "int key"}, {"s": 1, 2: "mixed"}), {"k": {3: 4}}, torch.ones(2).as_subclass(Tagged)),
