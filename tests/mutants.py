@@ -140,6 +140,12 @@ MUTATIONS = (
         (("npu_agent/_fastencode.c", "        if (src == NULL)\n            src = t;\n",
           "        src = t;\n"),),
         ("tests/test_fastencode.py", "tests/test_capture_refs.py", "tests/test_batching.py")),
+    Mutation(
+        "fastencode-writes-past-its-buffer",
+        "the compiled walk puts a field's key and length in front of it without making room: it writes past its buffer",
+        (("npu_agent/_fastencode.c", "    if (reserve(b, k) < 0)\n        return -1;\n    memmove(b->p + start + k,",
+          "    memmove(b->p + start + k,"),),
+        ("tests/test_frame_pool_bounds.py",)),
 )
 
 
