@@ -52,12 +52,8 @@ def _in_python(way):
     """`way` with the record's values written by the Python walk (records.PythonWalk), as without the compiled
     module (npu_agent/_fastencode.c)."""
     def run(recs: list[PendingRecord]) -> bytes | None:
-        keep = list(records._WALK)
-        records._WALK[:] = [records.PythonWalk]
-        try:
+        with records.walking(records.PythonWalk):
             return way(recs)
-        finally:
-            records._WALK[:] = keep
     return run
 
 

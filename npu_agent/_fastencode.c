@@ -33,8 +33,8 @@
 static PyObject *tensor_type, *parameter_type, *size_type, *dtype_type, *strided, *dtype_names, *device_names;
 static long long align = 1;
 static PyObject *s_layout, *s_is_contiguous, *s_numel, *s_element_size, *s_dtype, *s_device, *s_shape, *s_metas,
-    *s_places, *s_size, *s_tensor, *s_value, *s_requires_grad, *s_is_cpu, *s_is_conj, *s_is_neg, *s_nbytes,
-    *s_data_ptr;
+    *s_places, *s_size, *s_tensor, *s_value, *s_mapping, *s_requires_grad, *s_is_cpu, *s_is_conj, *s_is_neg,
+    *s_nbytes,    *s_data_ptr;
 
 /* ---------------------------------------------------------------------------------------------- byte buffer */
 typedef struct {
@@ -273,16 +273,22 @@ put_tensor(Ctx *c, Buf *b, PyObject *t)
     return put_varint(b, (uint64_t)index);
 }
 
-/* enc.value(obj, hook): whatever this file does not write itself */
+/* enc.value(obj, hook) (or enc.mapping): whatever this file does not write itself */
 static int
-put_python(Ctx *c, Buf *b, PyObject *obj)
+call_python(Ctx *c, Buf *b, PyObject *method, PyObject *obj)
 {
-    PyObject *r = PyObject_CallMethodObjArgs(c->enc, s_value, obj, c->hook, NULL);
+    PyObject *r = PyObject_CallMethodObjArgs(c->enc, method, obj, c->hook, NULL);
     if (r == NULL)
         return -1;
     int rc = put_bytes_object(b, r);
     Py_DECREF(r);
     return rc;
+}
+
+static int
+put_python(Ctx *c, Buf *b, PyObject *obj)
+{
+    return call_python(c, b, s_value, obj);
 }
 
 static int
@@ -658,12 +664,7 @@ body_mapping(Ctx *c, Buf *b, PyObject *d)
 {
     if (PyDict_CheckExact(d) && str_keys(d))
         return put_mapping(c, b, d, 0);
-    PyObject *r = PyObject_CallMethod(c->enc, "mapping", "OO", d, c->hook);   /* RecordEncoder.mapping itself */
-    if (r == NULL)
-        return -1;
-    int rc = put_bytes_object(b, r);
-    Py_DECREF(r);
-    return rc;
+    return call_python(c, b, s_mapping, d);   /* RecordEncoder.mapping itself */
 }
 
 /* value(enc, obj, grads, hook), sequence(...) and mapping(...): one walk each over args[1] */
@@ -752,7 +753,8 @@ PyInit__fastencode(void)
     INTERN(s_layout, "layout"); INTERN(s_is_contiguous, "is_contiguous"); INTERN(s_numel, "numel");
     INTERN(s_element_size, "element_size"); INTERN(s_dtype, "dtype"); INTERN(s_device, "device");
     INTERN(s_shape, "shape"); INTERN(s_metas, "metas"); INTERN(s_places, "places"); INTERN(s_size, "size");
-    INTERN(s_tensor, "tensor"); INTERN(s_value, "value"); INTERN(s_requires_grad, "requires_grad");
+    INTERN(s_tensor, "tensor"); INTERN(s_value, "value"); INTERN(s_mapping, "mapping");
+    INTERN(s_requires_grad, "requires_grad");
     INTERN(s_is_cpu, "is_cpu"); INTERN(s_is_conj, "is_conj"); INTERN(s_is_neg, "is_neg"); INTERN(s_nbytes, "nbytes");
     INTERN(s_data_ptr, "data_ptr");
 #undef INTERN

@@ -9,11 +9,12 @@ references to the training's tensors are dropped.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -303,8 +304,7 @@ class _PayloadEncoder(RecordEncoder):
         """Copy every tensor into `target` under the copy-on-write handshake; the ids of tensors found changed."""
         reads = [(s, HELD.begin(s)) for s in snaps]
         source = {tid: src for _, read in reads for tid, src in read}
-        walk = _WALK[0] if _WALK else walker()
-        walk.copy_places(target, self.places, source, target.one_span())
+        walker().copy_places(target, self.places, source, target.one_span())
         changed: list[int] = []
         again: dict[int, torch.Tensor] = {}
         for s, read in reads:
@@ -391,7 +391,7 @@ def _encode(rec: PendingRecord, run_id: str, rank: int, chunk_bytes: int, with_t
     layout, with the snapshots to copy from in place of the ids (encode_together copies them). The Record is
     written as bytes, fields in number order (protos/record_bytes.py)."""
     enc = _PayloadEncoder()
-    walk = _WALK[0] if _WALK else walker()
+    walk = walker()
     snaps: list[Snapshot] = []
     args = kwargs = output = grad_output = grad_input = positions = b""
     if with_tensors:
@@ -508,3 +508,15 @@ def walker() -> Any:
                              _DEVICE_NAMES, _ALIGN)
         _WALK.append(module if module is not None else PythonWalk)
     return _WALK[0]
+
+
+@contextlib.contextmanager
+def walking(walk: Any) -> Iterator[None]:
+    """Records encoded meanwhile use `walk` (PythonWalk, or the compiled module): how tests/test_fastencode.py and
+    bench/encode.py run both paths in one process."""
+    keep = list(_WALK)
+    _WALK[:] = [walk]
+    try:
+        yield
+    finally:
+        _WALK[:] = keep

@@ -91,16 +91,12 @@ def _record(i: int, args: tuple, kwargs: dict, out: object) -> PendingRecord:
 
 def _encode_with(walk, recs: list[PendingRecord]) -> list[tuple[bytes, bytes]]:
     """(the Record's bytes, its frames' bytes) of each record, encoded with `walk`."""
-    keep = list(records._WALK)
-    records._WALK[:] = [walk]
-    try:
-        out = []
+    out = []
+    with records.walking(walk):
         for rec in recs:
             enc = encode_record(rec, "run-1", 2)
             out.append((enc.serialized, b"".join(bytes(f) for f in enc.wire_frames(CHUNK_BYTES))))
-        return out
-    finally:
-        records._WALK[:] = keep
+    return out
 
 
 def test_the_compiled_walk_writes_the_python_walks_bytes(fast):
@@ -143,16 +139,12 @@ def test_records_encoded_together_are_the_same_frame(fast):
                               output=snapshot(torch.relu(x)), seq=i) for i in range(6)]
 
     frames = []
-    keep = list(records._WALK)
     for walk in (records.PythonWalk, fast):
-        records._WALK[:] = [walk]
-        try:
+        with records.walking(walk):
             torch.manual_seed(0)
             recs = batch()
             assert encode_together(recs, "run-1", 0)
             frames.append(batch_frame([r.encoded for r in recs]))
-        finally:
-            records._WALK[:] = keep
     assert frames[0] == frames[1] and frames[0] is not None
 
 

@@ -230,16 +230,9 @@ def run(script: str, args: tuple[str, ...], env: dict[str, str], cwd: str | None
     with tempfile.TemporaryDirectory(prefix="training-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
         helper = _get()
-        pid = helper.start({"script": script, "args": list(args), "env": dict(env), "cwd": cwd or os.getcwd(),
-                            "stdout": out, "stderr": err})
-        code = helper.wait(pid, timeout)
-        timed_out = code is None
-        if timed_out:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            helper.wait(pid, 30)
+        cmd = [sys.executable, "-c", script, *args]
+        child = Forked(helper, helper.start({"script": script, "args": list(args), "env": dict(env),
+                                             "cwd": cwd or os.getcwd(), "stdout": out, "stderr": err}), cmd)
 
         def read(path: str) -> str:
             try:
@@ -248,7 +241,13 @@ def run(script: str, args: tuple[str, ...], env: dict[str, str], cwd: str | None
             except OSError:
                 return ""
 
-        cmd = [sys.executable, "-c", script, *args]
-        if timed_out:
-            raise subprocess.TimeoutExpired(cmd, timeout or 0, read(out), read(err))
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            try:
+                child.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            raise subprocess.TimeoutExpired(cmd, timeout or 0, read(out), read(err)) from None
         return subprocess.CompletedProcess(cmd, code, read(out), read(err))
