@@ -58,6 +58,8 @@ if "--root" in sys.argv[:-1]:   # the code measured: another checkout's (--basel
     ROOT = os.path.abspath(sys.argv[sys.argv.index("--root") + 1])
 sys.path.insert(0, ROOT)
 
+from intake import counting_intake  # noqa: E402  (bench/intake.py, beside this file)
+
 MiB = 1 << 20
 RAW_METHOD = "/bench.Raw/Push"
 RAW_CHUNK = 4 * MiB
@@ -66,25 +68,6 @@ SIZES = (SMALL, 64 * 1024, MiB, 16 * MiB)
 
 
 # ----------------------------------------------------------------------------------------------- receiving side
-
-
-def _counting_intake():
-    """An intake that counts the jobs it would check, under gpu-server's default memory budget (each job's bytes
-    released at once, as a worker does once it checked it)."""
-    from gpu_server.app import default_memory_budget
-    from gpu_server.config import ServerConfig
-    from gpu_server.intake.admission import Intake
-    from gpu_server.intake.budget import ByteBudget
-
-    counts = {"jobs": 0}
-    budget = ByteBudget(default_memory_budget())
-
-    def dispatch(job):
-        counts["jobs"] += 1
-        budget.release(job.reserved)
-        job.reserved = 0
-
-    return Intake(ServerConfig(), dispatch, budget=budget), counts, budget
 
 
 def serve(mode: str, tls_dir: str, nfs: str) -> None:
@@ -102,7 +85,7 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
         from gpu_server.intake.grpc_service import StreamHandler, make_server
         from protos.limits import DEFAULT_LIMITS
 
-        intake, _, budget = _counting_intake()
+        intake, _, budget = counting_intake()
         handler = StreamHandler(intake, DEFAULT_LIMITS, lambda end: None, budget=budget)
         server = make_server(handler, "127.0.0.1:0", DEFAULT_LIMITS, tls_dir if mode == "tls" else "")
         port = int(server.start().rsplit(":", 1)[1])
@@ -152,7 +135,7 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
     elif mode == "folder":
         from gpu_server.intake.folder import FolderReader
 
-        intake, _, _ = _counting_intake()
+        intake, _, _ = counting_intake()
         reader = FolderReader(nfs, intake, intake.limits, lambda end: print(f"END {end.run_id}", flush=True),
                               min_poll_s=0.002, max_poll_s=0.02)
         reader.start()

@@ -43,8 +43,8 @@ def decode_job(record: pb.Record, payload: bytes | bytearray | memoryview, limit
     value = dec.value   # (a record's values are decoded in this order: the limits on their count apply across them)
     has = record.HasField
     args = tuple([value(v) for v in record.args.items])
-    kwargs = dec.mapping(record.kwargs)
-    requires_grad = frozenset([id(dec.tensor(i)) for i, meta in enumerate(record.tensors) if meta.requires_grad])
+    kwargs = dec.mapping(record.kwargs) if has("kwargs") else {}
+    requires_grad = frozenset([id(dec.tensor(i)) for i in dec.requires_grad])
     autocast = record.autocast
     job = Job(
         run_id=h.run_id, rank=h.rank, step=h.step, seq=h.seq, name=h.name, category=match.group(1),
@@ -52,7 +52,8 @@ def decode_job(record: pb.Record, payload: bytes | bytearray | memoryview, limit
         output=value(record.output) if has("output") else None,
         grad_output=value(record.grad_output) if has("grad_output") else None,
         grad_input=value(record.grad_input) if has("grad_input") else None,
-        grad_input_positions=tuple(record.grad_input_positions), requires_grad=requires_grad,
+        grad_input_positions=tuple(positions) if len(positions := record.grad_input_positions) else (),
+        requires_grad=requires_grad,
         grad_enabled=record.grad_enabled,
         autocast=(autocast.enabled, autocast.dtype, autocast.device_type),
         inplace=record.inplace, backward_expected=record.backward_expected, skip_reason=record.skip_reason[:1000],

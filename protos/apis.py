@@ -399,12 +399,21 @@ def replayable(category: str, api: str, args: tuple[Any, ...] = (), kwargs: dict
             return f"not replayable: no reference implementation for the fused operator {api[:80]} (docs/fused_ops.md)"
         return (f"not replayable: {category}.{api[:80]} is not an API in the server's allowlist of computational "
                 "APIs (docs/security.md)")
-    items = [(None, i, v) for i, v in enumerate(args)] + [(k, None, v) for k, v in kwargs.items()]
-    for param, position, value in items:
-        for leaf, top in _leaves(value):
-            why = _leaf_ok(api, leaf, param, position, top)
-            if why:
-                return f"not replayable: {why}"
+    # (a tensor, the most frequent argument, is always of an allowed kind: not walked)
+    for position, value in enumerate(args):
+        if type(value) is not torch.Tensor and (why := _argument_problem(api, value, None, position)):
+            return why
+    for param, value in kwargs.items():
+        if type(value) is not torch.Tensor and (why := _argument_problem(api, value, param, None)):
+            return why
+    return None
+
+
+def _argument_problem(api: str, value: Any, param: str | None, position: int | None) -> str | None:
+    for leaf, top in _leaves(value):
+        why = _leaf_ok(api, leaf, param, position, top)
+        if why:
+            return f"not replayable: {why}"
     return None
 
 

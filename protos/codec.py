@@ -70,7 +70,37 @@ class Opaque:
         return f"<opaque {self.type_name}>"
 
 
-_Layout = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int]   # dtype, shape, stride, offset, nbytes
+# dtype, shape, stride (empty: contiguous), offset, nbytes, and the strides of a contiguous tensor of that shape
+_Layout = tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int, int, tuple[int, ...]]
+
+
+class _SeenMetas(dict[bytes, tuple[_Layout, bool]]):
+    """Tensor metas already validated under one `Limits`, by their bytes: (layout, requires_grad). A training sends
+    the same call sites' tensor tables over and over, so a meta is checked once; only its place in the payload is
+    checked against each record's own size (`RecordDecoder.__init__`). At most `MAX` entries: when full it starts
+    again empty (a client sending ever new metas costs itself the checks, nothing more)."""
+
+    MAX = 4096
+    MAX_KEY = 256   # bytes of a meta kept (a real one takes 20-60: a long device name is checked each time)
+
+    def remember(self, key: bytes, entry: tuple[_Layout, bool]) -> tuple[_Layout, bool]:
+        if len(key) <= self.MAX_KEY:
+            if len(self) >= self.MAX:
+                self.clear()
+            self[key] = entry
+        return entry
+
+
+_SEEN: dict[int, tuple[Limits, _SeenMetas]] = {}   # by id(limits), the Limits kept so that its id is not reused
+
+
+def _seen_metas(limits: Limits) -> _SeenMetas:
+    found = _SEEN.get(id(limits))
+    if found is None:
+        if len(_SEEN) >= 8:
+            _SEEN.clear()
+        found = _SEEN[id(limits)] = (limits, _SeenMetas())
+    return found[1]
 
 
 class RecordDecoder:
@@ -85,15 +115,32 @@ class RecordDecoder:
         self.record = record
         self.payload = payload
         self._tensors: dict[int, torch.Tensor] = {}
+        self._whole: dict[torch.dtype, torch.Tensor] = {}   # the payload as one tensor of each dtype read so far
         self._count = 0
-        if len(payload) != record.payload_bytes:
-            raise WireError(f"payload is {len(payload)} bytes but the record announces {record.payload_bytes}")
+        self._max_values, self._max_depth = limits.max_values, limits.max_depth
+        size = len(payload)
+        if size != record.payload_bytes:
+            raise WireError(f"payload is {size} bytes but the record announces {record.payload_bytes}")
         metas = record.tensors
         self._n = len(metas)
         if self._n > limits.max_tensors:
             raise WireError(f"{self._n} tensors in one record exceed the limit of {limits.max_tensors}")
-        # each tensor's layout as validated, read off its meta once: (dtype, shape, stride, offset, nbytes)
-        self._layouts = [self._check_meta(i, meta) for i, meta in enumerate(metas)]
+        # each tensor's layout as validated, read off its meta once (_Layout)
+        self._layouts: list[_Layout] = []
+        self.requires_grad: list[int] = []   # indices of the tensors whose meta says requires_grad
+        seen = _seen_metas(limits)
+        for i, meta in enumerate(metas):
+            key = meta.SerializeToString()
+            known = seen.get(key)
+            if known is None:
+                known = seen.remember(key, (self._check_meta(i, meta), meta.requires_grad))
+            layout, grad = known
+            if layout[3] + layout[4] > size:   # (a meta seen before: checked against this payload's size here)
+                raise WireError(f"tensor {i}: bytes {layout[3]}..{layout[3] + layout[4]} lie outside the "
+                                f"{size}-byte payload")
+            self._layouts.append(layout)
+            if grad:
+                self.requires_grad.append(i)
 
     def _check_meta(self, i: int, meta: pb.TensorMeta) -> _Layout:
         lim = self.limits
@@ -127,14 +174,14 @@ class RecordDecoder:
                                 f"layout of shape {list(shape)} (the payload holds each element once)")
         if len(meta.device) > lim.max_string_len:
             raise WireError(f"tensor {i}: device name longer than {lim.max_string_len}")
-        return dtype, shape, stride, offset, nbytes
+        return dtype, shape, stride, offset, nbytes, _contiguous(shape)
 
     def tensor(self, index: int) -> torch.Tensor:
-        if index >= self._n:
-            raise WireError(f"tensor index {index} but the record has {self._n} tensors")
         cached = self._tensors.get(index)
         if cached is not None:
             return cached
+        if index >= self._n:
+            raise WireError(f"tensor index {index} but the record has {self._n} tensors")
         try:
             t = self._build(*self._layouts[index])
         except (RuntimeError, ValueError, TypeError, OverflowError) as exc:
@@ -146,16 +193,26 @@ class RecordDecoder:
         return t
 
     def _build(self, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...], offset: int,
-               nbytes: int) -> torch.Tensor:
+               nbytes: int, dense: tuple[int, ...]) -> torch.Tensor:
         if nbytes == 0:
-            t = torch.empty(shape, dtype=dtype)
-        elif dtype.is_complex:
+            return torch.empty(shape, dtype=dtype)
+        size = dtype.itemsize
+        if self._n > 2 and not stride and not offset % size and not dtype.is_complex:
+            # a dense tensor of a record with three or more, at an offset its element size divides: a view of the
+            # payload read once as a tensor of its dtype (as_strided costs half a frombuffer of its own: from the
+            # third tensor on, sharing one is cheaper)
+            whole = self._whole.get(dtype)
+            if whole is None:
+                whole = self._whole[dtype] = torch.frombuffer(self.payload, dtype=dtype,
+                                                              count=len(self.payload) // size)
+            return whole.as_strided(shape, dense, offset // size)
+        if dtype.is_complex:
             real = torch.float32 if dtype == torch.complex64 else torch.float64
             flat = torch.frombuffer(self.payload, dtype=real, count=nbytes // real.itemsize, offset=offset)
             t = torch.view_as_complex(flat.reshape(-1, 2)).reshape(shape)
         else:
             # the elements' bytes at their offset (any offset: x86 and ARM read unaligned elements), one dimension
-            t = torch.frombuffer(self.payload, dtype=dtype, count=nbytes // dtype.itemsize, offset=offset)
+            t = torch.frombuffer(self.payload, dtype=dtype, count=nbytes // size, offset=offset)
             if len(shape) != 1:
                 t = t.reshape(shape)
         if stride and t.numel():
@@ -169,11 +226,13 @@ class RecordDecoder:
 
     def value(self, v: pb.Value, depth: int = 0) -> Any:
         self._count += 1
-        if self._count > self.limits.max_values:
-            raise WireError(f"more than {self.limits.max_values} values in one record")
-        if depth > self.limits.max_depth:
-            raise WireError(f"values nested deeper than {self.limits.max_depth}")
+        if self._count > self._max_values:
+            raise WireError(f"more than {self._max_values} values in one record")
+        if depth > self._max_depth:
+            raise WireError(f"values nested deeper than {self._max_depth}")
         kind = v.WhichOneof("kind")
+        if kind == "tensor":   # (the most frequent kind, first)
+            return self.tensor(v.tensor)
         if kind is None or kind == "none":
             return None
         if kind in ("b", "i", "f"):
@@ -182,8 +241,6 @@ class RecordDecoder:
             return self._string(v.s)
         if kind == "c":
             return complex(v.c.real, v.c.imag)
-        if kind == "tensor":
-            return self.tensor(v.tensor)
         if kind in ("tuple", "named_tuple"):
             return tuple(self.value(x, depth + 1) for x in getattr(v, kind).items)
         if kind == "list":
@@ -235,6 +292,14 @@ class RecordDecoder:
         except (RuntimeError, ValueError):
             # A device type the bench host does not know (npu on a GPU host): keep the name, replay moves it.
             return Opaque(f"device {name}")
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`."""
+    stride = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        stride[i - 1] = stride[i] * shape[i]
+    return tuple(stride)
 
 
 def _dense(shape: Sequence[int], stride: Sequence[int]) -> bool:

@@ -146,6 +146,22 @@ MUTATIONS = (
         (("npu_agent/_fastencode.c", "    if (reserve(b, k) < 0)\n        return -1;\n    memmove(b->p + start + k,",
           "    memmove(b->p + start + k,"),),
         ("tests/test_frame_pool_bounds.py",)),
+    Mutation(
+        "seen-meta-skips-the-payload-check",
+        "a tensor meta the decoder validated before is trusted whole: its bytes are not checked against this payload",
+        (("protos/codec.py", "            if layout[3] + layout[4] > size:", "            if False:"),),
+        ("tests/test_decode_views.py",)),
+    Mutation(
+        "seen-metas-shared-across-limits",
+        "the decoder's validated metas are kept once for all limits: a meta valid under one passes under stricter ones",
+        (("protos/codec.py", "    found = _SEEN.get(id(limits))", "    found = _SEEN.get(0)"),
+         ("protos/codec.py", "        found = _SEEN[id(limits)] =", "        found = _SEEN[0] =")),
+        ("tests/test_decode_views.py",)),
+    Mutation(
+        "payload-view-at-the-byte-offset",
+        "a tensor beside others is taken from the payload's dtype view at its byte offset, not its element offset",
+        (("protos/codec.py", "dense, offset // size)", "dense, offset)"),),
+        ("tests/test_decode_views.py",)),
 )
 
 

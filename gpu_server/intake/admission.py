@@ -89,10 +89,7 @@ class Intake:
                 if origin not in origins:
                     origins.append(origin)
                     del origins[:-MAX_ORIGINS]
-            if seq in seen:
-                return False
-            seen.add(seq)
-            return True
+            return seen.add(seq)   # (False: seen before)
 
     # -- who is connected (gRPC) ---------------------------------------------------------------------------------
     def origin_opened(self, origin: str) -> None:

@@ -13,6 +13,7 @@ gpu_server/replay/native_bounds.py), and a call that fails gets a SKIP row "not 
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -73,6 +74,13 @@ def resolve(category: str, api: str) -> Callable[..., Any]:
         if fn is None:
             raise UnknownApi(f"no reference implementation for the fused operator {api} (see docs/fused_ops.md)")
         return fn
+    return _torch_api(category, api)
+
+
+@functools.lru_cache(maxsize=4096)
+def _torch_api(category: str, api: str) -> Callable[..., Any]:
+    """`Category.api` of torch's own namespaces, looked up once (torch's namespaces do not change while the server
+    runs; a failed lookup is not kept: UnknownApi)."""
     if category == "Functional":
         fn = getattr(F, api, None)
     elif category == "Torch":
