@@ -118,9 +118,8 @@ class RecordDecoder:
         self._whole: dict[torch.dtype, torch.Tensor] = {}   # the payload as one tensor of each dtype read so far
         self._count = 0
         self._max_values, self._max_depth = limits.max_values, limits.max_depth
-        size = len(payload)
-        if size != record.payload_bytes:
-            raise WireError(f"payload is {size} bytes but the record announces {record.payload_bytes}")
+        if len(payload) != record.payload_bytes:
+            raise WireError(f"payload is {len(payload)} bytes but the record announces {record.payload_bytes}")
         metas = record.tensors
         self._n = len(metas)
         if self._n > limits.max_tensors:
@@ -134,10 +133,9 @@ class RecordDecoder:
             known = seen.get(key)
             if known is None:
                 known = seen.remember(key, (self._check_meta(i, meta), meta.requires_grad))
+            else:   # a meta seen before: only its place is checked against this record's payload
+                self._inside(i, known[0][3], known[0][4])
             layout, grad = known
-            if layout[3] + layout[4] > size:   # (a meta seen before: checked against this payload's size here)
-                raise WireError(f"tensor {i}: bytes {layout[3]}..{layout[3] + layout[4]} lie outside the "
-                                f"{size}-byte payload")
             self._layouts.append(layout)
             if grad:
                 self.requires_grad.append(i)
@@ -160,9 +158,7 @@ class RecordDecoder:
         if nbytes != numel * elsize:
             raise WireError(f"tensor {i}: {nbytes} bytes do not match shape {list(shape)} of {meta.dtype} "
                             f"({numel * elsize} bytes)")
-        if offset + nbytes > len(self.payload):
-            raise WireError(f"tensor {i}: bytes {offset}..{offset + nbytes} lie outside the "
-                            f"{len(self.payload)}-byte payload")
+        self._inside(i, offset, nbytes)
         stride = tuple(meta.stride)
         if stride:
             if len(stride) != len(shape):
@@ -175,6 +171,12 @@ class RecordDecoder:
         if len(meta.device) > lim.max_string_len:
             raise WireError(f"tensor {i}: device name longer than {lim.max_string_len}")
         return dtype, shape, stride, offset, nbytes, _contiguous(shape)
+
+    def _inside(self, i: int, offset: int, nbytes: int) -> None:
+        """Tensor `i`'s bytes lie within the payload."""
+        if offset + nbytes > len(self.payload):
+            raise WireError(f"tensor {i}: bytes {offset}..{offset + nbytes} lie outside the "
+                            f"{len(self.payload)}-byte payload")
 
     def tensor(self, index: int) -> torch.Tensor:
         cached = self._tensors.get(index)

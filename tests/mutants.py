@@ -149,7 +149,7 @@ MUTATIONS = (
     Mutation(
         "seen-meta-skips-the-payload-check",
         "a tensor meta the decoder validated before is trusted whole: its bytes are not checked against this payload",
-        (("protos/codec.py", "            if layout[3] + layout[4] > size:", "            if False:"),),
+        (("protos/codec.py", "                self._inside(i, known[0][3], known[0][4])", "                pass"),),
         ("tests/test_decode_views.py",)),
     Mutation(
         "seen-metas-shared-across-limits",
