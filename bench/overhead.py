@@ -26,9 +26,12 @@ with a sampler that skips every call (after one step that met every call site; f
 PrecisionDebugger.start() does) and the capture mode recording every call (records discarded); the
 fastest step of the training thread's CPU of each (other work on the machine only adds time), per call above off.
 Then the mode's path alone: C-bound calls (F.linear, view, add, transpose) in short loops, the fastest of 300.
-`--baseline PATH` runs the same measures first against the checkout at PATH (e.g. `git worktree add --detach
-/tmp/base HEAD` of the previous main; this file's benchmark, that checkout's agent) and prints both, before -> after.
-Ratios are printed last.
+`--baseline PATH` also measures the checkout at PATH (e.g. `git worktree add --detach /tmp/base HEAD` of the
+previous main; this file's benchmark, that checkout's agent) and prints both, before -> after: each tree in a process
+that stays up, the `--per-call-rounds` rounds alternating between them (the order reversed every other round), the
+fastest step of each variant kept over all rounds. Runs one after the other read this VM's drift as a change: the
+previous main run first, then this checkout, gave 97.7 and 142.7 us a captured call for code about 4 us apart (the
+off step went from 3.9 to 6.1 ms between them). Ratios are printed last.
 
 Models: TinyLM (2 layers, d=32, batch 4x16, bfloat16: many small records) and the mid transformer (4 layers,
 d=512, 8 heads, seq 128, batch 8, float32: about 55 calls and most of a GB of inputs, outputs and gradients a step).
@@ -656,51 +659,130 @@ def _loop_calls(mode: TorchFunctionMode | None, x: torch.Tensor, w: torch.Tensor
     return time.perf_counter_ns() - t0
 
 
-def per_call_cost(steps: int, rounds: int, loops: int) -> dict:
-    """TinyLM (tiny, bfloat16, dropout 0.1) steps, variants alternating step by step in this process: off, a no-op
-    TorchFunctionMode, the agent with sampling skipping every call, the agent capturing every call. Training
-    thread CPU (`time.thread_time`) of each step; the fastest step of each. Then the mode's path alone in a loop."""
-    kwargs, batch, dtype = MODELS["tiny"]
-    torch.manual_seed(0)
-    model = TinyLM(dropout=0.1, **kwargs).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = list(batches(steps, batch=batch, seq=kwargs["seq"], vocab=kwargs["vocab"]))
-    counting = _ModeOnly(_CountingMode())
-    skip, every = _skipping(), _CaptureOnly()
-    variants = {"off": None, "no-op mode": _ModeOnly(_NoOpMode()), "agent, skipped": skip, "agent, captured": every}
-    for dbg in variants.values():   # warm-up; the skipping agent meets every call site once (step 0)
-        _round(model, opt, data[:2], dbg)
-    _round(model, opt, data[:1], counting)
-    calls = counting.mode.calls
-    apis0, captured0 = skip.cap.sampler.counts["calls"], skip.cap.sampler.counts["captured"]
-    every_captured0, every_records0 = every.cap.captured, every.records
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    for _ in range(rounds):
-        for idx, tgt in data:
-            for name, dbg in variants.items():
+class PerCall:
+    """The per-call measures in this process (issue 25, goal 2): TinyLM (tiny, bfloat16, dropout 0.1) steps, the
+    variants alternating step by step: off, a no-op TorchFunctionMode, the agent with sampling skipping every call,
+    the agent capturing every call; the training thread's CPU (`time.thread_time`) of each step, and the mode's path
+    alone in a loop. `round()` adds one pass over the steps and a share of the loops; `result()` keeps the fastest
+    step of each variant so far (the machine's other work, a shared core or its SMT sibling, only ever adds time)."""
+
+    def __init__(self, steps: int) -> None:
+        kwargs, batch, dtype = MODELS["tiny"]
+        torch.manual_seed(0)
+        self.model = TinyLM(dropout=0.1, **kwargs).to(dtype)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.data = list(batches(steps, batch=batch, seq=kwargs["seq"], vocab=kwargs["vocab"]))
+        counting = _ModeOnly(_CountingMode())
+        self.skip, self.every = _skipping(), _CaptureOnly()
+        self.variants = {"off": None, "no-op mode": _ModeOnly(_NoOpMode()), "agent, skipped": self.skip,
+                         "agent, captured": self.every}
+        for dbg in self.variants.values():   # warm-up; the skipping agent meets every call site once (step 0)
+            _round(self.model, self.opt, self.data[:2], dbg)
+        _round(self.model, self.opt, self.data[:1], counting)
+        self.calls = counting.mode.calls
+        self.skipped_apis = 0   # calls the skipping agent's sampler counted in the measured steps
+        self.every_captured0, self.every_records0 = self.every.cap.captured, self.every.records
+        self.times: dict[str, list[float]] = {v: [] for v in self.variants}
+        self.x, self.w = torch.randn(16, 32), torch.randn(32, 32)
+        self.loop_modes = {"off": None, "no-op mode": _NoOpMode(), "agent, skipped": self.skip.mode}
+        self.best = dict.fromkeys(self.loop_modes, float("inf"))
+        self.rounds = 0
+
+    def round(self, loops: int) -> None:
+        counts = self.skip.cap.sampler.counts
+        calls0, captured0 = counts["calls"], counts["captured"]
+        for idx, tgt in self.data:
+            for name, dbg in self.variants.items():
                 t0 = time.thread_time()
-                train_step(model, opt, idx, tgt, dbg)
-                times[name].append(time.thread_time() - t0)
-    n = rounds * steps
-    # the fastest step of each: the machine's other work (a shared core, its SMT sibling) only ever adds time
-    med = {k: min(v) for k, v in times.items()}
-    sc = skip.cap.sampler.counts
-    skipped_apis = (sc["calls"] - apis0) / n
-    assert sc["captured"] == captured0, "the skipping agent captured calls in the measured steps"
-    x = torch.randn(16, 32)
-    w = torch.randn(32, 32)
-    loop_modes = {"off": None, "no-op mode": _NoOpMode(), "agent, skipped": skip.mode}
-    best = dict.fromkeys(loop_modes, float("inf"))
-    skip.start()   # following modules as during a step; no module runs in the loop
-    skip.stop()
-    for _ in range(loops):
-        for name, mode in loop_modes.items():
-            best[name] = min(best[name], _loop_calls(mode, x, w, 25) / 100)   # short: rarely preempted
-            if mode is skip.mode:
-                skip.step()
-    return {"repo": REPO, "steps": n, "calls": calls, "apis": skipped_apis,
-            "captured": (every.cap.captured - every_captured0) / n, "records": (every.records - every_records0) / n,
-            "ms": {k: v * 1e3 for k, v in med.items()}, "loop_ns": best}
+                train_step(self.model, self.opt, idx, tgt, dbg)
+                self.times[name].append(time.thread_time() - t0)
+        counts = self.skip.cap.sampler.counts
+        assert counts["captured"] == captured0, "the skipping agent captured calls in the measured steps"
+        self.skipped_apis += counts["calls"] - calls0   # (the loops below are new call sites: captured once)
+        skip = self.skip
+        skip.start()   # following modules as during a step; no module runs in the loop
+        skip.stop()
+        for _ in range(loops):
+            for name, mode in self.loop_modes.items():
+                self.best[name] = min(self.best[name], _loop_calls(mode, self.x, self.w, 25) / 100)   # short: rarely
+                if mode is skip.mode:                                                                 # preempted
+                    skip.step()
+        self.rounds += 1
+
+    def result(self) -> dict:
+        n = self.rounds * len(self.data)
+        agent = os.path.dirname(os.path.dirname(os.path.abspath(location.__file__)))   # the checkout measured
+        return {"repo": agent, "steps": n, "calls": self.calls, "apis": self.skipped_apis / n,
+                "captured": (self.every.cap.captured - self.every_captured0) / n,
+                "records": (self.every.records - self.every_records0) / n,
+                "ms": {k: min(v) * 1e3 for k, v in self.times.items()}, "loop_ns": dict(self.best)}
+
+
+PER_CALL_LOOPS = 300   # loop iterations of each mode in a whole run: the fastest kept
+
+
+def per_call_cost(steps: int, rounds: int, loops: int) -> dict:
+    """The per-call measures of `rounds` passes over `steps` steps, `loops` loop iterations in all (PerCall)."""
+    measure = PerCall(steps)
+    for _ in range(rounds):
+        measure.round(loops // rounds)
+    return measure.result()
+
+
+def serve_per_call(steps: int, loops: int) -> None:
+    """A measuring process of `--per-call --baseline`: PerCall set up once, then one round per line on stdin
+    ('round'), each answered with the results so far as a JSON line."""
+    measure = PerCall(steps)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "round":
+            measure.round(loops)
+            print(json.dumps(measure.result()), flush=True)
+
+
+class _PerCallProcess:
+    """One measuring process (`serve_per_call`) for the agent of the checkout at `repo`."""
+
+    def __init__(self, repo: str, steps: int, loops: int) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p))
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--per-call-serve", "--repo", repo,
+                                      "--per-call-steps", str(steps), "--per-call-loops", str(loops)],
+                                     cwd=repo, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=lambda: os.sched_setaffinity(0, ALL_CORES))   # it pins itself
+        self.repo = repo
+        self.last: dict = {}
+
+    def ready(self) -> None:
+        line = self.proc.stdout.readline()
+        if line.strip() != "READY":
+            raise RuntimeError(f"the per-call measuring process for {self.repo} did not start: {line!r}")
+
+    def round(self) -> None:
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        self.last = json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def per_call_alternating(baseline: str, steps: int, rounds: int, loops: int) -> tuple[dict, dict]:
+    """(before, after): the per-call measures of the checkout at `baseline` and of this one, each in a process that
+    stays up, the rounds alternating between them (the order reversed every other round): this VM's speed drifts
+    10-30 % within minutes, which a run of one after the other reads as a change."""
+    procs = {"before": _PerCallProcess(os.path.abspath(baseline), steps, loops // rounds),
+             "after": _PerCallProcess(REPO, steps, loops // rounds)}
+    try:
+        for proc in procs.values():   # both set up meanwhile (before the rounds: they share one core)
+            proc.ready()
+        for r in range(rounds):
+            for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                procs[label].round()
+    finally:
+        for proc in procs.values():
+            proc.close()
+    return procs["before"].last, procs["after"].last
 
 
 def per_call_lines(r: dict) -> dict[str, float]:
@@ -766,8 +848,11 @@ def main() -> None:
                         "against a no-op TorchFunctionMode")
     p.add_argument("--per-call-steps", type=int, default=20)
     p.add_argument("--per-call-rounds", type=int, default=5)
+    p.add_argument("--per-call-serve", action="store_true", help=argparse.SUPPRESS)   # a --baseline measuring process
+    p.add_argument("--per-call-loops", type=int, default=PER_CALL_LOOPS // 5, help=argparse.SUPPRESS)
     p.add_argument("--baseline", metavar="PATH", help="with --per-call or --agent-alone: the same measures of the "
-                   "checkout at PATH (a `git worktree add /tmp/base HEAD`), run first, printed before/after")
+                   "checkout at PATH (a `git worktree add /tmp/base HEAD`), printed before/after; --per-call "
+                   "alternates its rounds between the two, --agent-alone runs it first")
     p.add_argument("--agent-alone", action="store_true",
                    help="only the agent alone (goal 1): the mid transformer checked forward and backward into a "
                         "folder no server reads, training thread on one core, the agent's threads on the other")
@@ -792,14 +877,14 @@ def main() -> None:
             print("\n[after: this checkout]")
         print_agent_alone(r)
         return
+    if ns.per_call_serve:
+        serve_per_call(ns.per_call_steps, ns.per_call_loops)
+        return
     if ns.per_call:
-        argv = ["--per-call", "--per-call-steps", str(ns.per_call_steps), "--per-call-rounds", str(ns.per_call_rounds)]
-        base = _baseline(ns.baseline, argv) if ns.baseline else None
-        r = per_call_cost(ns.per_call_steps, ns.per_call_rounds, loops=300)
-        if ns.json:
-            with open(ns.json, "w") as fh:
-                json.dump(r, fh)
-            return
+        if ns.baseline:
+            base, r = per_call_alternating(ns.baseline, ns.per_call_steps, ns.per_call_rounds, PER_CALL_LOOPS)
+        else:
+            base, r = None, per_call_cost(ns.per_call_steps, ns.per_call_rounds, PER_CALL_LOOPS)
         print_per_call(r, base)
         return
     coll = collective_cost(ns.collective_iters, ns.collective_numel) if ns.collective_iters > 0 else None
