@@ -679,8 +679,9 @@ class Capturer:
         if (isinstance(out, torch.Tensor) and out.shape == x.shape and x.is_floating_point() and x.numel()
                 and p < 1):
             try:
-                low, high = torch.aminmax(x.detach().abs())
-                usable = bool(((low > 0) & (high < math.inf)).item())   # one device sync
+                # one device sync; NaN compares false: not usable
+                low, high = torch.stack(torch.aminmax(x.detach().abs())).tolist()
+                usable = low > 0 and high < math.inf
             except (RuntimeError, TypeError):   # a dtype without aminmax: rebuild it below
                 usable = False
             if usable:

