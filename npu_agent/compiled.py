@@ -1,9 +1,9 @@
-"""The agent's compiled modules: how each is built and loaded (docs/design.md §4, "Skipped calls in C"; §5,
-"Values encoded in C").
+"""The agent's compiled modules: how each is built and loaded (docs/design.md §4, "Skipped calls in C" and "The
+frame walk in C"; §5, "Values encoded in C").
 
 Each is a plain CPython extension written in C (no torch headers), next to this file: `_fastskip.c` answers the
 calls the sampling skips (npu_agent.fastskip), `_fastencode.c` writes a record's values and tensor table
-(npu_agent.records). Each has a pure-Python path that gives the same records; that path runs where the module is
+(npu_agent.records), `_fastlocate.c` finds the modules on a captured call's stack (npu_agent.location). Each has a pure-Python path that gives the same records; that path runs where the module is
 not built, where it fails to load, or with ONLINE_CHECK_PURE_PYTHON=1.
 
 `python -m npu_agent.compiled --build` (scripts/setup.sh runs it) compiles them all with the C compiler Python was
@@ -92,7 +92,8 @@ class Compiled:
 
 SKIP = Compiled("_fastskip", "skipped calls are answered in Python")
 ENCODE = Compiled("_fastencode", "records are encoded in Python")
-ALL = (SKIP, ENCODE)
+LOCATE = Compiled("_fastlocate", "module paths are read off the frames in Python")
+ALL = (SKIP, ENCODE, LOCATE)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -162,6 +162,19 @@ MUTATIONS = (
         "a tensor beside others is taken from the payload's dtype view at its byte offset, not its element offset",
         (("protos/codec.py", "dense, offset // size)", "dense, offset)"),),
         ("tests/test_decode_views.py",)),
+    Mutation(
+        "fastlocate-keeps-the-cell",
+        "the compiled frame walk takes `self` of `_call_impl` as it lies in the frame, a cell, not its content",
+        (("npu_agent/_fastlocate.c",
+          "        if (self != NULL && PyCell_Check(self))\n            self = PyCell_GET(self);\n", ""),),
+        ("tests/test_location.py",)),
+    Mutation(
+        "fastlocate-walks-on-from-a-finished-frame",
+        "the compiled frame walk goes on from a finished frame by `previous`, which ends there, instead of leaving it "
+        "to Python",
+        (("npu_agent/_fastlocate.c", "        if (f->owner == FRAME_OWNED_BY_FRAME_OBJECT) {",
+          "        if (0) {"),),
+        ("tests/test_location.py",)),
 )
 
 

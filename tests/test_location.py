@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import threading
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch.nn.modules import module as torch_module
 from gpu_server.columns import EXTRA_COLUMNS
 from gpu_server.decode import MAX_WHERE, decode_job
 from npu_agent import location
+from npu_agent.compiled import LOCATE
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from tests.support import Server, agent_config, capture, read_csv, read_header, run_training, to_job
@@ -55,15 +57,27 @@ class TinyLM(nn.Module):
         return x.sum()
 
 
-@pytest.fixture(params=["frames", "hooks"])
+@pytest.fixture(params=["frames in C", "frames in Python", "hooks"])
 def hooks(request, monkeypatch):
-    """Modules followed as the agent does: read off the frames, and, where torch has no `nn.Module._call_impl`,
-    with global hooks (the fallback, forced here)."""
+    """Modules followed as the agent does: read off the frames (by npu_agent/_fastlocate.c, built here if the set-up
+    did not build it, and by the Python walk that runs where it is not built), and, where torch has no
+    `nn.Module._call_impl`, with global hooks (the fallback, forced here)."""
+    monkeypatch.setattr(location, "_loaded", True)
+    monkeypatch.setattr(location, "_compiled_walk", _compiled_walk() if request.param == "frames in C" else None)
     if request.param == "hooks":
         monkeypatch.setattr(location, "_CALL_IMPL", None)
     location.install()
     yield
     location.uninstall()
+
+
+def _compiled_walk():
+    if not LOCATE.binary_path().exists():
+        LOCATE.build(quiet=True)
+    LOCATE.loaded.clear()
+    module = LOCATE.load()
+    assert module is not None and hasattr(module, "modules"), "npu_agent/_fastlocate.c did not load"
+    return module.modules
 
 
 def _by(sink, direction=1):
@@ -339,3 +353,61 @@ def test_reports_name_the_module_and_the_training_scripts_line_forward_and_backw
             elif r[name_column].startswith("Tensor.pow"):
                 assert r["Module"] == "TinyLM" and r["Source"].startswith("train_where.py:"), r
         assert seen == ({"forward", "backward"} if name_column == "API Name" else {"result"}), seen
+
+
+def test_the_compiled_walk_finds_the_modules_the_python_walk_finds():
+    """npu_agent/_fastlocate.c `modules` against location._walk, from frames in awkward places: a module that calls
+    itself, a forward hook that calls another module, a generator run inside a forward, a thread's own stack, and a
+    frame that has finished (left to Python: None)."""
+    walk, target = _compiled_walk(), location._CALL_IMPL
+    seen: list[tuple[str, list[int], object]] = []
+
+    def look(what, frame):
+        python = [id(m) for m in location._walk(frame, target)]
+        c = walk(frame, target, nn.Module)
+        seen.append((what, python, None if c is None else [id(m) for m in c]))
+
+    class Deep(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.leaf = nn.Linear(2, 2)
+
+        def forward(self, x, depth=2):
+            if depth:
+                return self(x, depth - 1)   # the same module again, inside itself
+            look("recursion", inspect.currentframe())
+            return self.leaf(x)
+
+    def rows():
+        look("generator", inspect.currentframe())
+        yield 1
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.deep = Deep()
+            self.other = nn.Identity()
+
+        def forward(self, x):
+            sum(rows())
+            self.frame = inspect.currentframe()   # finished once forward returns
+            return self.deep(x)
+
+    outer = Outer()
+    outer.deep.leaf.register_forward_hook(lambda m, i, o: (look("hook", inspect.currentframe()), outer.other(o))[1])
+    outer.other.register_forward_hook(lambda m, i, o: look("hook's module", inspect.currentframe()))
+    outer(torch.randn(1, 2))
+    thread = threading.Thread(target=lambda: outer.deep(torch.randn(1, 2), 0))
+    thread.start()
+    thread.join()
+    look("finished", outer.frame)
+    whats = [what for what, _, _ in seen]
+    assert whats == ["generator", "recursion", "hook", "hook's module", "recursion", "hook", "hook's module",
+                     "finished"], whats
+    for what, python, c in seen[:-1]:
+        assert c == python and python, (what, python, c)
+    o, d, leaf, other = id(outer), id(outer.deep), id(outer.deep.leaf), id(outer.other)
+    assert seen[0][1] == [o] and seen[1][1] == [d, d, d, o]   # Deep three times, inside Outer
+    assert seen[2][1] == [leaf, d, d, d, o] and seen[3][1] == [other, leaf, d, d, d, o]
+    assert [s[1] for s in seen[4:7]] == [[d], [leaf, d], [other, leaf, d]]   # on the thread's own stack
+    assert seen[7][2] is None and seen[7][1] == [o], seen[7]   # finished: Python follows its f_back
