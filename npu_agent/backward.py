@@ -22,14 +22,24 @@ the real graph uses. Non-reentrant checkpointing keeps the taps of the first pas
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from npu_agent.records import BACKWARD, PendingRecord
-from npu_agent.snapshot import KIND_OF, NESTED, Snapshot, arg_kind, grads_snapshot, iter_tensors, map_tensors
+from npu_agent.snapshot import (
+    KIND_OF,
+    NESTED,
+    Snapshot,
+    arg_kind,
+    grads_snapshot,
+    iter_tensors,
+    map_tensors,
+    without_tensors,
+)
 from protos.torch_compat import disable_torch_function, queue_backward_callback
 
 if TYPE_CHECKING:
@@ -65,7 +75,6 @@ def _hold(grad: torch.Tensor | None) -> torch.Tensor | None:
 
 
 _Tensor = torch.Tensor
-_TREE_OR_TENSOR = (_Tensor, tuple, list, dict, slice)
 
 
 def _map_flat(obj: Any, fn: Callable[[Any], Any]) -> Any:
@@ -95,18 +104,18 @@ class BackwardTaps:
         rec = ctx.record
         if not ctx.recompute and rec.inputs is not None and not rec.inputs.requires_grad:
             return   # no input requires grad: nothing to tap, no walk
-        args, kwargs = ctx.args, ctx.kwargs
-        # the common case: a flat tuple of tensors and scalars, no tensor (or list of them) as a keyword argument
-        if (type(args) is not tuple or (kwargs and any(isinstance(v, _TREE_OR_TENSOR) for v in kwargs.values()))
-                or not self._tap_flat(ctx, rec, args)):
+        # the common case: tensors, scalars and shapes, positional or keyword, no tensor inside a container
+        if type(ctx.args) is not tuple or not self._tap_flat(ctx, rec, ctx.args, ctx.kwargs):
             self._tap_tree(ctx, rec)
 
-    def _tap_flat(self, ctx: CallContext, rec: PendingRecord, args: tuple[Any, ...]) -> bool:
-        """tap_inputs for a flat tuple of positional arguments: the same slots, aliases and hooks as `_tap_tree`,
-        without a call per argument. False, with nothing done, at a nested argument (a list, a dict, a slice): the
-        aliases made so far are dropped (their hooks are registered by tap_outputs only)."""
+    def _tap_flat(self, ctx: CallContext, rec: PendingRecord, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """tap_inputs for flat arguments (a tuple of positional ones, then the keyword ones, in the order the
+        server flattens them): the same slots, aliases and hooks as `_tap_tree`, without a call per argument.
+        False, with nothing done, at a nested argument that may hold tensors (a list of tensors, a dict, a slice;
+        not a shape): the aliases made so far are dropped (their hooks are registered by tap_outputs only)."""
         entry: _Entry | None = None
         items: list[Any] | None = None
+        named: dict[str, Any] | None = None
         aliases: dict[int, torch.Tensor] = {}
         nodes: list[tuple[Any, int]] = []   # (alias node, slot): hooked by tap_outputs
         position = -1
@@ -114,12 +123,12 @@ class BackwardTaps:
         first = args[0] if inplace and args and isinstance(args[0], _Tensor) else None
         hooked: list[tuple[torch.Tensor, int]] = []   # in-place `self`: a tensor hook (`_in_hook`)
         kinds = KIND_OF
-        for i, t in enumerate(args):
+        for key, t in itertools.chain(enumerate(args), kwargs.items()) if kwargs else enumerate(args):
             kind = kinds.get(type(t))
             if kind is None:
                 kind = arg_kind(type(t))
             if kind != 1:
-                if kind == NESTED:
+                if kind == NESTED and not without_tensors(t):   # a shape or a list of dims has nothing to tap
                     return False
                 continue
             position += 1
@@ -147,15 +156,22 @@ class BackwardTaps:
             entry.grad_in.append(None)
             entry.leaf.append(t.is_leaf)
             aliases[id(alias)] = t
-            if items is None:
-                items = list(args)
-            items[i] = alias
+            if isinstance(key, int):
+                if items is None:
+                    items = list(args)
+                items[key] = alias
+            else:
+                if named is None:
+                    named = dict(kwargs)
+                named[cast(str, key)] = alias
         if entry is not None and entry.positions:
             for t, slot in hooked:   # registered once no nested argument can send the call to `_tap_tree`
                 t.register_hook(self._in_hook(entry, slot))
             entry.left = len(entry.positions)
             if items is not None:
                 ctx.args = tuple(items)
+            if named is not None:
+                ctx.kwargs = named
             ctx.taps = (entry, aliases, nodes)
         return True
 

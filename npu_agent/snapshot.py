@@ -275,10 +275,29 @@ def arg_kind(tp: type) -> int:
     return kind
 
 
+def without_tensors(seq: Any) -> bool:
+    """`seq` is a plain tuple or list (or a torch.Size) whose items are neither tensors nor containers: a shape, a
+    list of dims. Such an argument holds nothing for a record to hold or a backward tap to tap."""
+    if type(seq) not in _FLAT_SEQUENCES:
+        return False
+    kinds = KIND_OF
+    for v in seq:
+        kind = kinds.get(type(v))
+        if kind is None:
+            kind = arg_kind(type(v))
+        if kind:
+            return False
+    return True
+
+
+_FLAT_SEQUENCES = (tuple, list, torch.Size)
+
+
 def snapshot_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:
     """`snapshot((args, kwargs))`, the same tree held the same way, for the common call: positional arguments in a
-    plain tuple and keyword arguments that are tensors or scalars, walked without a call per item (a call with
-    nested arguments takes `snapshot`'s walk). The tuple of positional arguments is kept as it is (immutable)."""
+    plain tuple and keyword arguments that are tensors, scalars or plain tuples of scalars (a shape), walked without
+    a call per item (a call with other nested arguments takes `snapshot`'s walk). The tuple of positional arguments
+    is kept as it is, and so is a plain tuple of scalars in it (immutable: `snapshot` would rebuild it equal)."""
     if type(args) is not tuple:
         return snapshot((args, kwargs))
     held: dict[int, list[Any]] = {}
@@ -297,7 +316,7 @@ def snapshot_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:
                     if v.requires_grad:
                         grads.add(tid)
                     nbytes += v.numel() * v.element_size()
-            elif kind == NESTED:
+            elif kind == NESTED and (type(v) is not tuple or not without_tensors(v)):
                 return snapshot((args, kwargs))
     snap = Snapshot((args, dict(kwargs)), nbytes, grads, held)
     HELD.add(snap)

@@ -175,6 +175,12 @@ MUTATIONS = (
         (("npu_agent/_fastlocate.c", "        if (f->owner == FRAME_OWNED_BY_FRAME_OBJECT) {",
           "        if (0) {"),),
         ("tests/test_location.py",)),
+    Mutation(
+        "a-shape-may-hold-tensors",
+        "a tuple or list whose items include tensors passes for a shape: the flat walks neither hold nor tap them",
+        (("npu_agent/snapshot.py", "            kind = arg_kind(type(v))\n        if kind:\n            return False\n",
+          "            kind = arg_kind(type(v))\n        if kind == NESTED:\n            return False\n"),),
+        ("tests/test_shape_arguments.py",)),
 )
 
 
