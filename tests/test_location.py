@@ -411,3 +411,36 @@ def test_the_compiled_walk_finds_the_modules_the_python_walk_finds():
     assert seen[2][1] == [leaf, d, d, d, o] and seen[3][1] == [other, leaf, d, d, d, o]
     assert [s[1] for s in seen[4:7]] == [[d], [leaf, d], [other, leaf, d]]   # on the thread's own stack
     assert seen[7][2] is None and seen[7][1] == [o], seen[7]   # finished: Python follows its f_back
+
+
+def test_python_walks_when_asked_or_the_module_is_not_built(monkeypatch, tmp_path):
+    """ONLINE_CHECK_PURE_PYTHON=1, or a source whose binary is not built: install() leaves the walk to Python, and
+    module paths come out the same."""
+    from npu_agent import compiled
+
+    def loaded_walk():
+        monkeypatch.setattr(location, "_loaded", False)
+        monkeypatch.setattr(location, "_compiled_walk", None)
+        monkeypatch.setattr(LOCATE, "loaded", [])
+        location.install()
+        location.uninstall()
+        return location._compiled_walk
+
+    _compiled_walk()   # built, as the set-up builds it
+    assert loaded_walk() is not None
+    monkeypatch.setenv(compiled.PURE_PYTHON_ENV, "1")
+    assert loaded_walk() is None
+    monkeypatch.delenv(compiled.PURE_PYTHON_ENV)
+    monkeypatch.setattr(LOCATE, "source", tmp_path / "_fastlocate.c")   # a changed source: its binary is not built
+    (tmp_path / "_fastlocate.c").write_text("/* another source */\n")
+    assert loaded_walk() is None
+    monkeypatch.setattr(location, "_loaded", True)   # (install() below: the Python walk stays)
+    location.install()
+    try:
+        model = TinyLM()
+        with capture() as (mode, sink):
+            with mode:
+                model(torch.randn(2, 4))
+        assert _by(sink)["Functional.linear.1"].module == "TinyLM.blocks.1.attn.proj"
+    finally:
+        location.uninstall()
