@@ -3,8 +3,9 @@ frame walk in C"; §5, "Values encoded in C").
 
 Each is a plain CPython extension written in C (no torch headers), next to this file: `_fastskip.c` answers the
 calls the sampling skips (npu_agent.fastskip), `_fastencode.c` writes a record's values and tensor table
-(npu_agent.records), `_fastlocate.c` finds the modules on a captured call's stack (npu_agent.location). Each has a pure-Python path that gives the same records; that path runs where the module is
-not built, where it fails to load, or with ONLINE_CHECK_PURE_PYTHON=1.
+(npu_agent.records), `_fastlocate.c` finds the modules on a captured call's stack (npu_agent.location). Each has a
+pure-Python path that gives the same records; that path runs where the module is not built, where it fails to load,
+or with ONLINE_CHECK_PURE_PYTHON=1.
 
 `python -m npu_agent.compiled --build` (scripts/setup.sh runs it) compiles them all with the C compiler Python was
 built with, a few seconds. A binary's name carries a hash of its source, so a changed source is never run from a

@@ -4,9 +4,9 @@
   the modules whose forward is running on this thread are read off the thread's own frames, when a captured call
   asks: every frame of `nn.Module._call_impl` (the frame of `module(...)`, hooks or not) holds its module as
   `self` (the walk in C where npu_agent/_fastlocate.c is built: 0.14 us against 3.2 us for four nested modules;
-  the same list). Nothing runs on the calls that are not captured: global module hooks would cost every module call of
-  the training 3-5 us (torch leaves its fast path for all modules once one exists) and are used only where torch
-  has no `_call_impl` to recognise (then forward pre/post hooks push and pop a per-thread stack). The path of the
+  the same list). Nothing runs on the calls that are not captured: global module hooks would cost every module
+  call of the training 3-5 us (torch leaves its fast path for all modules once one exists) and are used only where
+  torch has no `_call_impl` to recognise (then forward pre/post hooks push and pop a per-thread stack). The path of the
   innermost module is the outermost module's class name followed by the dotted attribute names down to it:
   `TinyLM.blocks.0.attn.proj` (a child found through its parent's `_modules`, or deeper: a `ModuleList` is never
   called itself; each (parent, child) name is looked up once). Outside any module: "".
