@@ -13,17 +13,19 @@ the sampler saw (the calls of a step the agent does not watch are not seen: npu_
 does not watch"; their number is printed as "steps not watched").
 The floor: a TorchFunctionMode that does nothing, pushed around forward and backward as the agent's mode is ("no-op
 mode"); each policy's CPU is also given as a ratio of it, and its training thread's CPU (`time.thread_time`: the
-sender's and gRPC's threads left out). `--baseline PATH` runs the same measures first against the checkout at PATH
-(a `git worktree add --detach /tmp/base HEAD` of the previous main) in a subprocess and prints them before/after.
-Ratios are printed last.
+sender's and gRPC's threads left out). `--baseline PATH` also measures the checkout at PATH (a `git worktree add
+--detach /tmp/base HEAD` of the previous main; this benchmark, that checkout's agent and server) and prints both
+before/after: each checkout in a process that stays up with its own server, the rounds alternating between them
+(the order reversed every other round). Run one after the other, drift made the second run's policy cheaper than
+its own off steps (x0.97 of off, after x1.14 in the run before it). Ratios are printed last.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -52,90 +54,145 @@ def _round(model, opt, data, dbg) -> tuple[float, float, float]:
     return c, w, time.thread_time() - t0
 
 
-def _baseline(path: str, argv: list[str]) -> dict:
-    """This benchmark run again (a subprocess) against the checkout at `path`; its results."""
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "baseline.json")
-        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--repo", path, "--json", out],
-                       check=True, cwd=path, env=dict(os.environ, PYTHONPATH=path))
-        with open(out) as fh:
-            result: dict = json.load(fh)
-    return result
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--layers", type=int, default=16)
     p.add_argument("--policies", default=",".join(POLICIES), help="comma-separated names of POLICIES")
-    p.add_argument("--baseline", metavar="PATH", help="the same measures of the checkout at PATH, printed before")
+    p.add_argument("--baseline", metavar="PATH", help="the same measures of the checkout at PATH, the rounds "
+                   "alternating, printed before/after")
     p.add_argument("--repo", metavar="PATH", help=argparse.SUPPRESS)   # read at import (overhead._repo_arg)
-    p.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)   # --baseline's subprocess: results to PATH
+    p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)   # a --baseline measuring process
     ns = p.parse_args()
     policies = {name: POLICIES[name] for name in ns.policies.split(",")}
-    base = None
-    if ns.baseline:
-        base = _baseline(ns.baseline, ["--steps", str(ns.steps), "--rounds", str(ns.rounds), "--layers",
-                                       str(ns.layers), "--policies", ns.policies])
-    r = measure(ns.steps, ns.rounds, ns.layers, policies)
-    if ns.json:
-        with open(ns.json, "w") as fh:
-            json.dump(r, fh)
+    if ns.serve:
+        serve(ns.steps, ns.layers, policies)
         return
-    report(r, base)
+    if ns.baseline:
+        argv = ["--steps", str(ns.steps), "--layers", str(ns.layers), "--policies", ns.policies]
+        base, r = alternating(ns.baseline, argv, ns.rounds)
+        report(r, base)
+        return
+    report(measure(ns.steps, ns.rounds, ns.layers, policies), None)
+
+
+class Sampling:
+    """The measures of one checkout in this process: a real gpu-server, the model, off, the no-op mode and one
+    agent per policy. `round()` runs every variant over the steps once and adds up its CPU, wall and training
+    thread CPU; `finish()` closes the agents and the server and returns the results per step."""
+
+    def __init__(self, steps: int, layers: int, policies: dict) -> None:
+        self.steps, self.layers, self.rounds = steps, layers, 0
+        self.work = tempfile.mkdtemp(prefix="bench-sampling-")
+        self.stack = contextlib.ExitStack()
+        try:
+            self._start(policies)
+        except BaseException:
+            self.stack.close()
+            shutil.rmtree(self.work, ignore_errors=True)
+            raise
+
+    def _start(self, policies: dict) -> None:
+        port = overhead._free_port()
+        server_cfg = os.path.join(self.work, "server.json")
+        with open(server_cfg, "w") as fh:
+            json.dump({"task": "run_ut", "run_ut": {"host": "127.0.0.1", "port": port, "is_online": True}}, fh)
+        self.cfgs = {}
+        for i, (name, keys) in enumerate(policies.items()):
+            self.cfgs[name] = os.path.join(self.work, f"agent{i}.json")
+            with open(self.cfgs[name], "w") as fh:
+                json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "host": "127.0.0.1",
+                                                                         "port": port, "online_memory_mb": 4096,
+                                                                         **keys}}, fh)
+        self.stack.enter_context(overhead.checking_server(self.work, server_cfg, port))
+        torch.manual_seed(0)
+        self.model = TinyLM(vocab=96, d=64, heads=4, layers=self.layers, seq=32, dropout=0.0)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+        self.data = list(batches(self.steps, batch=4, seq=32))
+        overhead._round(self.model, self.opt, self.data[:2], None)
+        counting = overhead._ModeOnly(overhead._CountingMode())
+        overhead._round(self.model, self.opt, self.data[:1], counting)
+        self.calls = counting.mode.calls
+        self.variants = {"off": None, "no-op mode": overhead._ModeOnly(overhead._NoOpMode()),
+                         **{name: overhead._Online(cfg) for name, cfg in self.cfgs.items()}}
+        # Each agent's start-up (its connection, its hooks) happens once per training, not per step: it is timed
+        # here, apart, and the rounds measure steps only.
+        self.startup = {}
+        for name, variant in self.variants.items():
+            if name in self.cfgs:
+                c0 = time.process_time()
+                variant.dbg._ensure_started()
+                self.startup[name] = time.process_time() - c0
+        self.cpu = dict.fromkeys(self.variants, 0.0)
+        self.wall = dict.fromkeys(self.variants, 0.0)
+        self.thread = dict.fromkeys(self.variants, 0.0)
+
+    def round(self) -> None:
+        for name, dbg in self.variants.items():
+            c, w, t = _round(self.model, self.opt, self.data, dbg)
+            self.cpu[name] += c
+            self.wall[name] += w
+            self.thread[name] += t
+        self.rounds += 1
+
+    def finish(self) -> dict:
+        try:
+            counts = {name: dbg.dbg.close() for name, dbg in self.variants.items() if name in self.cfgs}
+        finally:
+            self.stack.close()
+            shutil.rmtree(self.work, ignore_errors=True)
+        n = self.steps * self.rounds
+        agent = os.path.dirname(os.path.dirname(os.path.abspath(overhead.location.__file__)))   # measured
+        return {"repo": agent, "layers": self.layers, "steps": n, "calls": self.calls,
+                "cpu": {k: v / n for k, v in self.cpu.items()}, "wall": {k: v / n for k, v in self.wall.items()},
+                "thread": {k: v / n for k, v in self.thread.items()}, "counts": counts, "startup": self.startup,
+                "train_core": overhead.TRAIN_CORE, "server_core": overhead.SERVER_CORE}
 
 
 def measure(steps: int, rounds: int, layers: int, policies: dict) -> dict:
     """Each policy's CPU, wall and training thread CPU per step, off and the no-op mode's, and the agents' counts."""
-    work = tempfile.mkdtemp(prefix="bench-sampling-")
-    port = overhead._free_port()
-    server_cfg = os.path.join(work, "server.json")
-    with open(server_cfg, "w") as fh:
-        json.dump({"task": "run_ut", "run_ut": {"host": "127.0.0.1", "port": port, "is_online": True}}, fh)
-    cfgs = {}
-    for i, (name, keys) in enumerate(policies.items()):
-        cfgs[name] = os.path.join(work, f"agent{i}.json")
-        with open(cfgs[name], "w") as fh:
-            json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "host": "127.0.0.1",
-                                                                     "port": port, "online_memory_mb": 4096,
-                                                                     **keys}}, fh)
+    run = Sampling(steps, layers, policies)
     try:
-        with overhead.checking_server(work, server_cfg, port):
-            torch.manual_seed(0)
-            model = TinyLM(vocab=96, d=64, heads=4, layers=layers, seq=32, dropout=0.0)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-            data = list(batches(steps, batch=4, seq=32))
-            overhead._round(model, opt, data[:2], None)
-            counting = overhead._ModeOnly(overhead._CountingMode())
-            overhead._round(model, opt, data[:1], counting)
-            variants = {"off": None, "no-op mode": overhead._ModeOnly(overhead._NoOpMode()),
-                        **{name: overhead._Online(cfg) for name, cfg in cfgs.items()}}
-            # Each agent's start-up (its connection, its hooks) happens once per training, not per step: it is
-            # timed here, apart, and the rounds measure steps only.
-            startup = {}
-            for name, variant in variants.items():
-                if name in cfgs:
-                    c0 = time.process_time()
-                    variant.dbg._ensure_started()
-                    startup[name] = time.process_time() - c0
-            cpu = dict.fromkeys(variants, 0.0)
-            wall = dict.fromkeys(variants, 0.0)
-            thread = dict.fromkeys(variants, 0.0)
-            for _ in range(rounds):
-                for name, dbg in variants.items():
-                    c, w, t = _round(model, opt, data, dbg)
-                    cpu[name] += c
-                    wall[name] += w
-                    thread[name] += t
-            counts = {name: dbg.dbg.close() for name, dbg in variants.items() if name in cfgs}
+        for _ in range(rounds):
+            run.round()
+    except BaseException:
+        run.finish()
+        raise
+    return run.finish()
+
+
+def serve(steps: int, layers: int, policies: dict) -> None:
+    """A measuring process of `--baseline`: Sampling set up once, then one round per 'round' line on stdin
+    (answered 'done'), and the results as a JSON line on 'finish'."""
+    run = Sampling(steps, layers, policies)
+    print("READY", flush=True)
+    for line in sys.stdin:
+        if line.strip() == "round":
+            run.round()
+            print("done", flush=True)
+        elif line.strip() == "finish":
+            print(json.dumps(run.finish()), flush=True)
+            return
+    run.finish()
+
+
+def alternating(baseline: str, argv: list[str], rounds: int) -> tuple[dict, dict]:
+    """(before, after): the checkout at `baseline` and this one, each measured by a process that stays up, the
+    rounds alternating between them (the order reversed every other round): this VM's speed drifts 10-30 % within
+    minutes, which a run of one after the other reads as a change."""
+    procs = {"before": overhead.MeasuringProcess(__file__, os.path.abspath(baseline), ["--serve", *argv]),
+             "after": overhead.MeasuringProcess(__file__, overhead.REPO, ["--serve", *argv])}
+    try:
+        for proc in procs.values():   # both set up meanwhile
+            proc.ready()
+        for r in range(rounds):
+            for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+                procs[label].ask("round", "done")
+        return (json.loads(procs["before"].ask("finish", "{")), json.loads(procs["after"].ask("finish", "{")))
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-    n = steps * rounds
-    return {"repo": overhead.REPO, "layers": layers, "steps": n, "calls": counting.mode.calls,
-            "cpu": {k: v / n for k, v in cpu.items()}, "wall": {k: v / n for k, v in wall.items()},
-            "thread": {k: v / n for k, v in thread.items()}, "counts": counts, "startup": startup,
-            "train_core": overhead.TRAIN_CORE, "server_core": overhead.SERVER_CORE}
+        for proc in procs.values():
+            proc.close()
 
 
 def _lines(r: dict) -> list[tuple[str, str]]:
