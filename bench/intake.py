@@ -24,9 +24,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
+
+from measuring import MeasuringProcess, in_turn  # (bench/measuring.py, beside this file)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 KINDS = ("relu 4 KiB", "relu", "linear", "layer_norm")
@@ -135,27 +136,6 @@ def serve(n: int) -> None:
 
 # ------------------------------------------------------------------------------------------------- the driver
 
-class Measurer:
-    """One measuring process for the source tree at `root`."""
-
-    def __init__(self, root: str, n: int) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", "--records", str(n)],
-                                     cwd=root, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        line = self.proc.stdout.readline()
-        if line.strip() != "READY":
-            raise RuntimeError(f"the measuring process for {root} did not start: {line!r}")
-
-    def measure(self, kind: str) -> dict:
-        self.proc.stdin.write(kind + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", type=int, default=2000, help="records of each kind a round")
@@ -169,14 +149,16 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"after": os.path.dirname(HERE)}
     if ns.baseline:
         trees = {"before": os.path.abspath(ns.baseline), **trees}
-    measurers = {label: Measurer(root, ns.records) for label, root in trees.items()}
+    measurers = {label: MeasuringProcess(__file__, root, ["--serve", "--records", str(ns.records)])
+                 for label, root in trees.items()}
     best: dict[tuple[str, str], dict] = {}
     try:
+        for m in measurers.values():   # both set up meanwhile
+            m.ready()
         for r in range(ns.rounds):
-            order = list(measurers) if r % 2 == 0 else list(measurers)[::-1]
             for kind in KINDS:
-                for label in order:
-                    got = measurers[label].measure(kind)
+                for label in in_turn(list(measurers), r):
+                    got = json.loads(measurers[label].ask(kind, "{"))
                     keep = best.setdefault((label, kind), dict(got))
                     for k, v in got.items():
                         keep[k] = min(keep[k], v)

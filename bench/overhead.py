@@ -106,6 +106,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+from measuring import MeasuringProcess, in_turn  # noqa: E402  (bench/measuring.py, beside this file)
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from examples.demo import TinyLM, batches, train_step  # noqa: E402
@@ -740,51 +741,19 @@ def serve_per_call(steps: int, loops: int) -> None:
             print(json.dumps(measure.result()), flush=True)
 
 
-class MeasuringProcess:
-    """A measuring process of a `--baseline` run: `script` (this checkout's benchmark) in its serve mode `argv`,
-    importing the code of the checkout at `repo`; it says READY once set up and answers each request line with one
-    line. It starts on all cores and pins itself, as this process did."""
-
-    def __init__(self, script: str, repo: str, argv: list[str]) -> None:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p))
-        self.repo = repo
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), "--repo", repo, *argv], cwd=repo,
-                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     preexec_fn=lambda: os.sched_setaffinity(0, ALL_CORES))
-
-    def ready(self) -> None:
-        self._expect("READY")
-
-    def ask(self, request: str, answer: str) -> str:
-        """Send `request`; its answer line, which must start with `answer`."""
-        self.proc.stdin.write(request + "\n")
-        self.proc.stdin.flush()
-        return self._expect(answer)
-
-    def _expect(self, what: str) -> str:
-        line = self.proc.stdout.readline()
-        if not line.startswith(what):
-            raise RuntimeError(f"the measuring process for {self.repo} answered {line!r}, not {what!r}...")
-        return line
-
-    def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=120)
-
-
 def per_call_alternating(baseline: str, steps: int, rounds: int, loops: int) -> tuple[dict, dict]:
     """(before, after): the per-call measures of the checkout at `baseline` and of this one, each in a process that
     stays up, the rounds alternating between them (the order reversed every other round): this VM's speed drifts
     10-30 % within minutes, which a run of one after the other reads as a change."""
     argv = ["--per-call-serve", "--per-call-steps", str(steps), "--per-call-loops", str(loops // rounds)]
-    procs = {"before": MeasuringProcess(__file__, os.path.abspath(baseline), argv),
-             "after": MeasuringProcess(__file__, REPO, argv)}
+    procs = {label: MeasuringProcess(__file__, repo, ["--repo", repo, *argv], ALL_CORES)   # (each pins itself)
+             for label, repo in (("before", os.path.abspath(baseline)), ("after", REPO))}
     last: dict[str, dict] = {}
     try:
         for proc in procs.values():   # both set up meanwhile (before the rounds: they share one core)
             proc.ready()
         for r in range(rounds):
-            for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            for label in in_turn(("before", "after"), r):
                 last[label] = json.loads(procs[label].ask("round", "{"))
     finally:
         for proc in procs.values():

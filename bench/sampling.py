@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import overhead  # noqa: E402  (pins this process to one core and torch to one thread on import)
 import torch  # noqa: E402
+from measuring import MeasuringProcess, in_turn  # noqa: E402  (bench/measuring.py, beside this file)
 
 from examples.demo import TinyLM, batches  # noqa: E402
 
@@ -181,13 +182,13 @@ def alternating(baseline: str, argv: list[str], rounds: int) -> tuple[dict, dict
     """(before, after): the checkout at `baseline` and this one, each measured by a process that stays up, the
     rounds alternating between them (the order reversed every other round): this VM's speed drifts 10-30 % within
     minutes, which a run of one after the other reads as a change."""
-    procs = {"before": overhead.MeasuringProcess(__file__, os.path.abspath(baseline), ["--serve", *argv]),
-             "after": overhead.MeasuringProcess(__file__, overhead.REPO, ["--serve", *argv])}
+    procs = {label: MeasuringProcess(__file__, repo, ["--serve", "--repo", repo, *argv], overhead.ALL_CORES)
+             for label, repo in (("before", os.path.abspath(baseline)), ("after", overhead.REPO))}
     try:
         for proc in procs.values():   # both set up meanwhile
             proc.ready()
         for r in range(rounds):
-            for label in (("before", "after") if r % 2 == 0 else ("after", "before")):
+            for label in in_turn(("before", "after"), r):
                 procs[label].ask("round", "done")
         return (json.loads(procs["before"].ask("finish", "{")), json.loads(procs["after"].ask("finish", "{")))
     finally:

@@ -1,0 +1,49 @@
+"""The measuring processes of a benchmark's `--baseline` run (bench/intake.py, bench/overhead.py --per-call,
+bench/sampling.py): each checkout measured by a process of its own that stays up, the rounds alternating between
+them. The test VM's speed drifts by 10-30 % within minutes, which runs one after the other would read as a change.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterable, Sequence
+
+
+class MeasuringProcess:
+    """`script` (this checkout's benchmark) run with `argv` (its serve mode), importing the code of the checkout at
+    `repo` (first on its PYTHONPATH, the working folder); it says READY once set up and answers each request line
+    with one line. `cores`: the CPUs it starts on (a benchmark that pins itself at import passes the ones it had
+    before; None: this process's)."""
+
+    def __init__(self, script: str, repo: str, argv: list[str], cores: Iterable[int] | None = None) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p))
+        self.repo = repo
+        start = set(cores) if cores is not None else None
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(script), *argv], cwd=repo, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=None if start is None else lambda: os.sched_setaffinity(0, start))
+
+    def ready(self) -> None:
+        self._expect("READY")
+
+    def ask(self, request: str, answer: str) -> str:
+        """Send `request`; its answer line, which must start with `answer`."""
+        self.proc.stdin.write(request + "\n")
+        self.proc.stdin.flush()
+        return self._expect(answer)
+
+    def _expect(self, what: str) -> str:
+        line = self.proc.stdout.readline()
+        if not line.startswith(what):
+            raise RuntimeError(f"the measuring process for {self.repo} answered {line!r}, not {what!r}...")
+        return line
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def in_turn(labels: Sequence[str], r: int) -> Sequence[str]:
+    """The order of round `r`: `labels` as given, reversed every other round."""
+    return labels if r % 2 == 0 else labels[::-1]
