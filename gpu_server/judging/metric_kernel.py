@@ -22,6 +22,8 @@ import logging
 import threading
 from typing import Any, Callable
 
+import numpy
+
 log = logging.getLogger("gpu_server")
 
 # the counts[] slots of the kernel
@@ -41,14 +43,16 @@ def _terms(b: Any, bbits: Any, d: Any, spb: Any, spf: Any, ae: Any, tile: int, b
     same memory); d: the device values, float64 or float32 (each converted to float64 exactly, as the torch path's
     copy does); spb, spf: an int64 scratch tile and its float64 view, ae: a float64 scratch tile (`tile` elements
     each). Writes (b / bmax)^2 into bb when with_bb, the summands sq, rel, ulp, dot, dd (chunk-sized), adds the
-    counts (COUNT_KEYS order) and raises maxes to the maxima of |d - b|, rel and ulp (MAX_KEYS order). Each
-    expression is one torch op of metrics._add_finite_chunk on the same operands. The loops are branch-free so that
-    the compiler vectorises them; the maxima are taken in a loop of their own over the tile just written (a running
-    maximum inside the main loop would keep it from vectorising), and are exact whatever the order."""
+    counts (COUNT_KEYS order) and raises maxes (float64, each +0.0 or above on entry) to the maxima of |d - b|, rel
+    and ulp (MAX_KEYS order). Each expression is one torch op of metrics._add_finite_chunk on the same operands. The
+    loops are branch-free so that the compiler vectorises them; the maxima are taken in a loop of their own over the
+    tile just written (a running maximum inside the main loop would keep it from vectorising), and are exact
+    whatever the order."""
     n = b.shape[0]
     h0, h1, h2 = bounds[0], bounds[1], bounds[2]
     c_h0 = c_h1 = c_h2 = c_normal = c_small_bad = c_rel_bad = c_ulp_over = c_above = c_below = 0
-    m_ae, m_rel, m_ulp = maxes[0], maxes[1], maxes[2]
+    top = maxes.view(numpy.int64)   # maxes as the integers of their bits (below)
+    m_ae, m_rel, m_ulp = top[0], top[1], top[2]
     for lo in range(0, n, tile):
         hi = min(n, lo + tile)
         m = hi - lo
@@ -88,11 +92,15 @@ def _terms(b: Any, bbits: Any, d: Any, spb: Any, spf: Any, ae: Any, tile: int, b
             dn = dv / dmax
             dott[i] = bn * dn
             ddt[i] = dn * dn
+        # the maxima of the tile's three terms, compared as the integers of their bits: every term is +0.0 or
+        # above (never NaN, never -0.0: |d - b|, and products of it with non-negative factors), and non-negative
+        # doubles order as their bit patterns do; an integer maximum vectorises, a float one (NaN-aware) does not
+        aei, reli, ulpi = ae.view(numpy.int64), relt.view(numpy.int64), ulpt.view(numpy.int64)
         for i in range(m):
-            m_ae = max(m_ae, ae[i])
-            m_rel = max(m_rel, relt[i])
-            m_ulp = max(m_ulp, ulpt[i])
-    maxes[0], maxes[1], maxes[2] = m_ae, m_rel, m_ulp
+            m_ae = max(m_ae, aei[i])
+            m_rel = max(m_rel, reli[i])
+            m_ulp = max(m_ulp, ulpi[i])
+    top[0], top[1], top[2] = m_ae, m_rel, m_ulp
     counts[0] += c_h0
     counts[1] += c_h1
     counts[2] += c_h2
