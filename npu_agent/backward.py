@@ -10,6 +10,9 @@ hook registration costs the training thread a few us). Hooks hold the gradients 
 gradient is copied: it may become the parameter's .grad, which later code changes in place); they never return a
 tensor, so no gradient is replaced.
 
+A call whose signature made such a node before is given no aliases at all (`BackwardTaps.known`, docs/design.md
+§4): the edges of its node are checked against its own inputs after the call, then hooked the same way.
+
 A backward record is emitted when every tapped input got its gradient, or at the end of the backward pass (an
 engine callback) with what arrived. Calls whose outputs never got a gradient are closed at the step boundary
 with an empty backward record, so the server can finish their result rows.
@@ -23,8 +26,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -42,6 +46,8 @@ from npu_agent.snapshot import (
 )
 from protos.torch_compat import disable_torch_function, queue_backward_callback
 
+log = logging.getLogger("npu_agent")
+
 if TYPE_CHECKING:
     from npu_agent.capture import CallContext
 
@@ -58,6 +64,7 @@ class _Entry:
     emitted: bool = False
     module: str = ""                     # where the forward call was made (npu_agent.location)
     source: str = ""
+    signature: Any = None                # the call's _tap_flat signature, while its graph may be learned
 
 
 def _copy(grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -97,6 +104,10 @@ class BackwardTaps:
         self._pending: dict[tuple[int, str], _Entry] = {}
         self._lock = threading.Lock()
         self._flush_queued = False
+        # calls tapped without aliases (below `_direct_edges`): signature -> (the node's edge count, [(edge, slot)]),
+        # and the signatures whose graph was once another (aliases always)
+        self.known: dict[tuple[Any, ...], tuple[int, tuple[tuple[int, int], ...]]] = {}
+        self.mixed: set[tuple[Any, ...]] = set()
 
     # -- forward side (training thread, inside the capture mode's handler) ---------------------------------
     def tap_inputs(self, ctx: CallContext) -> None:
@@ -112,37 +123,66 @@ class BackwardTaps:
         """tap_inputs for flat arguments (a tuple of positional ones, then the keyword ones, in the order the
         server flattens them): the same slots, aliases and hooks as `_tap_tree`, without a call per argument.
         False, with nothing done, at a nested argument that may hold tensors (a list of tensors, a dict, a slice;
-        not a shape): the aliases made so far are dropped (their hooks are registered by tap_outputs only)."""
-        entry: _Entry | None = None
+        not a shape).
+
+        A call whose signature (`_signature`: the API, the autocast state, each argument's kind, and each tensor's
+        dtype, dimensions and whether it is tapped) made one autograd node straight on its aliases before
+        (`known`) is not given aliases: `tap_outputs` checks that its node's edges lead to the inputs
+        themselves, and hooks that node as before."""
+        tapped: list[tuple[Any, torch.Tensor, int]] = []   # (argument key, tensor, flattened position)
+        signature: list[Any] = [ctx.category, ctx.api, rec.autocast, len(args)]
+        position = -1
+        first = args[0] if rec.inplace and args and isinstance(args[0], _Tensor) else None
+        kinds = KIND_OF
+        for key, t in itertools.chain(enumerate(args), kwargs.items()) if kwargs else enumerate(args):
+            tp = type(t)
+            kind = kinds.get(tp)
+            if kind is None:
+                kind = arg_kind(tp)
+            if kind != 1:
+                if kind == NESTED and not without_tensors(t):   # a shape or a list of dims has nothing to tap
+                    return False
+                # the overload and the backend a call takes may depend on these (a Scalar or a Tensor, a dropout
+                # probability of 0): a number by whether it is 0, so that a changing factor (a learning rate) does
+                # not make every call new
+                signature.append(t if tp in _VALUE_KEYS else (t == 0) if tp is float else tp)
+                continue
+            position += 1
+            tap = t.requires_grad and (t.is_floating_point() or t.is_complex())
+            signature.append((key, tap, t.dtype, t.dim()))
+            if tap:
+                tapped.append((key, t, position))
+        if not tapped:
+            return True
+        entry = _Entry(rec.name, rec.step, [], [], module=rec.module, source=rec.source)
+        if first is None and not ctx.recompute:
+            sig = tuple(signature)
+            known = self.known.get(sig) if ALIAS_FREE else None
+            if known is not None:
+                inputs = []
+                for _, t, pos in tapped:
+                    entry.positions.append(pos)
+                    entry.grad_in.append(None)
+                    entry.leaf.append(t.is_leaf)
+                    inputs.append(t)
+                entry.left = len(entry.positions)
+                ctx.taps = (entry, {}, _Known(sig, known, inputs))
+                return True
+        else:
+            sig = None
         items: list[Any] | None = None
         named: dict[str, Any] | None = None
         aliases: dict[int, torch.Tensor] = {}
         nodes: list[tuple[Any, int]] = []   # (alias node, slot): hooked by tap_outputs
-        position = -1
-        inplace = rec.inplace
-        first = args[0] if inplace and args and isinstance(args[0], _Tensor) else None
         hooked: list[tuple[torch.Tensor, int]] = []   # in-place `self`: a tensor hook (`_in_hook`)
-        kinds = KIND_OF
-        for key, t in itertools.chain(enumerate(args), kwargs.items()) if kwargs else enumerate(args):
-            kind = kinds.get(type(t))
-            if kind is None:
-                kind = arg_kind(type(t))
-            if kind != 1:
-                if kind == NESTED and not without_tensors(t):   # a shape or a list of dims has nothing to tap
-                    return False
-                continue
-            position += 1
-            if not (t.requires_grad and (t.is_floating_point() or t.is_complex())):
-                continue
-            if entry is None:
-                entry = _Entry(rec.name, rec.step, [], [], module=rec.module, source=rec.source)
+        for key, t, pos in tapped:
             slot = len(entry.positions)
             if first is not None and t is first:
                 # `self` of an in-place op must be mutated itself; a hook registered before the op sees the
                 # gradient with respect to the value the op read. A leaf cannot be modified in place anyway.
                 if t.is_leaf:
                     continue
-                entry.positions.append(position)
+                entry.positions.append(pos)
                 entry.grad_in.append(None)
                 entry.leaf.append(False)
                 hooked.append((t, slot))
@@ -152,7 +192,7 @@ class BackwardTaps:
             if node is None:   # grad mode off (view_as records no node): nothing to tap
                 continue
             nodes.append((node, slot))
-            entry.positions.append(position)
+            entry.positions.append(pos)
             entry.grad_in.append(None)
             entry.leaf.append(t.is_leaf)
             aliases[id(alias)] = t
@@ -164,14 +204,15 @@ class BackwardTaps:
                 if named is None:
                     named = dict(kwargs)
                 named[cast(str, key)] = alias
-        if entry is not None and entry.positions:
-            for t, slot in hooked:   # registered once no nested argument can send the call to `_tap_tree`
+        if entry.positions:
+            for t, slot in hooked:
                 t.register_hook(self._in_hook(entry, slot))
             entry.left = len(entry.positions)
             if items is not None:
                 ctx.args = tuple(items)
             if named is not None:
                 ctx.kwargs = named
+            entry.signature = sig
             ctx.taps = (entry, aliases, nodes)
         return True
 
@@ -222,7 +263,8 @@ class BackwardTaps:
     def hook_inputs(self, ctx: CallContext) -> None:
         """The pre-hooks on the aliases' nodes, for a call whose outputs are not hooked (tap_outputs not called)."""
         entry, _, nodes = ctx.taps
-        self._hook_aliases(entry, nodes)
+        if type(nodes) is not _Known:   # (a call without aliases has nothing to hook before its node)
+            self._hook_aliases(entry, nodes)
 
     def _hook_aliases(self, entry: _Entry, nodes: list[tuple[Any, int]]) -> None:
         for node, slot in nodes:
@@ -238,6 +280,8 @@ class BackwardTaps:
         output nodes, a cast or a composite's inner node between an alias and the output's node, an in-place call's
         tensor hook): a pre-hook on each alias's node and on each output's node."""
         entry, aliases, alias_nodes = ctx.taps
+        if type(alias_nodes) is _Known:
+            return self._tap_known(ctx, entry, alias_nodes, out)
         if isinstance(out, _Tensor):   # the common case: one tensor
             if aliases:
                 out = aliases.get(id(out), out)
@@ -250,6 +294,8 @@ class BackwardTaps:
             if edges is not None:
                 fn.register_hook(self._node_hook(entry, out.output_nr, edges))
                 alias_nodes.clear()
+                if entry.signature is not None:
+                    self._learn(entry.signature, fn, edges)
             else:
                 self._hook_aliases(entry, alias_nodes)
                 fn.register_prehook(self._out_hook(entry, [(out.output_nr, 0)]))
@@ -276,6 +322,43 @@ class BackwardTaps:
                 self._pending[(entry.step, entry.name)] = entry
         return out
 
+    def _tap_known(self, ctx: CallContext, entry: _Entry, known: _Known, out: Any) -> Any:
+        """tap_outputs for a call given no aliases (its signature made one node on its inputs before): the hook after
+        that node, once its edges are checked to lead to the inputs themselves. A call whose graph is not that one
+        (an output that is an input, another node, an edge to something else) gets a pre-hook on its output's node
+        only, as a call whose aliases no gradient reaches: its backward record comes without input gradients.
+        Its signature takes aliases from then on."""
+        entry.grad_out = [None]
+        fn = out.grad_fn if isinstance(out, _Tensor) and out.requires_grad else None
+        if fn is None:
+            return out
+        edges = known.edges_of(fn, entry.leaf)
+        if edges is not None:
+            fn.register_hook(self._node_hook(entry, out.output_nr, edges))
+        else:
+            self._unlearn(known.signature, f"{ctx.record.name} (step {ctx.record.step})")
+            fn.register_prehook(self._out_hook(entry, [(out.output_nr, 0)]))
+        ctx.record.backward_expected = True
+        with self._lock:
+            self._pending[(entry.step, entry.name)] = entry
+        return out
+
+    def _learn(self, signature: tuple[Any, ...], fn: Any, edges: list[tuple[int, int]]) -> None:
+        """Remember that calls with `signature` make one node like `fn`, whose edges `edges` are the tapped inputs."""
+        if signature in self.mixed:
+            return
+        if len(self.known) >= _KNOWN_LIMIT:
+            self.known.clear()
+        self.known[signature] = (len(fn.next_functions), tuple(edges))
+
+    def _unlearn(self, signature: tuple[Any, ...], name: str) -> None:
+        self.known.pop(signature, None)
+        if signature not in self.mixed:
+            self.mixed.add(signature)
+            log.warning("online check: the autograd graph of %s is not the one earlier calls with the same arguments "
+                        "made; its backward record goes without input gradients, and such calls are tapped through "
+                        "aliases from now on", name)
+
     # -- backward side (autograd engine threads) ------------------------------------------------------------
     def _out_hook(self, entry: _Entry, slots: list[tuple[int, int]]) -> Callable[[tuple[Any, ...]], None]:
         def hook(grads: tuple[Any, ...]) -> None:
@@ -287,7 +370,7 @@ class BackwardTaps:
             return None
         return hook
 
-    def _node_hook(self, entry: _Entry, nr: int, edges: list[tuple[int, int]]
+    def _node_hook(self, entry: _Entry, nr: int, edges: Sequence[tuple[int, int]]
                    ) -> Callable[[tuple[Any, ...], tuple[Any, ...]], None]:
         """The one hook after the output's node (tap_outputs): grad_output (`nr`: the output's number on the node)
         as `_out_hook` takes it, then each (edge, slot)'s gradient as the alias's `_in_hook` takes it."""
@@ -384,6 +467,50 @@ class BackwardTaps:
             else:
                 self.sink(PendingRecord(name=e.name, step=e.step, direction=BACKWARD, grad_enabled=True,
                                         grad_input=_snap([]), module=e.module, source=e.source))
+
+
+# -- calls tapped without aliases ------------------------------------------------------------------------------------
+# A call whose output's autograd node has every tapped input as a direct edge (`_direct_edges`) gets its input
+# gradients from the hook after that node; its aliases only told which edge is which input. Each alias costs the
+# training about 5 us (view_as in the forward, one more node for the engine in the backward). So the edges are
+# remembered by the call's signature (`_tap_flat`), and a later call with that signature is given no aliases: its
+# node's edges are checked against its own tensors (`_Known.edges_of`) before the hook goes on.
+ALIAS_FREE = True          # False: every call takes aliases (tests compare both)
+_KNOWN_LIMIT = 4096   # signatures remembered (BackwardTaps.known) before they are forgotten at once
+_VALUE_KEYS = frozenset({bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+
+
+class _Known:
+    """The taps of a call given no aliases: its signature, the learned (edge count, [(edge, slot)]) and its tapped
+    input tensors by slot."""
+
+    __slots__ = ("signature", "count", "edges", "inputs")
+
+    def __init__(self, signature: tuple[Any, ...], known: tuple[int, tuple[tuple[int, int], ...]],
+                 inputs: list[torch.Tensor]):
+        self.signature = signature
+        self.count, self.edges = known
+        self.inputs = inputs
+
+    def edges_of(self, fn: Any, leaf: list[bool]) -> tuple[tuple[int, int], ...] | None:
+        """The learned edges when `fn`'s edges lead to this call's inputs exactly as they did (each edge i to the
+        input of its slot: a leaf's AccumulateGrad node, another tensor's own node and output number; no other
+        edge), else None."""
+        nf = fn.next_functions
+        if len(nf) != self.count:
+            return None
+        inputs = self.inputs
+        for i, slot in self.edges:
+            node, nr = nf[i]
+            t = inputs[slot]
+            if leaf[slot]:
+                if getattr(node, "variable", None) is not t:
+                    return None
+            elif node is None or node is not t.grad_fn or nr != t.output_nr:
+                return None
+        if sum(node is not None for node, _ in nf) != len(self.edges):
+            return None
+        return self.edges
 
 
 def _direct_edges(fn: Any, alias_nodes: list[tuple[Any, int]], slots: int) -> list[tuple[int, int]] | None:

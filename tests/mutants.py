@@ -181,6 +181,24 @@ MUTATIONS = (
         (("npu_agent/snapshot.py", "            kind = arg_kind(type(v))\n        if kind:\n            return False\n",
           "            kind = arg_kind(type(v))\n        if kind == NESTED:\n            return False\n"),),
         ("tests/test_shape_arguments.py",)),
+    Mutation(
+        "a-known-graph-trusts-its-leaves",
+        "a parameter's edge passes for any tapped leaf: two parameters' gradients may be swapped in the record",
+        (("npu_agent/backward.py", "                if getattr(node, \"variable\", None) is not t:\n",
+          "                if node is None:\n"),),
+        ("tests/test_known_graphs.py",)),
+    Mutation(
+        "a-known-graph-ignores-other-edges",
+        "a node with an input edge the known graph did not have passes for known",
+        (("npu_agent/backward.py", "        if sum(node is not None for node, _ in nf) != len(self.edges):\n",
+          "        if False:\n"),),
+        ("tests/test_known_graphs.py",)),
+    Mutation(
+        "a-known-graph-is-never-forgotten",
+        "a call whose graph was not the known one leaves its signature known: later calls go without aliases too",
+        (("npu_agent/backward.py", "        self.known.pop(signature, None)\n", "        pass\n"),
+         ("npu_agent/backward.py", "            self.mixed.add(signature)\n", "            pass\n")),
+        ("tests/test_known_graphs.py",)),
 )
 
 

@@ -1,0 +1,163 @@
+"""Calls tapped without aliases (issue 25 goal 2): a call whose signature (the API, each argument's kind, each tensor's
+dtype, dimensions and whether it is tapped) made one autograd node straight on its aliases before is given no
+aliases; its node's edges are checked against its own tensors and hooked as before (npu_agent/backward.py,
+`BackwardTaps.known`). Its records must be exactly those the aliases give, and a call whose graph is not the one
+its signature made must be told, not guessed."""
+import logging
+
+import pytest
+import torch
+
+from npu_agent import backward
+from tests.support import capture, to_job
+from tests.test_backward_node_hook import _records
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_records_without_aliases_are_those_with_aliases(monkeypatch, dtype):
+    """Three TinyLM steps (dropout, layer norms, attention, residuals, tied nothing): every record byte for byte
+    what aliases on every call give, with most calls after the first step tapped without aliases."""
+    checked: list[bool] = []
+    real = backward._Known.edges_of
+    monkeypatch.setattr(backward._Known, "edges_of", lambda self, fn, leaf: checked.append(
+        real(self, fn, leaf) is not None) or real(self, fn, leaf))
+    free = _records(dtype)
+    assert len(checked) > 40 and all(checked)   # the calls of steps 2 and 3 that the first step made known
+    monkeypatch.setattr(backward, "ALIAS_FREE", False)
+    checked.clear()
+    aliased = _records(dtype)
+    assert not checked
+    assert [r[:2] for r in free] == [r[:2] for r in aliased]
+    assert free == aliased
+
+
+def _mul_twice(make, tamper=None, third=False):
+    """torch.mul(x, w) + x, squared and summed, in two (or three) steps, (x, w) = make() in each: the first step
+    makes the signature known, `tamper(taps)` may then change what is known. Returns the sink, the taps and each
+    step's output."""
+    steps = []
+    with capture() as (mode, sink):
+        taps = mode.capturer.backward
+        for step in range(3 if third else 2):
+            if step == 1 and tamper is not None:
+                tamper(taps)
+            x, w = make()
+            with mode:
+                y = torch.mul(x, w) + x
+                loss = (y * y).sum()
+            loss.backward()
+            taps.end_step()
+            mode.capturer.next_step(step + 1)
+            steps.append(y)
+    return sink, taps, steps
+
+
+def _record(sink, step, direction):
+    """The record of step `step`'s torch.mul (every step names it Torch.mul.0)."""
+    return next(r for r in sink if r.name == "Torch.mul.0" and r.step == step and r.direction == direction)
+
+
+def _exact(sink, step):
+    fwd, bwd = _record(sink, step, 1), _record(sink, step, 2)
+    (xs, ws), _ = fwd.inputs.tree
+    leaves = [t.detach().clone().requires_grad_(True) for t in (xs, ws)]
+    expect = torch.autograd.grad(torch.mul(*leaves), leaves, bwd.grad_output.tree[0])
+    assert bwd.grad_input_positions == (0, 1)
+    assert all(torch.equal(e, g) for e, g in zip(expect, bwd.grad_input.tree)), step
+
+
+def test_a_known_call_takes_its_own_tensors_and_gets_exact_gradients():
+    """The second torch.mul(x, w) is given x and w themselves (its node's edges lead to x's node and w's
+    AccumulateGrad, no alias between), and its record holds autograd's gradients, the parameter's a copy."""
+    base = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+    xs = []
+    seen = []
+    first_step = []
+    real = torch.Tensor.view_as
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.Tensor, "view_as", lambda self, other: seen.append(self) or real(self, other))
+        sink, taps, _ = _mul_twice(lambda: (xs.append(base * 1) or xs[-1], w),
+                                   lambda taps: first_step.append(len(seen)))
+    assert len(taps.known) == 4   # torch.mul, the add, the square's mul, the sum
+    assert [t is xs[0] for t in seen[:2]] == [True, False] and first_step == [len(seen)]   # no alias in step 2
+    _exact(sink, 0)
+    _exact(sink, 1)
+    second = _record(sink, 1, 2).grad_input.tree[1]
+    assert second is not w.grad and torch.equal(second, w.grad / 2)   # two steps accumulated into .grad
+
+
+def test_a_call_whose_graph_is_not_the_known_one_is_told_and_aliased_after(monkeypatch, caplog):
+    """What the signature made known is changed (its two edges swapped): the second call's edges do not lead to its
+    inputs as known, so its record comes without input gradients, a warning names the call, and the third call takes
+    aliases again, with exact gradients."""
+    base = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+
+    def swap(taps):
+        for sig, (count, edges) in list(taps.known.items()):
+            if sig[:2] == ("Torch", "mul"):
+                taps.known[sig] = (count, tuple((i, 1 - slot) for i, slot in edges))
+
+    with caplog.at_level(logging.WARNING, logger="npu_agent"):
+        sink, taps, _ = _mul_twice(lambda: (base * 1, w), swap, third=True)
+    assert [r for r in caplog.records if "Torch.mul.0 (step 1)" in r.getMessage()]
+    assert [sig[:2] for sig in taps.mixed] == [("Torch", "mul")]
+    assert ("Torch", "mul") not in [sig[:2] for sig in taps.known]
+    assert not to_job(_record(sink, 1, 2)).grad_input
+    _exact(sink, 0)
+    _exact(sink, 2)
+
+
+def test_two_parameters_swapped_are_caught_by_their_accumulators():
+    """torch.mul(w1, w2), both leaves: edges that lead to each other's AccumulateGrad do not pass for theirs."""
+    w1 = torch.randn(3, 5, requires_grad=True)
+    w2 = torch.randn(3, 5, requires_grad=True)
+
+    def swap(taps):
+        for sig, (count, edges) in list(taps.known.items()):
+            if sig[:2] == ("Torch", "mul"):
+                taps.known[sig] = (count, tuple((i, 1 - slot) for i, slot in edges))
+
+    sink, taps, _ = _mul_twice(lambda: (w1, w2), swap)
+    assert [sig[:2] for sig in taps.mixed] == [("Torch", "mul")]
+    assert not to_job(_record(sink, 1, 2)).grad_input
+
+
+def test_an_edge_the_known_graph_did_not_have_is_caught():
+    """Known with one of its two edges forgotten: the second call's node has an input edge the known graph does
+    not account for, so it is not taken for known."""
+    base = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+
+    def forget(taps):
+        for sig, (count, edges) in list(taps.known.items()):
+            if sig[:2] == ("Torch", "mul"):
+                taps.known[sig] = (count, edges[:1])
+
+    sink, taps, _ = _mul_twice(lambda: (base * 1, w), forget)
+    assert [sig[:2] for sig in taps.mixed] == [("Torch", "mul")]
+
+
+def test_arguments_that_choose_another_graph_make_another_signature(caplog):
+    """x.to(float64) makes a node on x; x.to(float32) of a float32 x returns x itself. The dtype is part of the
+    signature, so neither call is taken for the other: no warning, and each gets the record aliases give."""
+    base = torch.randn(3, 4, requires_grad=True)
+    with caplog.at_level(logging.WARNING, logger="npu_agent"):
+        with capture() as (mode, sink):
+            taps = mode.capturer.backward
+            for step in range(2):
+                x = base * 1
+                with mode:
+                    a = x.to(torch.float64)
+                    b = x.to(torch.float32)
+                    loss = a.sum() + (b * b).sum()
+                loss.backward()
+                taps.end_step()
+                mode.capturer.next_step(step + 1)
+    assert not [r for r in caplog.records if "autograd graph" in r.getMessage()]
+    assert not taps.mixed
+    assert len(taps.known) >= 2
+    for step in (0, 1):
+        to64 = next(r for r in sink if r.name == "Tensor.to.0" and r.step == step and r.direction == 2)
+        assert torch.equal(to_job(to64).grad_input[0], torch.ones(3, 4))
