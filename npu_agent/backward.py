@@ -104,9 +104,9 @@ class BackwardTaps:
         self._pending: dict[tuple[int, str], _Entry] = {}
         self._lock = threading.Lock()
         self._flush_queued = False
-        # calls tapped without aliases (below `_direct_edges`): signature -> (the node's edge count, [(edge, slot)]),
-        # and the signatures whose graph was once another (aliases always)
-        self.known: dict[tuple[Any, ...], tuple[int, tuple[tuple[int, int], ...]]] = {}
+        # calls tapped without aliases (below `_direct_edges`): signature -> the tree of nodes its calls make, and
+        # the signatures whose graph was once another (aliases always)
+        self.known: dict[tuple[Any, ...], _Tree] = {}
         self.mixed: set[tuple[Any, ...]] = set()
 
     # -- forward side (training thread, inside the capture mode's handler) ---------------------------------
@@ -295,8 +295,11 @@ class BackwardTaps:
                 fn.register_hook(self._node_hook(entry, out.output_nr, edges))
                 alias_nodes.clear()
                 if entry.signature is not None:
-                    self._learn(entry.signature, fn, edges)
+                    nf = fn.next_functions
+                    self._learn(entry.signature, ((-1, 0, len(nf), len(edges), tuple(edges)),))
             else:
+                if entry.signature is not None:
+                    self._learn(entry.signature, _tree_of(fn, alias_nodes, len(entry.positions)))
                 self._hook_aliases(entry, alias_nodes)
                 fn.register_prehook(self._out_hook(entry, [(out.output_nr, 0)]))
             ctx.record.backward_expected = True
@@ -332,9 +335,11 @@ class BackwardTaps:
         fn = out.grad_fn if isinstance(out, _Tensor) and out.requires_grad else None
         if fn is None:
             return out
-        edges = known.edges_of(fn, entry.leaf)
-        if edges is not None:
-            fn.register_hook(self._node_hook(entry, out.output_nr, edges))
+        hooks = known.hooks_of(fn, entry.leaf)
+        if hooks is not None:
+            fn.register_hook(self._node_hook(entry, out.output_nr, hooks[0][1]))
+            for node, edges in hooks[1:]:   # a composite's inner nodes with edges to inputs: no grad_output
+                node.register_hook(self._node_hook(entry, -1, edges))
         else:
             self._unlearn(known.signature, f"{ctx.record.name} (step {ctx.record.step})")
             fn.register_prehook(self._out_hook(entry, [(out.output_nr, 0)]))
@@ -343,13 +348,17 @@ class BackwardTaps:
             self._pending[(entry.step, entry.name)] = entry
         return out
 
-    def _learn(self, signature: tuple[Any, ...], fn: Any, edges: list[tuple[int, int]]) -> None:
-        """Remember that calls with `signature` make one node like `fn`, whose edges `edges` are the tapped inputs."""
-        if signature in self.mixed:
-            return
+    def _learn(self, signature: tuple[Any, ...], tree: _Tree | None) -> None:
+        """Remember the nodes calls with `signature` make (`_tree_of`); without such a tree, that its calls take
+        aliases (no walk is tried again)."""
         if len(self.known) >= _KNOWN_LIMIT:
             self.known.clear()
-        self.known[signature] = (len(fn.next_functions), tuple(edges))
+        if len(self.mixed) >= _KNOWN_LIMIT:
+            self.mixed.clear()
+        if tree is None:
+            self.mixed.add(signature)
+        elif signature not in self.mixed:
+            self.known[signature] = tree
 
     def _unlearn(self, signature: tuple[Any, ...], name: str) -> None:
         self.known.pop(signature, None)
@@ -373,13 +382,14 @@ class BackwardTaps:
     def _node_hook(self, entry: _Entry, nr: int, edges: Sequence[tuple[int, int]]
                    ) -> Callable[[tuple[Any, ...], tuple[Any, ...]], None]:
         """The one hook after the output's node (tap_outputs): grad_output (`nr`: the output's number on the node)
-        as `_out_hook` takes it, then each (edge, slot)'s gradient as the alias's `_in_hook` takes it."""
+        as `_out_hook` takes it, then each (edge, slot)'s gradient as the alias's `_in_hook` takes it. With `nr` -1,
+        a hook after a composite's inner node (`_tap_known`): its edges' gradients only."""
         def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
             emit = False
             with self._lock:
                 if entry.emitted:
                     return None
-                if entry.grad_out[0] is None and nr < len(grad_outputs):
+                if nr >= 0 and entry.grad_out[0] is None and nr < len(grad_outputs):
                     entry.grad_out[0] = _hold(grad_outputs[nr])
                 for i, slot in edges:
                     if entry.grad_in[slot] is not None:
@@ -480,37 +490,85 @@ _KNOWN_LIMIT = 4096   # signatures remembered (BackwardTaps.known) before they a
 _VALUE_KEYS = frozenset({bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 
+# What a signature's calls make (`_tree_of`): their nodes, the output's first, then breadth first, each as (the index
+# of the node whose edge leads to it (-1: the output's), that edge, its edge count, its edges that are not None,
+# its (edge, slot) pairs that lead to a tapped input)
+_Tree = tuple[tuple[int, int, int, int, tuple[tuple[int, int], ...]], ...]
+_TREE_NODES = 8   # the most nodes of one call followed from its output's node
+
+
+def _tree_of(fn: Any, alias_nodes: list[tuple[Any, int]], slots: int) -> _Tree | None:
+    """The nodes between the output's node `fn` and the call's aliases, when they form a tree of at most
+    _TREE_NODES nodes in which every tapped slot's alias is reached by exactly one edge (so that the gradient along
+    that edge is the whole of the call's gradient for that input); None otherwise (an input read twice inside the
+    call, an edge out of the call's own nodes)."""
+    if not alias_nodes or len(alias_nodes) != slots:
+        return None
+    slot_of = {id(node): slot for node, slot in alias_nodes}
+    tree: list[tuple[int, int, int, int, tuple[tuple[int, int], ...]]] = []
+    seen: set[int] = set()
+    queue = [(fn, -1, 0)]
+    while queue:
+        node, parent, j = queue.pop(0)
+        if id(node) in seen or len(tree) >= _TREE_NODES:
+            return None
+        seen.add(id(node))
+        nf = node.next_functions
+        k = len(tree)
+        edges: list[tuple[int, int]] = []
+        count = 0
+        for i, (child, _) in enumerate(nf):
+            if child is None:
+                continue
+            count += 1
+            slot = slot_of.get(id(child))
+            if slot is not None:
+                edges.append((i, slot))
+            else:
+                queue.append((child, k, i))
+        tree.append((parent, j, len(nf), count, tuple(edges)))
+    if sorted(slot for *_, edges in tree for _, slot in edges) != list(range(slots)):
+        return None
+    return tuple(tree)
+
+
 class _Known:
-    """The taps of a call given no aliases: its signature, the learned (edge count, [(edge, slot)]) and its tapped
-    input tensors by slot."""
+    """The taps of a call given no aliases: its signature, the learned tree of nodes (`_Tree`) and its tapped input
+    tensors by slot."""
 
-    __slots__ = ("signature", "count", "edges", "inputs")
+    __slots__ = ("signature", "tree", "inputs")
 
-    def __init__(self, signature: tuple[Any, ...], known: tuple[int, tuple[tuple[int, int], ...]],
-                 inputs: list[torch.Tensor]):
+    def __init__(self, signature: tuple[Any, ...], tree: _Tree, inputs: list[torch.Tensor]):
         self.signature = signature
-        self.count, self.edges = known
+        self.tree = tree
         self.inputs = inputs
 
-    def edges_of(self, fn: Any, leaf: list[bool]) -> tuple[tuple[int, int], ...] | None:
-        """The learned edges when `fn`'s edges lead to this call's inputs exactly as they did (each edge i to the
-        input of its slot: a leaf's AccumulateGrad node, another tensor's own node and output number; no other
-        edge), else None."""
-        nf = fn.next_functions
-        if len(nf) != self.count:
-            return None
+    def hooks_of(self, fn: Any, leaf: list[bool]) -> list[tuple[Any, tuple[tuple[int, int], ...]]] | None:
+        """[(node, its (edge, slot) pairs)] for the output's node `fn` and for each inner node with edges to inputs,
+        when the nodes from `fn` on are the learned tree and each such edge leads to this call's input of its slot
+        (a leaf's AccumulateGrad node, another tensor's own node and output number); else None."""
         inputs = self.inputs
-        for i, slot in self.edges:
-            node, nr = nf[i]
-            t = inputs[slot]
-            if leaf[slot]:
-                if getattr(node, "variable", None) is not t:
-                    return None
-            elif node is None or node is not t.grad_fn or nr != t.output_nr:
+        found: list[Any] = []   # each tree node's next_functions
+        hooks = []
+        for parent, j, size, count, edges in self.tree:
+            node = fn if parent < 0 else found[parent][j][0]
+            if node is None:
                 return None
-        if sum(node is not None for node, _ in nf) != len(self.edges):
-            return None
-        return self.edges
+            nf = node.next_functions
+            if len(nf) != size or sum(n is not None for n, _ in nf) != count:
+                return None
+            for i, slot in edges:
+                edge, nr = nf[i]
+                t = inputs[slot]
+                if leaf[slot]:
+                    if getattr(edge, "variable", None) is not t:
+                        return None
+                elif edge is None or edge is not t.grad_fn or nr != t.output_nr:
+                    return None
+            found.append(nf)
+            if edges or parent < 0:
+                hooks.append((node, edges))
+        return hooks
 
 
 def _direct_edges(fn: Any, alias_nodes: list[tuple[Any, int]], slots: int) -> list[tuple[int, int]] | None:

@@ -184,20 +184,28 @@ MUTATIONS = (
     Mutation(
         "a-known-graph-trusts-its-leaves",
         "a parameter's edge passes for any tapped leaf: two parameters' gradients may be swapped in the record",
-        (("npu_agent/backward.py", "                if getattr(node, \"variable\", None) is not t:\n",
-          "                if node is None:\n"),),
+        (("npu_agent/backward.py", "                    if getattr(edge, \"variable\", None) is not t:\n",
+          "                    if edge is None:\n"),),
         ("tests/test_known_graphs.py",)),
     Mutation(
         "a-known-graph-ignores-other-edges",
         "a node with an input edge the known graph did not have passes for known",
-        (("npu_agent/backward.py", "        if sum(node is not None for node, _ in nf) != len(self.edges):\n",
-          "        if False:\n"),),
+        (("npu_agent/backward.py", "            if len(nf) != size or sum(n is not None for n, _ in nf) != count:\n",
+          "            if len(nf) != size:\n"),),
+        ("tests/test_known_graphs.py",)),
+    Mutation(
+        "a-call-reading-an-input-twice-is-learned",
+        "a composite that reads an input along two edges is learned: its later calls take one edge's gradient only",
+        (("npu_agent/backward.py",
+          "    if sorted(slot for *_, edges in tree for _, slot in edges) != list(range(slots)):\n",
+          "    if not set(slot for *_, edges in tree for _, slot in edges) == set(range(slots)):\n"),),
         ("tests/test_known_graphs.py",)),
     Mutation(
         "a-known-graph-is-never-forgotten",
         "a call whose graph was not the known one leaves its signature known: later calls go without aliases too",
         (("npu_agent/backward.py", "        self.known.pop(signature, None)\n", "        pass\n"),
-         ("npu_agent/backward.py", "            self.mixed.add(signature)\n", "            pass\n")),
+         ("npu_agent/backward.py", "        if signature not in self.mixed:\n            self.mixed.add(signature)\n",
+          "        if signature not in self.mixed:\n            pass\n")),
         ("tests/test_known_graphs.py",)),
 )
 

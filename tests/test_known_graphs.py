@@ -7,6 +7,7 @@ import logging
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from npu_agent import backward
 from tests.support import capture, to_job
@@ -18,11 +19,11 @@ def test_records_without_aliases_are_those_with_aliases(monkeypatch, dtype):
     """Three TinyLM steps (dropout, layer norms, attention, residuals, tied nothing): every record byte for byte
     what aliases on every call give, with most calls after the first step tapped without aliases."""
     checked: list[bool] = []
-    real = backward._Known.edges_of
-    monkeypatch.setattr(backward._Known, "edges_of", lambda self, fn, leaf: checked.append(
+    real = backward._Known.hooks_of
+    monkeypatch.setattr(backward._Known, "hooks_of", lambda self, fn, leaf: checked.append(
         real(self, fn, leaf) is not None) or real(self, fn, leaf))
     free = _records(dtype)
-    assert len(checked) > 40 and all(checked)   # the calls of steps 2 and 3 that the first step made known
+    assert len(checked) > 60 and all(checked)   # the calls of steps 2 and 3 that the first step made known
     monkeypatch.setattr(backward, "ALIAS_FREE", False)
     checked.clear()
     aliased = _records(dtype)
@@ -95,9 +96,9 @@ def test_a_call_whose_graph_is_not_the_known_one_is_told_and_aliased_after(monke
     w = torch.randn(4, 8, requires_grad=True)
 
     def swap(taps):
-        for sig, (count, edges) in list(taps.known.items()):
+        for sig, ((parent, j, size, count, edges),) in list(taps.known.items()):
             if sig[:2] == ("Torch", "mul"):
-                taps.known[sig] = (count, tuple((i, 1 - slot) for i, slot in edges))
+                taps.known[sig] = ((parent, j, size, count, tuple((i, 1 - slot) for i, slot in edges)),)
 
     with caplog.at_level(logging.WARNING, logger="npu_agent"):
         sink, taps, _ = _mul_twice(lambda: (base * 1, w), swap, third=True)
@@ -115,9 +116,9 @@ def test_two_parameters_swapped_are_caught_by_their_accumulators():
     w2 = torch.randn(3, 5, requires_grad=True)
 
     def swap(taps):
-        for sig, (count, edges) in list(taps.known.items()):
+        for sig, ((parent, j, size, count, edges),) in list(taps.known.items()):
             if sig[:2] == ("Torch", "mul"):
-                taps.known[sig] = (count, tuple((i, 1 - slot) for i, slot in edges))
+                taps.known[sig] = ((parent, j, size, count, tuple((i, 1 - slot) for i, slot in edges)),)
 
     sink, taps, _ = _mul_twice(lambda: (w1, w2), swap)
     assert [sig[:2] for sig in taps.mixed] == [("Torch", "mul")]
@@ -131,9 +132,9 @@ def test_an_edge_the_known_graph_did_not_have_is_caught():
     w = torch.randn(4, 8, requires_grad=True)
 
     def forget(taps):
-        for sig, (count, edges) in list(taps.known.items()):
+        for sig, ((parent, j, size, count, edges),) in list(taps.known.items()):
             if sig[:2] == ("Torch", "mul"):
-                taps.known[sig] = (count, edges[:1])
+                taps.known[sig] = ((parent, j, size, count - 1, edges[:1]),)
 
     sink, taps, _ = _mul_twice(lambda: (base * 1, w), forget)
     assert [sig[:2] for sig in taps.mixed] == [("Torch", "mul")]
@@ -156,8 +157,72 @@ def test_arguments_that_choose_another_graph_make_another_signature(caplog):
                 taps.end_step()
                 mode.capturer.next_step(step + 1)
     assert not [r for r in caplog.records if "autograd graph" in r.getMessage()]
-    assert not taps.mixed
+    to = [sig for sig in (*taps.known, *taps.mixed) if sig[:2] == ("Tensor", "to")]
+    assert len(to) == 2   # float64: a node on x, known; float32: x itself, nothing to learn (aliases always)
+    assert [torch.float64 in sig for sig in taps.known if sig[:2] == ("Tensor", "to")] == [True]
     assert len(taps.known) >= 2
     for step in (0, 1):
         to64 = next(r for r in sink if r.name == "Tensor.to.0" and r.step == step and r.direction == 2)
         assert torch.equal(to_job(to64).grad_input[0], torch.ones(3, 4))
+
+
+def _steps(fn, steps=2):
+    """fn() in the mode, then its sum's backward, `steps` times; the sink, the taps and the view_as calls made in the
+    first step and after it."""
+    seen: list[int] = []
+    calls = [0]
+    real = torch.Tensor.view_as
+
+    def counting(self, other):
+        calls[0] += 1
+        return real(self, other)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.Tensor, "view_as", counting)
+        with capture() as (mode, sink):
+            taps = mode.capturer.backward
+            for step in range(steps):
+                with mode:
+                    loss = fn().square().sum()
+                loss.backward()
+                taps.end_step()
+                mode.capturer.next_step(step + 1)
+                seen.append(calls[0])
+    return sink, taps, seen
+
+
+def test_a_linear_on_a_3d_input_is_known_through_its_inner_nodes():
+    """F.linear(x, w, b) on a 3-D x is a view of an addmm whose edges go through a view of x and a transpose of w:
+    the second call is given no aliases, its input gradients are taken after those inner nodes, and they are
+    autograd's, with grad_output the view's."""
+    base = torch.randn(2, 3, 4, requires_grad=True)
+    w = torch.randn(5, 4, requires_grad=True)
+    b = torch.randn(5, requires_grad=True)
+    sink, taps, seen = _steps(lambda: F.linear(base * 1, w, b))
+    linear = [tree for sig, tree in taps.known.items() if sig[:2] == ("Functional", "linear")]
+    assert len(linear) == 1 and len(linear[0]) > 1   # an inner node or more below the output's
+    assert seen[1] == seen[0]   # no alias in the second step
+    for step in (0, 1):
+        fwd = next(r for r in sink if r.name == "Functional.linear.0" and r.step == step and r.direction == 1)
+        bwd = next(r for r in sink if r.name == "Functional.linear.0" and r.step == step and r.direction == 2)
+        leaves = [t.detach().clone().requires_grad_(True) for t in fwd.inputs.tree[0]]
+        grad_out = bwd.grad_output.tree[0]
+        assert grad_out.shape == (2, 3, 5)
+        expect = torch.autograd.grad(F.linear(*leaves), leaves, grad_out)
+        assert bwd.grad_input_positions == (0, 1, 2)
+        assert all(torch.equal(e, g) for e, g in zip(expect, bwd.grad_input.tree)), step
+
+
+def test_an_input_read_twice_inside_a_call_keeps_its_alias():
+    """F.normalize(x) reads x twice (x / norm(x)): no one edge carries the call's whole gradient for x, so its
+    signature is not learned and every call takes an alias, with exact gradients."""
+    base = torch.randn(4, 6, requires_grad=True)
+    sink, taps, seen = _steps(lambda: F.normalize(base * 3, dim=-1))
+    assert not [sig for sig in taps.known if sig[:2] == ("Functional", "normalize")]
+    assert seen[1] > seen[0]   # an alias in the second step too
+    for step in (0, 1):
+        fwd = next(r for r in sink if r.name == "Functional.normalize.0" and r.step == step and r.direction == 1)
+        bwd = next(r for r in sink if r.name == "Functional.normalize.0" and r.step == step and r.direction == 2)
+        x = fwd.inputs.tree[0][0].detach().clone().requires_grad_(True)
+        expect = torch.autograd.grad(F.normalize(x, dim=-1), x, bwd.grad_output.tree[0])[0]
+        assert torch.equal(bwd.grad_input.tree[0], expect)
