@@ -53,6 +53,20 @@ def _mul_twice(make, tamper=None, third=False):
     return sink, taps, steps
 
 
+def _tamper(change):
+    """A `tamper` for _mul_twice: torch.mul's known node (edge count, the edges not None, its input edges) as
+    `change(count, edges)` gives them."""
+    def tamper(taps):
+        for sig, ((parent, j, size, count, edges),) in list(taps.known.items()):
+            if sig[:2] == ("Torch", "mul"):
+                taps.known[sig] = ((parent, j, size, *change(count, edges)),)
+    return tamper
+
+
+_SWAP = _tamper(lambda count, edges: (count, tuple((i, 1 - slot) for i, slot in edges)))   # the slots swapped
+_FORGET = _tamper(lambda count, edges: (count - 1, edges[:1]))                                # an edge forgotten
+
+
 def _record(sink, step, direction):
     """The record of step `step`'s torch.mul (every step names it Torch.mul.0)."""
     return next(r for r in sink if r.name == "Torch.mul.0" and r.step == step and r.direction == direction)
@@ -95,13 +109,8 @@ def test_a_call_whose_graph_is_not_the_known_one_is_told_and_aliased_after(monke
     base = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(4, 8, requires_grad=True)
 
-    def swap(taps):
-        for sig, ((parent, j, size, count, edges),) in list(taps.known.items()):
-            if sig[:2] == ("Torch", "mul"):
-                taps.known[sig] = ((parent, j, size, count, tuple((i, 1 - slot) for i, slot in edges)),)
-
     with caplog.at_level(logging.WARNING, logger="npu_agent"):
-        sink, taps, _ = _mul_twice(lambda: (base * 1, w), swap, third=True)
+        sink, taps, _ = _mul_twice(lambda: (base * 1, w), _SWAP, third=True)
     assert [r for r in caplog.records if "Torch.mul.0 (step 1)" in r.getMessage()]
     assert [sig[:2] for sig in taps.mixed] == [("Torch", "mul")]
     assert ("Torch", "mul") not in [sig[:2] for sig in taps.known]
@@ -115,12 +124,7 @@ def test_two_parameters_swapped_are_caught_by_their_accumulators():
     w1 = torch.randn(3, 5, requires_grad=True)
     w2 = torch.randn(3, 5, requires_grad=True)
 
-    def swap(taps):
-        for sig, ((parent, j, size, count, edges),) in list(taps.known.items()):
-            if sig[:2] == ("Torch", "mul"):
-                taps.known[sig] = ((parent, j, size, count, tuple((i, 1 - slot) for i, slot in edges)),)
-
-    sink, taps, _ = _mul_twice(lambda: (w1, w2), swap)
+    sink, taps, _ = _mul_twice(lambda: (w1, w2), _SWAP)
     assert [sig[:2] for sig in taps.mixed] == [("Torch", "mul")]
     assert not to_job(_record(sink, 1, 2)).grad_input
 
@@ -131,12 +135,7 @@ def test_an_edge_the_known_graph_did_not_have_is_caught():
     base = torch.randn(4, 8, requires_grad=True)
     w = torch.randn(4, 8, requires_grad=True)
 
-    def forget(taps):
-        for sig, ((parent, j, size, count, edges),) in list(taps.known.items()):
-            if sig[:2] == ("Torch", "mul"):
-                taps.known[sig] = ((parent, j, size, count - 1, edges[:1]),)
-
-    sink, taps, _ = _mul_twice(lambda: (base * 1, w), forget)
+    sink, taps, _ = _mul_twice(lambda: (base * 1, w), _FORGET)
     assert [sig[:2] for sig in taps.mixed] == [("Torch", "mul")]
 
 
