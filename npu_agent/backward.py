@@ -10,8 +10,9 @@ hook registration costs the training thread a few us). Hooks hold the gradients 
 gradient is copied: it may become the parameter's .grad, which later code changes in place); they never return a
 tensor, so no gradient is replaced.
 
-A call whose signature made such a node before is given no aliases at all (`BackwardTaps.known`, docs/design.md
-§4): the edges of its node are checked against its own inputs after the call, then hooked the same way.
+A call whose signature made such a node before, or a small tree of nodes down to its aliases (a composite such as
+a linear on a 3-D input), is given no aliases at all (`BackwardTaps.known`, docs/design.md §4): its nodes' edges
+are checked against its own inputs after the call, then hooked the same way.
 
 A backward record is emitted when every tapped input got its gradient, or at the end of the backward pass (an
 engine callback) with what arrived. Calls whose outputs never got a gradient are closed at the step boundary
@@ -125,10 +126,10 @@ class BackwardTaps:
         False, with nothing done, at a nested argument that may hold tensors (a list of tensors, a dict, a slice;
         not a shape).
 
-        A call whose signature (`_signature`: the API, the autocast state, each argument's kind, and each tensor's
-        dtype, dimensions and whether it is tapped) made one autograd node straight on its aliases before
-        (`known`) is not given aliases: `tap_outputs` checks that its node's edges lead to the inputs
-        themselves, and hooks that node as before."""
+        A call whose signature (the API, the autocast state, each argument's kind, and each tensor's dtype,
+        dimensions and whether it is tapped) made a known tree of nodes before (`known`: one node straight on its
+        aliases, or a composite's few) is not given aliases: `tap_outputs` checks that those nodes' edges lead to
+        the inputs themselves, and hooks them."""
         tapped: list[tuple[Any, torch.Tensor, int]] = []   # (argument key, tensor, flattened position)
         signature: list[Any] = [ctx.category, ctx.api, rec.autocast, len(args)]
         position = -1
@@ -484,7 +485,8 @@ class BackwardTaps:
 # gradients from the hook after that node; its aliases only told which edge is which input. Each alias costs the
 # training about 5 us (view_as in the forward, one more node for the engine in the backward). So the edges are
 # remembered by the call's signature (`_tap_flat`), and a later call with that signature is given no aliases: its
-# node's edges are checked against its own tensors (`_Known.edges_of`) before the hook goes on.
+# node's edges are checked against its own tensors (`_Known.hooks_of`) before the hook goes on. A composite whose
+# nodes form a small tree down to its aliases is learned the same way (`_tree_of`).
 ALIAS_FREE = True          # False: every call takes aliases (tests compare both)
 _KNOWN_LIMIT = 4096   # signatures remembered (BackwardTaps.known) before they are forgotten at once
 _VALUE_KEYS = frozenset({bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
