@@ -310,6 +310,11 @@ class BackwardTaps:
         self._hook_aliases(entry, alias_nodes)
         if aliases:
             out = map_tensors(out, lambda t: aliases.get(id(t), t))
+        self._hook_outputs(ctx, entry, out)
+        return out
+
+    def _hook_outputs(self, ctx: CallContext, entry: _Entry, out: Any) -> None:
+        """A pre-hook on the node of each differentiable output (grad_output), the call pending its gradients."""
         outs = list(iter_tensors(out))
         entry.grad_out = [None] * len(outs)
         # one pre-hook per autograd node, for all its outputs we return: id(node) -> (node, [(output_nr, j)])
@@ -324,29 +329,30 @@ class BackwardTaps:
             ctx.record.backward_expected = True
             with self._lock:
                 self._pending[(entry.step, entry.name)] = entry
-        return out
 
     def _tap_known(self, ctx: CallContext, entry: _Entry, known: _Known, out: Any) -> Any:
-        """tap_outputs for a call given no aliases (its signature made one node on its inputs before): the hook after
-        that node, once its edges are checked to lead to the inputs themselves. A call whose graph is not that one
-        (an output that is an input, another node, an edge to something else) gets a pre-hook on its output's node
-        only, as a call whose aliases no gradient reaches: its backward record comes without input gradients.
-        Its signature takes aliases from then on."""
-        entry.grad_out = [None]
-        fn = out.grad_fn if isinstance(out, _Tensor) and out.requires_grad else None
-        if fn is None:
-            return out
-        hooks = known.hooks_of(fn, entry.leaf)
-        if hooks is not None:
-            fn.register_hook(self._node_hook(entry, out.output_nr, hooks[0][1]))
-            for node, edges in hooks[1:]:   # a composite's inner nodes with edges to inputs: no grad_output
-                node.register_hook(self._node_hook(entry, -1, edges))
-        else:
-            self._unlearn(known.signature, f"{ctx.record.name} (step {ctx.record.step})")
-            fn.register_prehook(self._out_hook(entry, [(out.output_nr, 0)]))
-        ctx.record.backward_expected = True
-        with self._lock:
-            self._pending[(entry.step, entry.name)] = entry
+        """tap_outputs for a call given no aliases (its signature made a known tree of nodes before): a hook after
+        each of those nodes that has an edge to an input and after the output's node, once every edge is checked
+        to lead to the inputs themselves (`_Known.hooks_of`). A call whose graph is not that one (an output that is
+        an input, several outputs, another node, an edge to something else) gets pre-hooks on its outputs' nodes
+        only, as a call whose aliases no gradient reaches: its backward record comes without input gradients. Its
+        signature takes aliases from then on."""
+        if isinstance(out, _Tensor):
+            if not out.requires_grad or out.grad_fn is None:
+                return out   # (as with aliases: nothing of this call is differentiated)
+            fn = out.grad_fn
+            hooks = known.hooks_of(fn, entry.leaf)
+            if hooks is not None:
+                entry.grad_out = [None]
+                fn.register_hook(self._node_hook(entry, out.output_nr, hooks[0][1]))
+                for node, edges in hooks[1:]:   # a composite's inner nodes with edges to inputs: no grad_output
+                    node.register_hook(self._node_hook(entry, -1, edges))
+                ctx.record.backward_expected = True
+                with self._lock:
+                    self._pending[(entry.step, entry.name)] = entry
+                return out
+        self._unlearn(known.signature, f"{ctx.record.name} (step {ctx.record.step})")
+        self._hook_outputs(ctx, entry, out)
         return out
 
     def _learn(self, signature: tuple[Any, ...], tree: _Tree | None) -> None:

@@ -201,6 +201,13 @@ MUTATIONS = (
           "    if not set(slot for *_, edges in tree for _, slot in edges) == set(range(slots)):\n"),),
         ("tests/test_known_graphs.py",)),
     Mutation(
+        "a-known-call-that-is-not-loses-its-outputs",
+        "a call of a known signature whose graph is another makes no backward record at all (no output hooked)",
+        (("npu_agent/backward.py",
+          "{ctx.record.step})\")\n        self._hook_outputs(ctx, entry, out)\n",
+          "{ctx.record.step})\")\n"),),
+        ("tests/test_known_graphs.py",)),
+    Mutation(
         "a-known-graph-is-never-forgotten",
         "a call whose graph was not the known one leaves its signature known: later calls go without aliases too",
         (("npu_agent/backward.py", "        self.known.pop(signature, None)\n", "        pass\n"),

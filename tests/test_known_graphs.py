@@ -225,3 +225,30 @@ def test_an_input_read_twice_inside_a_call_keeps_its_alias():
         x = fwd.inputs.tree[0][0].detach().clone().requires_grad_(True)
         expect = torch.autograd.grad(F.normalize(x, dim=-1), x, bwd.grad_output.tree[0])[0]
         assert torch.equal(bwd.grad_input.tree[0], expect)
+
+
+def test_a_known_call_that_returns_several_outputs_is_told_and_its_outputs_hooked(caplog):
+    """A call of a known signature that returns a tuple is not the known graph: a warning names it, its signature
+    takes aliases from then on, and its outputs' gradients still make its backward record (without input
+    gradients, as for any call whose graph is not the known one)."""
+    from npu_agent.capture import CallContext
+    from npu_agent.records import PendingRecord
+
+    base = torch.randn(4, 8, requires_grad=True)
+    w = torch.randn(4, 8, requires_grad=True)
+    sink, taps, _ = _mul_twice(lambda: (base * 1, w))
+    sig = next(sig for sig in taps.known if sig[:2] == ("Torch", "mul"))
+    x = base * 1
+    rec = PendingRecord(name="Torch.mul.0", step=2, grad_enabled=True, autocast=sig[2])
+    ctx = CallContext(rec, "Torch", "mul", (x, w), {})
+    taps.tap_inputs(ctx)
+    assert ctx.args[0] is x and type(ctx.taps[2]) is backward._Known   # known: no alias
+    y = torch.mul(x, w)
+    with caplog.at_level(logging.WARNING, logger="npu_agent"):
+        out = taps.tap_outputs(ctx, (y, y * 2))
+    assert [r for r in caplog.records if "Torch.mul.0 (step 2)" in r.getMessage()]
+    assert sig in taps.mixed and sig not in taps.known and rec.backward_expected
+    (out[0] + out[1]).sum().backward()
+    taps.end_step()
+    bwd = next(r for r in sink if r.name == "Torch.mul.0" and r.step == 2 and r.direction == 2)
+    assert not to_job(bwd).grad_input
