@@ -29,9 +29,11 @@ before and after are printed side by side.
 Prints records/s, the server's seconds per training step for each worker count and the ratio to the training's
 step time, then the floor's seconds and records/s, the ratio server / floor for each worker count (wall; CPU in
 brackets), and records/s of 2 workers over 1 (the floor's own, on this machine, beside it) last.
-`--rounds N` runs each server code N times per worker count, every other round in the reverse order, and prints
-the fastest of each: timed once each, the code that runs first after the floor came out 3-4 s slower on 45 s than the
-same code run second, which a one-order `--baseline` comparison reads as a change (use `--rounds 2` or more there).
+`--rounds N` runs the floor and each server code N times per worker count, every other round in the reverse order,
+and prints the fastest of each: timed once each, the code that runs first after the floor came out 3-4 s slower on
+45 s than the same code run second, which a one-order `--baseline` comparison reads as a change (use `--rounds 2` or
+more there); the floor drifts as much (30.1 s in one run, 35.1 s in another, on the same records), so it takes
+its turn in every round too.
 `--device cuda` runs the server and the floor on the GPU (bench/gpu_check.sh).
 """
 from __future__ import annotations
@@ -294,6 +296,22 @@ def floor(keep: str, workers: int, ranks: int, device: str) -> dict:
             "decode": max(p["decode"] for p in parts)}
 
 
+def turns(codes: list, r: int) -> list:
+    """Round r's order: the floor (None) and then each server code, every other round the reverse. On this machine
+    the code timed first after the floor ran 3-4 s slower on 45 s than the same code timed second, so one order alone
+    favours the second; and the floor itself drifts between rounds as the server does (30.1-35.1 s for the same
+    records on one day), so it takes its turn in every round rather than once before them."""
+    order = [None, *codes]
+    return order if r % 2 == 0 else order[::-1]
+
+
+def fastest_floor(runs: list[dict]) -> dict:
+    """The floor of several rounds: the fastest seconds and the least CPU (other work only adds), the counts of the
+    first (the same records every round)."""
+    return dict(runs[0], seconds=min(f["seconds"] for f in runs), cpu=min(f["cpu"] for f in runs),
+                decode=min(f["decode"] for f in runs))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=6)
@@ -306,8 +324,8 @@ def main() -> None:
     p.add_argument("--keep", help="keep the recorded folder and the training's step time in this folder")
     p.add_argument("--records", help="time the server on a folder kept with --keep instead of training again")
     p.add_argument("--baseline", help="also time the server code of this source tree on the same records")
-    p.add_argument("--rounds", type=int, default=1, help="times each server code runs per worker count, every "
-                   "other round in the reverse order; the fastest is printed (2 or more with --baseline)")
+    p.add_argument("--rounds", type=int, default=1, help="times the floor and each server code run per worker "
+                   "count, every other round in the reverse order; the fastest is printed (2 or more with --baseline)")
     p.add_argument("--replay-in", choices=("both", "process", "thread"), default="both",
                    help="time replays in worker processes, in the server's threads, or both side by side (default)")
     p.add_argument("--floor-of", help=argparse.SUPPRESS)          # internal: one worker's replay floor (`floor`)
@@ -342,15 +360,18 @@ def main() -> None:
         codes = [(f" --replay-in {m}", ROOT, m) for m in modes] + (
             [(" (baseline)", os.path.abspath(ns.baseline), "")] if ns.baseline else [])
         for workers in (1, 2) if ns.ranks >= 2 else (1,):
-            floors[workers] = floor(keep, workers, ns.ranks, ns.device)
             runs: dict[str, list[tuple[float, int, float]]] = {label: [] for label, _, _ in codes}
+            floor_runs = []
             for r in range(ns.rounds):
-                # every other round in the reverse order: on this machine the code timed first after the floor ran
-                # 3-4 s slower on 45 s than the same code timed second, so one order alone favours the second
-                for label, root, mode in (codes if r % 2 == 0 else codes[::-1]):
+                for code in turns(codes, r):
+                    if code is None:
+                        floor_runs.append(floor(keep, workers, ns.ranks, ns.device))
+                        continue
+                    label, root, mode = code
                     shutil.rmtree(nfs, ignore_errors=True)
                     shutil.copytree(keep, nfs, copy_function=_link_or_copy)   # the server consumes its folder
                     runs[label].append(serve(work, nfs, workers, ns.ranks, ns.device, root, mode))
+            floors[workers] = fastest_floor(floor_runs)
             for label, got in runs.items():   # the fastest round of each (wall and CPU apart): other work only adds
                 rows.append((f"{workers}{label}", min(g[0] for g in got), got[0][1], min(g[2] for g in got)))
         base = plain["cpu_per_step"]
@@ -358,7 +379,8 @@ def main() -> None:
               f"with the agent writing to a folder: {recorded[0]['cpu_per_step'] * 1e3:.0f} ms CPU/step; "
               f"{recorded[0]['captured']} records per rank ({ns.steps + 1} steps, {ns.ranks} ranks)")
         if ns.rounds > 1:
-            print(f"each server code ran {ns.rounds} times per worker count, in alternating order: the fastest below")
+            print(f"the floor and each server code ran {ns.rounds} times per worker count, in alternating order: the "
+                  "fastest below")
         for workers, seconds, records, cpu in rows:
             per_step = seconds / (ns.steps + 1) / ns.ranks
             cores = workers.split()[0]

@@ -59,3 +59,15 @@ def test_the_floor_leaves_the_grad_mode_and_thread_count_as_they_were(tmp_path):
     threads = torch.get_num_threads()
     assert bench.replay_floor(nfs, [0], workers=2)["replayed"] == 2
     assert torch.is_grad_enabled() and torch.get_num_threads() == threads
+
+
+def test_the_floor_takes_its_turn_in_every_round_and_its_fastest_is_kept():
+    """--rounds: the floor (None) runs in every round with the server codes, in the reverse order every other
+    round, and the floor printed is the fastest round's time and the least CPU, not the first round's."""
+    bench = _bench()
+    codes = [("a",), ("b",)]
+    assert [bench.turns(codes, r) for r in range(3)] == [[None, ("a",), ("b",)], [("b",), ("a",), None],
+                                                         [None, ("a",), ("b",)]]
+    runs = [{"seconds": 35.1, "cpu": 34.0, "decode": 0.6, "records": 7, "replayed": 6},
+            {"seconds": 30.1, "cpu": 34.5, "decode": 0.5, "records": 7, "replayed": 6}]
+    assert bench.fastest_floor(runs) == {"seconds": 30.1, "cpu": 34.0, "decode": 0.5, "records": 7, "replayed": 6}
