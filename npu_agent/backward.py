@@ -156,6 +156,7 @@ class BackwardTaps:
         if not tapped:
             return True
         entry = _Entry(rec.name, rec.step, [], [], module=rec.module, source=rec.source)
+        sig: tuple[Any, ...] | None = None   # while set, tap_outputs learns what this call's nodes are
         if first is None and not ctx.recompute:
             sig = tuple(signature)
             known = self.known.get(sig) if ALIAS_FREE else None
@@ -169,8 +170,8 @@ class BackwardTaps:
                 entry.left = len(entry.positions)
                 ctx.taps = (entry, {}, _Known(sig, known, inputs))
                 return True
-        else:
-            sig = None
+            if sig in self.mixed:
+                sig = None   # aliases always: nothing to learn, its nodes are not walked again
         items: list[Any] | None = None
         named: dict[str, Any] | None = None
         aliases: dict[int, torch.Tensor] = {}
@@ -291,16 +292,13 @@ class BackwardTaps:
             if fn is None or not out.requires_grad:
                 self._hook_aliases(entry, alias_nodes)
                 return out
+            if entry.signature is not None:   # (before the aliases' nodes are hooked and forgotten below)
+                self._learn(entry.signature, _tree_of(fn, alias_nodes, len(entry.positions)))
             edges = _direct_edges(fn, alias_nodes, len(entry.positions))
             if edges is not None:
                 fn.register_hook(self._node_hook(entry, out.output_nr, edges))
                 alias_nodes.clear()
-                if entry.signature is not None:
-                    nf = fn.next_functions
-                    self._learn(entry.signature, ((-1, 0, len(nf), len(edges), tuple(edges)),))
             else:
-                if entry.signature is not None:
-                    self._learn(entry.signature, _tree_of(fn, alias_nodes, len(entry.positions)))
                 self._hook_aliases(entry, alias_nodes)
                 fn.register_prehook(self._out_hook(entry, [(out.output_nr, 0)]))
             ctx.record.backward_expected = True

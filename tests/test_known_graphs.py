@@ -252,3 +252,15 @@ def test_a_known_call_that_returns_several_outputs_is_told_and_its_outputs_hooke
     taps.end_step()
     bwd = next(r for r in sink if r.name == "Torch.mul.0" and r.step == 2 and r.direction == 2)
     assert not to_job(bwd).grad_input
+
+
+def test_each_signature_walks_its_nodes_once(monkeypatch):
+    """x.contiguous() of a contiguous x returns x itself: nothing to learn, so its signature takes aliases; neither
+    it nor the known ones (the product, the square, the sum) walk their nodes again in later steps."""
+    walks = []
+    real = backward._tree_of
+    monkeypatch.setattr(backward, "_tree_of", lambda *a: walks.append(a) or real(*a))
+    base = torch.randn(4, 6, requires_grad=True)
+    sink, taps, _ = _steps(lambda: (base * 2).contiguous(), steps=3)
+    assert [sig[:2] for sig in taps.mixed] == [("Tensor", "contiguous")]
+    assert len(taps.known) == 3 and len(walks) == 4   # one walk each, in the first step
