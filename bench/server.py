@@ -51,6 +51,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from measuring import in_turn  # noqa: E402  (bench/measuring.py, beside this file)
 
 from gpu_server.reports import files as report_files  # noqa: E402
 
@@ -301,8 +304,7 @@ def turns(codes: list, r: int) -> list:
     the code timed first after the floor ran 3-4 s slower on 45 s than the same code timed second, so one order alone
     favours the second; and the floor itself drifts between rounds as the server does (30.1-35.1 s for the same
     records on one day), so it takes its turn in every round rather than once before them."""
-    order = [None, *codes]
-    return order if r % 2 == 0 else order[::-1]
+    return list(in_turn([None, *codes], r))
 
 
 def fastest_floor(runs: list[dict]) -> dict:

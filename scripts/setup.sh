@@ -12,8 +12,8 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test,fast]'
 # The agent's compiled modules (npu_agent/_fastskip.c: the calls the sampling skips; npu_agent/_fastencode.c: a
-# record's values; npu_agent/_fastlocate.c: the modules on a call's stack; plain C, a few seconds). Where they cannot be compiled the agent does that work in Python, with
-# the same records: setup goes on.
+# record's values; npu_agent/_fastlocate.c: the modules on a call's stack; plain C, a few seconds). Where they
+# cannot be compiled the agent does that work in Python, with the same records: setup goes on.
 .venv/bin/python -m npu_agent.compiled --build || true
 # The project's own bytecode, written once: an editable install leaves it to the first import, and where
 # PYTHONDONTWRITEBYTECODE=1 is set (as on this project's CI machines) every server, replay worker and training
