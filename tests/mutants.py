@@ -208,6 +208,13 @@ MUTATIONS = (
           "{ctx.record.step})\")\n"),),
         ("tests/test_known_graphs.py",)),
     Mutation(
+        "a-kept-graph-is-its-inputs-and-outputs",
+        "a kept forward graph counts its leaves and outputs only: an attention's saved projections and weights go "
+        "uncounted against --graph-memory-mb",
+        (("gpu_server/replay/run.py", '            if name.startswith("_saved_") or name == "saved_tensors":\n',
+          '            if name == "saved_tensors":\n'),),
+        ("tests/test_graph_bytes.py",)),
+    Mutation(
         "a-known-graph-is-never-forgotten",
         "a call whose graph was not the known one leaves its signature known: later calls go without aliases too",
         (("npu_agent/backward.py", "        self.known.pop(signature, None)\n", "        pass\n"),

@@ -519,7 +519,7 @@ class KeptForward:
     out: Any
     leaves: dict[int, torch.Tensor]
     bench: bool      # the run's precision after the random plan (a reproduced stream runs in the recorded dtype)
-    nbytes: int      # an estimate of what the graph holds: inputs and outputs of the replay, twice
+    nbytes: int      # what the graph holds (`held_bytes`): its leaves, outputs and saved tensors, each memory once
 
 
 def run_forward_kept(job: Job, device: torch.device, bench: bool,
@@ -550,8 +550,47 @@ def _forward_kept(job: Job, device: torch.device, bench: bool, match_threads: bo
     outs = [t for t in iter_leaves(out) if isinstance(t, torch.Tensor)]
     if not leaves or not any(t.requires_grad for t in outs):
         return out, None
-    size = sum(t.nbytes for t in leaves.values()) + sum(t.nbytes for t in outs)
-    return out, KeptForward(out, leaves, bench, 2 * size)
+    return out, KeptForward(out, leaves, bench, held_bytes(list(leaves.values()), outs))
+
+
+def held_bytes(leaves: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
+    """The memory a kept forward graph holds, each storage counted once: the replay's leaves (its private copies of
+    the inputs), its outputs, and every tensor the graph's nodes saved for the backward (a node's `_saved_*`, a
+    Python function's `saved_tensors`; most are a leaf or an output again, or views of one). Read from the graph
+    itself rather than guessed from the call: a linear saves its input and weight (the leaves) and nothing more,
+    an attention its projections, weights and masks (several times its inputs)."""
+    sizes: dict[tuple[str, int], int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            try:
+                storage = t.untyped_storage()
+                sizes[(str(t.device), storage.data_ptr())] = storage.nbytes()
+            except (RuntimeError, NotImplementedError):   # a layout without one storage (sparse): its own bytes
+                sizes[("", id(t))] = t.element_size() * t.numel()
+        elif isinstance(t, (tuple, list)):
+            for x in t:
+                add(x)
+
+    for t in leaves:
+        add(t)
+    for t in outs:
+        add(t)
+    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    seen: set[int] = set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        for name in dir(node):
+            if name.startswith("_saved_") or name == "saved_tensors":
+                try:
+                    add(getattr(node, name))
+                except RuntimeError:   # released, or not a tensor this node can give back
+                    pass
+        stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and not hasattr(nxt, "variable"))
+    return sum(sizes.values())
 
 
 def backward_from(kept: KeptForward, fwd: Job, bwd: Job, device: torch.device, match_threads: bool = True) -> list:
