@@ -5,7 +5,9 @@ correct. The server keeps every record (`--keep-records`) for `gpu-server rechec
 shared."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
 from tests import support
@@ -21,6 +23,7 @@ def faulty_out() -> str:
     if "out" in _CACHE:
         return _CACHE["out"]
     work = tempfile.mkdtemp(prefix="report-run-")
+    atexit.register(shutil.rmtree, work, True)   # the run's reports and kept records (7 MB), gone with this process
     old = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = "1"   # the server's same-dtype run uses the trainings' thread count
     try:
