@@ -215,6 +215,17 @@ MUTATIONS = (
           '            if name == "saved_tensors":\n'),),
         ("tests/test_graph_bytes.py",)),
     Mutation(
+        "a-kept-graph-frees-what-its-backward-reads",
+        "a kept graph lets go of every output, a softmax's and an exp's too, which their backward reads",
+        (("gpu_server/replay/run.py", "        if _storage_key(t) in needed:\n            continue\n", ""),),
+        ("tests/test_sandbox_kept.py",)),
+    Mutation(
+        "a-kept-graph-keeps-every-output",
+        "a replay worker's kept graphs keep the outputs they answered, counted against --graph-memory-mb",
+        (("gpu_server/replay/sandbox_worker.py", "                    replay.release_outputs(kept[0])\n",
+          "                    pass\n"),),
+        ("tests/test_sandbox_kept.py",)),
+    Mutation(
         "a-known-graph-is-never-forgotten",
         "a call whose graph was not the known one leaves its signature known: later calls go without aliases too",
         (("npu_agent/backward.py", "        self.known.pop(signature, None)\n", "        pass\n"),

@@ -157,3 +157,37 @@ def test_watching_what_autograd_saves_keeps_no_graph_alive():
     finally:
         gc.enable()
     assert torch.equal(got, want)
+
+
+def test_kept_graphs_let_go_of_outputs_their_backward_does_not_read():
+    """Once the answer is written, a worker's kept graphs keep an output's memory only where the backward reads it
+    (gpu_server/replay/run.py `release_outputs`): a linear's and a gelu's output go (`nbytes` drops by exactly
+    their bytes against the inline replayer's graphs, which keep them), a softmax's and an exp's stay (their nodes
+    saved them), and so does a transpose's (a view of its leaf). Every backward on the kept graphs gives the inline
+    replayer's gradients bit for bit."""
+    torch.manual_seed(3)
+    lin = torch.nn.Linear(16, 24)
+    x = torch.randn(8, 16, requires_grad=True)
+    with capture() as (mode, sink):
+        with mode:
+            h = F.gelu(lin(x))
+            y = torch.softmax(h, -1) + torch.exp(h).transpose(0, 1).sum(1)
+        (y * torch.arange(24.0)).sum().backward()
+    names = {"Functional.linear.0": True, "Functional.gelu.0": True, "Torch.softmax.0": False,
+             "Torch.exp.0": False, "Tensor.transpose.0": False}   # True: the output is let go
+    inline = InlineReplayer(CPU)
+    proc = ProcessReplayer(CPU, SandboxLimits(timeout_s=120), torch.get_num_threads(), 512 * MiB)
+    try:
+        for name, released in names.items():
+            fwd, bwd = to_job(sink.forward(name)), to_job(sink.backward(name))
+            want_f = inline.forward(fwd, keep=True, match=True)
+            got_f = proc.forward(fwd, keep=True, match=True)
+            assert got_f.kept is not None and _same(got_f.bench, want_f.bench) and _same(got_f.same, want_f.same)
+            out_bytes = sum(t.nbytes for t in (*want_f.bench, *want_f.same))
+            assert got_f.nbytes == want_f.nbytes - (out_bytes if released else 0), name
+            want = inline.backward(fwd, bwd, want_f.kept, match=True)
+            got = proc.backward(fwd, bwd, got_f.kept, match=True)
+            assert _same(got.bench, want.bench) and _same(got.same, want.same), name
+        assert proc.replaced == 0
+    finally:
+        proc.close()

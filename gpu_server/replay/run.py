@@ -558,24 +558,57 @@ def held_bytes(leaves: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
     the inputs), its outputs, and every tensor the graph's nodes saved for the backward (a node's `_saved_*`, a
     Python function's `saved_tensors`; most are a leaf or an output again, or views of one). Read from the graph
     itself rather than guessed from the call: a linear saves its input and weight (the leaves) and nothing more,
-    an attention its projections, weights and masks (several times its inputs)."""
-    sizes: dict[tuple[str, int], int] = {}
-
-    def add(t: Any) -> None:
-        if isinstance(t, torch.Tensor):
-            try:
-                storage = t.untyped_storage()
-                sizes[(str(t.device), storage.data_ptr())] = storage.nbytes()
-            except (RuntimeError, NotImplementedError):   # a layout without one storage (sparse): its own bytes
-                sizes[("", id(t))] = t.element_size() * t.numel()
-        elif isinstance(t, (tuple, list)):
-            for x in t:
-                add(x)
-
-    for t in leaves:
-        add(t)
+    an attention its projections, weights and masks (several times its inputs). An output whose memory
+    `release_outputs` let go counts nothing."""
+    sizes = _backward_reads(leaves, outs)
     for t in outs:
-        add(t)
+        _add_storage(sizes, t)
+    return sum(sizes.values())
+
+
+def release_outputs(kept: KeptForward) -> None:
+    """Let go of the memory of each output of a kept forward graph that its backward does not read, once the
+    outputs were copied out (the replay worker's answer, gpu_server/replay/sandbox_worker.py): the backward replay
+    (`backward_from`) needs the outputs' shapes, dtypes and nodes, not their values, unless a node saved them (an
+    exp, a softmax) or they are views of a leaf (a transpose). A linear's or an attention's output is then kept as a
+    tensor of no memory, and the graph's size (`nbytes`) is counted again without it."""
+    outs = [t for t in iter_leaves(kept.out) if isinstance(t, torch.Tensor)]
+    needed = _backward_reads(list(kept.leaves.values()), outs)
+    for t in outs:
+        if _storage_key(t) in needed:
+            continue
+        try:
+            t.untyped_storage().resize_(0)
+        except (RuntimeError, NotImplementedError):   # a storage that cannot be resized (or none): kept as it is
+            pass
+    kept.nbytes = held_bytes(list(kept.leaves.values()), outs)
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    try:
+        return str(t.device), t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):   # a layout without one storage (sparse)
+        return "", id(t)
+
+
+def _add_storage(sizes: dict[tuple[str, int], int], t: Any) -> None:
+    if isinstance(t, torch.Tensor):
+        key = _storage_key(t)
+        try:
+            sizes[key] = t.untyped_storage().nbytes()
+        except (RuntimeError, NotImplementedError):   # its own bytes
+            sizes[key] = t.element_size() * t.numel()
+    elif isinstance(t, (tuple, list)):
+        for x in t:
+            _add_storage(sizes, x)
+
+
+def _backward_reads(leaves: list[torch.Tensor], outs: list[torch.Tensor]) -> dict[tuple[str, int], int]:
+    """The storages (by device and address, with their sizes) a backward from `outs` reads: the leaves' and those of
+    every tensor a node of the graph saved (walked from the outputs' nodes down to the leaves)."""
+    sizes: dict[tuple[str, int], int] = {}
+    for t in leaves:
+        _add_storage(sizes, t)
     stack = [t.grad_fn for t in outs if t.grad_fn is not None]
     seen: set[int] = set()
     while stack:
@@ -586,11 +619,11 @@ def held_bytes(leaves: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
         for name in dir(node):
             if name.startswith("_saved_") or name == "saved_tensors":
                 try:
-                    add(getattr(node, name))
+                    _add_storage(sizes, getattr(node, name))
                 except RuntimeError:   # released, or not a tensor this node can give back
                     pass
         stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None and not hasattr(nxt, "variable"))
-    return sum(sizes.values())
+    return sizes
 
 
 def backward_from(kept: KeptForward, fwd: Job, bwd: Job, device: torch.device, match_threads: bool = True) -> list:

@@ -124,6 +124,19 @@ class Worker:
         nbytes = sum(g.nbytes for g in (bench_graph, same_graph) if g is not None)
         return {"runs": out, "same_error": same_error, "kept": handles, "nbytes": nbytes}
 
+    def _release_outputs(self, handles: list[int | None]) -> int:
+        """`replay.release_outputs` on the graphs kept under `handles`; what they hold now."""
+        nbytes = 0
+        for h in handles:
+            kept = self.kept.get(h) if h is not None else None
+            if kept is not None:
+                try:
+                    replay.release_outputs(kept[0])
+                except Exception:  # noqa: BLE001 - the graph then keeps its outputs; the answer stands
+                    pass
+                nbytes += kept[0].nbytes
+        return nbytes
+
     def _forward_runs(self, job: Job, keep: bool, match: bool) -> tuple:
         """(bench output, its kept graph, same-dtype output, its kept graph, why the same-dtype run failed)."""
         if keep:
@@ -192,6 +205,8 @@ class Worker:
             else:
                 raise ChannelClosed(f"unknown request {str(op)[:20]!r}")
             body["runs"], body["arena"] = write_leaves(body["runs"], self.outbox)
+            if op == "forward":   # the outputs are copied out: the kept graphs keep only what their backward reads
+                body["nbytes"] = self._release_outputs(body["kept"])
             self.outbox.given(body["arena"])
             body["gone"] = self.outbox.take_gone()
             return body
