@@ -1,6 +1,7 @@
 """What a kept forward graph holds (gpu_server/replay/run.py `held_bytes`, counted against --graph-memory-mb), against
-torch's own view of it: every tensor autograd saves for the backward goes through the saved-tensor hooks, so a forward
-run under a hook that notes each one's memory gives the same total independently of the graph walk. A linear holds
+torch's own view of it: every tensor autograd saves for the backward (but a wrapped number) goes through the
+saved-tensor hooks, so a forward run under a hook that notes each one's memory gives the same total independently of
+the graph walk. A linear holds
 its leaves and its output; an attention, a dropout or a Python autograd function holds more than that, and shared
 memory (views, a saved leaf) counts once."""
 from __future__ import annotations
