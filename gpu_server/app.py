@@ -259,6 +259,7 @@ class ServerApp:
             error_data_not_saved=self.evidence.skipped if self.evidence else 0,
             disk_full_waits=disk.full_events, report_file_opens=OPEN_FILES.reopened)
         self.summary.set_memory(self.budget.limit, self.budget.peak, PAYLOADS.reused)
+        self.summary.set_graphs_dropped(self.pending.graphs_dropped)
         bias = self._api_bias_csv()
         self.summary.pooled = self.pooled
         path = self.summary.write_json(self.out_dir, self.ts)

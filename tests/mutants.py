@@ -226,6 +226,11 @@ MUTATIONS = (
           "                    pass\n"),),
         ("tests/test_sandbox_kept.py",)),
     Mutation(
+        "graphs-dropped-go-uncounted",
+        "kept graphs dropped for --graph-memory-mb are not counted: the summary never says the budget is too small",
+        (("gpu_server/checking/pending.py", "            self.graphs_dropped += 1\n", ""),),
+        ("tests/test_fast_paths.py", "tests/test_graph_memory.py")),
+    Mutation(
         "a-known-graph-is-never-forgotten",
         "a call whose graph was not the known one leaves its signature known: later calls go without aliases too",
         (("npu_agent/backward.py", "        self.known.pop(signature, None)\n", "        pass\n"),

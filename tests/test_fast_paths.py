@@ -293,6 +293,51 @@ def test_checker_rows_are_the_same_with_and_without_kept_graphs():
     assert kept == plain and len(kept) == 4
 
 
+def test_the_summary_counts_backward_replays_on_kept_graphs_and_graphs_dropped():
+    """summary.json's memory section (and the console summary when a graph was dropped): how many backward replays
+    ran on their forward's kept graphs, how many replayed the forward again, and how many kept graphs the budget
+    dropped before their backward came."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    with capture() as (mode, sink):
+        with mode:
+            loss = F.cross_entropy(model(torch.randn(8, 16)), torch.arange(8) % 4)
+        loss.backward()
+    backward_calls = sum(1 for r in sink if r.direction == 2)
+
+    def counts(budget: int) -> tuple[dict, str]:
+        with tempfile.TemporaryDirectory() as tmp:
+            pending = PendingCalls(1 << 30, graph_budget=budget)
+            worker = _worker(tmp, pending)
+            torch.set_grad_enabled(False)
+            try:
+                for seq, rec in enumerate(sink):
+                    rec.seq = seq
+                    worker.check(to_job(rec))
+            finally:
+                torch.set_grad_enabled(True)
+                worker.close()
+            summary = worker.checker.summary
+            summary.set_graphs_dropped(pending.graphs_dropped)
+            memory = summary.as_dict()["memory"]
+            return {k: memory[k] for k in ("backward_replays_on_kept_graphs", "backward_replays_forward_again",
+                                           "kept_graphs_dropped_for_memory")}, summary.human()
+
+    kept, text = counts(1 << 30)
+    assert kept == {"backward_replays_on_kept_graphs": backward_calls, "backward_replays_forward_again": 0,
+                    "kept_graphs_dropped_for_memory": 0}
+    assert "ran their forward again" not in text
+    never, text = counts(0)   # nothing is kept: nothing is dropped either
+    assert never == {"backward_replays_on_kept_graphs": 0, "backward_replays_forward_again": backward_calls,
+                     "kept_graphs_dropped_for_memory": 0}
+    assert "ran their forward again" not in text
+    dropped, text = counts(1)   # every graph is larger than the budget: kept, then dropped at once
+    assert dropped["backward_replays_forward_again"] == backward_calls
+    assert dropped["kept_graphs_dropped_for_memory"] >= backward_calls
+    assert (f"backward replays that ran their forward again: {backward_calls} of {backward_calls} "
+            f"({dropped['kept_graphs_dropped_for_memory']} kept graphs dropped") in text
+
+
 def test_kept_graphs_stay_within_their_budget_oldest_dropped_first():
     lin1, lin2 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
     x = torch.randn(4, 16, requires_grad=True)

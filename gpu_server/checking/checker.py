@@ -204,6 +204,7 @@ class Checker:
         return why
 
     def _replay_backward(self, out: Checked, fwd: Job, bwd: Job, graphs: Graphs | None = None) -> Outcome:
+        self.summary.backward_replayed(graphs is not None)
         try:
             runs = self.replayer.backward(fwd, bwd, graphs.kept if graphs else None, self.match_threads)
         except (ReplayError, WorkerLost) as exc:

@@ -107,6 +107,7 @@ class PendingCalls:
         self._jobs: OrderedDict[CallKey, None] = OrderedDict()   # waiting calls whose forward job is kept, oldest first
         self._graphs: dict[Any, OrderedDict[CallKey, None]] = {}   # by replayer: calls with kept graphs, oldest first
         self._graph_bytes: dict[Any, int] = {}
+        self.graphs_dropped = 0   # kept graphs dropped before their backward came (the budget): summary.json
         self._restored: set[RecordKey] = {RecordKey(*k) for k in restored}
         self.evictions = 0
 
@@ -217,6 +218,7 @@ class PendingCalls:
             self._graph_bytes[owner] -= victim.graphs.nbytes
             victim.graphs.drop()
             victim.graphs = None
+            self.graphs_dropped += 1
 
     def take(self, job) -> Waiting | None:
         """The backward record of a call arrived: the waiting forward (None if none waits)."""

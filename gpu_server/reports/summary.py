@@ -40,6 +40,10 @@ class Summary:
         self.transport: dict[str, int] = collections.Counter()
         self.session: dict = {"resumed": False, "server_starts": 1}
         self.memory: dict = {}
+        # backward replays on their forward's kept graphs, and those that ran the forward again (none was kept, or
+        # it was dropped for --graph-memory-mb: `graphs_dropped`)
+        self.graphs: dict[str, int] = {"backward_replays_on_kept_graphs": 0, "backward_replays_forward_again": 0,
+                                       "kept_graphs_dropped_for_memory": 0}
         self.backlog: Callable[[], int] | None = None   # records waiting (the app sets it): rates in the progress line
         self._drain = DrainRate()
         self.report_failures: collections.Counter = collections.Counter()   # per rank: rows that could not be written
@@ -210,6 +214,16 @@ class Summary:
             self.session = {"resumed": resumed, "server_starts": starts, "records_reported_before": done,
                             "spool_records_at_start": replay, "unjournaled_bytes_cut": sum(truncated.values())}
 
+    def backward_replayed(self, on_kept_graphs: bool) -> None:
+        """A backward replay ran on its forward's kept graphs, or replayed the forward first."""
+        with self._lock:
+            self.graphs["backward_replays_on_kept_graphs" if on_kept_graphs else "backward_replays_forward_again"] += 1
+
+    def set_graphs_dropped(self, dropped: int) -> None:
+        """Kept graphs dropped before their backward came, to stay within --graph-memory-mb."""
+        with self._lock:
+            self.graphs["kept_graphs_dropped_for_memory"] = dropped
+
     def set_memory(self, budget: int, peak: int, reused: int = 0) -> None:
         """`reused`: records joined in memory an earlier record was joined in (gpu_server/intake/payload_pool.py)."""
         with self._lock:
@@ -298,7 +312,7 @@ class Summary:
                 "ranks_ended": [{"run_id": rid, "rank": rk, **c} for (rid, rk), c in self.ends.items()],
                 "records_dropped_by_agents": sum(int(c.get("dropped", 0)) for c in self.ends.values()),
                 "session": dict(self.session),
-                "memory": dict(self.memory),
+                "memory": {**self.memory, **self.graphs},
                 "transport": dict(self.transport),
                 "report_files": {str(k): v for k, v in self.files.items()},
                 "report_write_failures": {"records": sum(self.report_failures.values()),
@@ -340,6 +354,11 @@ class Summary:
         for key, value in d["durability"].items():
             if value:
                 lines.append(f"  {key.replace('_', ' ')}: {value}")
+        again, dropped = d["memory"]["backward_replays_forward_again"], d["memory"]["kept_graphs_dropped_for_memory"]
+        if dropped:
+            lines.append(f"  backward replays that ran their forward again: {again} of "
+                         f"{again + d['memory']['backward_replays_on_kept_graphs']} ({dropped} kept graphs dropped "
+                         "to stay within gpu-server --graph-memory-mb; a larger one keeps them)")
         failures = d["report_write_failures"]
         if failures["records"]:
             lines.append(f"  REPORT ROWS NOT WRITTEN for {failures['records']} records (kept in the spool; restart "
