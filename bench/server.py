@@ -27,8 +27,10 @@ server code of another source tree (e.g. a `git archive` of main) on the same re
 before and after are printed side by side.
 
 Prints records/s, the server's seconds per training step for each worker count and the ratio to the training's
-step time, then the floor's seconds and records/s, the ratio server / floor for each worker count (wall; CPU in
-brackets), and records/s of 2 workers over 1 (the floor's own, on this machine, beside it) last.
+step time (and how many of its backward replays ran on their forward's kept graphs, from its summary.json), then the
+floor's seconds and records/s (and its backward replays that ran their forward again), the ratio server / floor for
+each worker count (wall; CPU in brackets), and records/s of 2 workers over 1 (the floor's own, on this machine,
+beside it) last.
 `--rounds N` runs the floor and each server code N times per worker count, every other round in the reverse order,
 and prints the fastest of each: timed once each, the code that runs first after the floor came out 3-4 s slower on
 45 s than the same code run second, which a one-order `--baseline` comparison reads as a change (use `--rounds 2` or
@@ -122,9 +124,10 @@ def train(work: str, ns, checked: bool, rank: int = 0) -> dict:
 
 
 def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str = ROOT,
-          replay_in: str = "process") -> tuple[float, int, float]:
-    """Seconds from the server's start to its exit once every rank's records are checked, records checked, and the
-    server's CPU seconds (user + system; steadier than wall time on a shared machine)."""
+          replay_in: str = "process") -> tuple[float, int, float, str]:
+    """Seconds from the server's start to its exit once every rank's records are checked, records checked, the
+    server's CPU seconds (user + system; steadier than wall time on a shared machine), and how many backward replays
+    ran on their forward's kept graphs (summary.json `memory`; "" from a server that does not count them)."""
     out = tempfile.mkdtemp(prefix="out-", dir=work)
     cfg = os.path.join(work, f"server{workers}.json")
     with open(cfg, "w") as fh:
@@ -148,7 +151,11 @@ def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str 
         sys.exit(f"gpu-server failed:\n{proc.stderr[-3000:]}")
     with open(glob.glob(report_files.summary_path(glob.escape(out), "*"))[0], encoding="utf-8") as fh:
         summary = json.load(fh)
-    return seconds, sum(summary["records_received"].values()), cpu
+    memory = summary.get("memory", {})
+    kept, again = memory.get("backward_replays_on_kept_graphs"), memory.get("backward_replays_forward_again")
+    graphs = f"; backward replays on kept graphs: {kept} of {kept + again}" if kept is not None and again is not None \
+        else ""
+    return seconds, sum(summary["records_received"].values()), cpu, graphs
 
 
 def _folder_records(nfs: str, rank: int):
@@ -296,7 +303,7 @@ def floor(keep: str, workers: int, ranks: int, device: str) -> dict:
         parts.append(_json_line(out))
     return {"seconds": max(p["seconds"] for p in parts), "cpu": sum(p["cpu"] for p in parts),
             "records": sum(p["records"] for p in parts), "replayed": sum(p["replayed"] for p in parts),
-            "decode": max(p["decode"] for p in parts)}
+            "decode": max(p["decode"] for p in parts), "full_backward": sum(p["full_backward"] for p in parts)}
 
 
 def turns(codes: list, r: int) -> list:
@@ -362,7 +369,7 @@ def main() -> None:
         codes = [(f" --replay-in {m}", ROOT, m) for m in modes] + (
             [(" (baseline)", os.path.abspath(ns.baseline), "")] if ns.baseline else [])
         for workers in (1, 2) if ns.ranks >= 2 else (1,):
-            runs: dict[str, list[tuple[float, int, float]]] = {label: [] for label, _, _ in codes}
+            runs: dict[str, list[tuple[float, int, float, str]]] = {label: [] for label, _, _ in codes}
             floor_runs = []
             for r in range(ns.rounds):
                 for code in turns(codes, r):
@@ -375,7 +382,8 @@ def main() -> None:
                     runs[label].append(serve(work, nfs, workers, ns.ranks, ns.device, root, mode))
             floors[workers] = fastest_floor(floor_runs)
             for label, got in runs.items():   # the fastest round of each (wall and CPU apart): other work only adds
-                rows.append((f"{workers}{label}", min(g[0] for g in got), got[0][1], min(g[2] for g in got)))
+                rows.append((f"{workers}{label}", min(g[0] for g in got), got[0][1], min(g[2] for g in got),
+                             got[0][3]))
         base = plain["cpu_per_step"]
         print(f"training alone (1 core): {base * 1e3:.0f} ms CPU/step ({plain['wall_per_step'] * 1e3:.0f} ms wall); "
               f"with the agent writing to a folder: {recorded[0]['cpu_per_step'] * 1e3:.0f} ms CPU/step; "
@@ -383,26 +391,27 @@ def main() -> None:
         if ns.rounds > 1:
             print(f"the floor and each server code ran {ns.rounds} times per worker count, in alternating order: the "
                   "fastest below")
-        for workers, seconds, records, cpu in rows:
+        for workers, seconds, records, cpu, graphs in rows:
             per_step = seconds / (ns.steps + 1) / ns.ranks
             cores = workers.split()[0]
             print(f"server --workers {workers} on {ns.device} ({cores} core(s)): {records} records in "
                   f"{seconds:.1f} s = {records / seconds:.0f} records/s; {per_step:.2f} s per training step "
                   f"= {per_step / base:.1f}x the training's step; server CPU {cpu:.1f} s = "
-                  f"{cpu / (ns.steps + 1) / ns.ranks / base:.1f}x the training's CPU per step")
+                  f"{cpu / (ns.steps + 1) / ns.ranks / base:.1f}x the training's CPU per step{graphs}")
         print("ratio (server time per training step / training CPU per step): "
               + ", ".join(f"workers={w}: {s / (ns.steps + 1) / ns.ranks / base:.1f}x (CPU "
-                          f"{c / (ns.steps + 1) / ns.ranks / base:.1f}x)" for w, s, _, c in rows))
+                          f"{c / (ns.steps + 1) / ns.ranks / base:.1f}x)" for w, s, _, c, _ in rows))
         for workers, f in floors.items():
             print(f"replay floor, {workers} worker(s) ({workers} process(es), one core each, side by side): "
                   f"{f['replayed']} of {f['records']} records replayed (bench + same-dtype, forward and backward) in "
                   f"{f['seconds']:.1f} s = {f['records'] / f['seconds']:.0f} records/s; CPU {f['cpu']:.1f} s "
-                  f"(decoding, not counted: {f['decode']:.1f} s)")
+                  f"(decoding, not counted: {f['decode']:.1f} s); backward replays that ran their forward again: "
+                  f"{f['full_backward']}")
         print("ratio (server time / its replay floor): " + ", ".join(
             f"workers={w}: {s / floors[int(w.split()[0])]['seconds']:.2f}x (CPU "
-            f"{c / floors[int(w.split()[0])]['cpu']:.2f}x)" for w, s, _, c in rows))
+            f"{c / floors[int(w.split()[0])]['cpu']:.2f}x)" for w, s, _, c, _ in rows))
         if len(floors) == 2:
-            by = {w: r / s for w, s, r, _ in rows}
+            by = {w: r / s for w, s, r, _, _ in rows}
             print("records/s, 2 workers / 1 worker: " + ", ".join(
                 f"{w[1:].strip() or 'this tree'}: {by['2' + w[1:]] / by[w]:.2f}x" for w in by if w.startswith("1"))
                   + f"; replay floor: {floors[1]['seconds'] / floors[2]['seconds']:.2f}x")
