@@ -301,9 +301,7 @@ class BackwardTaps:
             else:
                 self._hook_aliases(entry, alias_nodes)
                 fn.register_prehook(self._out_hook(entry, [(out.output_nr, 0)]))
-            ctx.record.backward_expected = True
-            with self._lock:
-                self._pending[(entry.step, entry.name)] = entry
+            self._expect_backward(ctx, entry)
             return out
         self._hook_aliases(entry, alias_nodes)
         if aliases:
@@ -324,9 +322,13 @@ class BackwardTaps:
         for fn, slots in nodes.values():
             fn.register_prehook(self._out_hook(entry, slots))
         if nodes:
-            ctx.record.backward_expected = True
-            with self._lock:
-                self._pending[(entry.step, entry.name)] = entry
+            self._expect_backward(ctx, entry)
+
+    def _expect_backward(self, ctx: CallContext, entry: _Entry) -> None:
+        """The call's outputs are hooked: its record says a backward record will come, and the entry waits for it."""
+        ctx.record.backward_expected = True
+        with self._lock:
+            self._pending[(entry.step, entry.name)] = entry
 
     def _tap_known(self, ctx: CallContext, entry: _Entry, known: _Known, out: Any) -> Any:
         """tap_outputs for a call given no aliases (its signature made a known tree of nodes before): a hook after
@@ -345,9 +347,7 @@ class BackwardTaps:
                 fn.register_hook(self._node_hook(entry, out.output_nr, hooks[0][1]))
                 for node, edges in hooks[1:]:   # a composite's inner nodes with edges to inputs: no grad_output
                     node.register_hook(self._node_hook(entry, -1, edges))
-                ctx.record.backward_expected = True
-                with self._lock:
-                    self._pending[(entry.step, entry.name)] = entry
+                self._expect_backward(ctx, entry)
                 return out
         self._unlearn(known.signature, f"{ctx.record.name} (step {ctx.record.step})")
         self._hook_outputs(ctx, entry, out)

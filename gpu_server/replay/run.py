@@ -560,10 +560,7 @@ def held_bytes(leaves: list[torch.Tensor], outs: list[torch.Tensor]) -> int:
     itself rather than guessed from the call: a linear saves its input and weight (the leaves) and nothing more,
     an attention its projections, weights and masks (several times its inputs). An output whose memory
     `release_outputs` let go counts nothing."""
-    sizes = _backward_reads(leaves, outs)
-    for t in outs:
-        _add_storage(sizes, t)
-    return sum(sizes.values())
+    return _with_outputs(_backward_reads(leaves, outs), outs)
 
 
 def release_outputs(kept: KeptForward) -> None:
@@ -581,7 +578,15 @@ def release_outputs(kept: KeptForward) -> None:
             t.untyped_storage().resize_(0)
         except (RuntimeError, NotImplementedError):   # a storage that cannot be resized (or none): kept as it is
             pass
-    kept.nbytes = held_bytes(list(kept.leaves.values()), outs)
+    kept.nbytes = _with_outputs(needed, outs)   # the graph's walk once: what it saved did not change
+
+
+def _with_outputs(needed: dict[tuple[str, int], int], outs: list[torch.Tensor]) -> int:
+    """The bytes of `needed` (`_backward_reads`) and of the outputs' storages, each storage once."""
+    sizes = dict(needed)
+    for t in outs:
+        _add_storage(sizes, t)
+    return sum(sizes.values())
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
