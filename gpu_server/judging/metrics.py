@@ -445,7 +445,12 @@ class _Accumulator:
 
 
 # -- the finite fast path: one pass over a chunk in cache-sized tiles, into reused buffers ---------------------------
-_TILE = 1 << 15   # elements per tile on a CPU bench: every float64 temporary of a tile stays in the core's cache
+# Elements per tile on a CPU bench: every float64 temporary of a tile stays in the core's cache. The compiled pass
+# writes 1 + 5 rows a tile for each output compared with the bench (two outputs: eleven rows, 704 KiB at 2^13) and
+# torch sums them right after: at 2^15 (2.75 MiB) they no longer fit a 2 MiB L2, and bench/metric_throughput.py's two
+# outputs took 5.4-5.8 ns per element and output against 4.1-4.4 at 2^13 (2^14: 4.7-4.9; 2^12: 5.6, the loop's own
+# cost per tile then shows). The tiles' sums are added in order, so the tile is part of every path's bits.
+_TILE = 1 << 13
 
 
 def _tile_of(device: torch.device, n: int) -> int:
