@@ -37,6 +37,11 @@ and prints the fastest of each: timed once each, the code that runs first after 
 more there); the floor drifts as much (30.1 s in one run, 35.1 s in another, on the same records), so it takes
 its turn in every round too.
 `--device cuda` runs the server and the floor on the GPU (bench/gpu_check.sh).
+`--second-device` records the trainings with tests/second_device.py's kernels installed: a correct device whose
+matmuls, softmax, layer_norm and gelu round differently from the host's, as a real accelerator's do. The server then
+analyses the device's output and the same-dtype run's apart for those calls (two passes of the metrics, no longer one
+for bit-identical twins), as it does for a real device's records. Its matmuls are slow (0.3 s for a 1024x512x2048 one):
+use it with `--steps 2`.
 """
 from __future__ import annotations
 
@@ -68,6 +73,9 @@ model = nn.Sequential(*[layer() for _ in range(layers)], nn.Linear(d, 256))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 x, y = torch.randn(batch, seq, d), torch.randint(0, 256, (batch, seq))
 dbg = None
+if checked and os.environ.get("BENCH_SECOND_DEVICE") == "1":
+    from tests import second_device   # a correct device that rounds differently (its docstring)
+    second_device.install()
 if checked:
     from npu_agent import PrecisionDebugger
     dbg = PrecisionDebugger(config_path=cfg)
@@ -114,7 +122,8 @@ def train(work: str, ns, checked: bool, rank: int = 0) -> dict:
         json.dump({"task": "tensor", "dump_path": os.path.join(work, "dump"), "level": "L1", "rank": [], "step": [],
                    "tensor": {"scope": [], "list": [], "online_run_ut": True, "nfs_path": os.path.join(work, "nfs"),
                               "host": "127.0.0.1", "port": 1, "tls_path": "", "online_run_ut_recompute": False}}, fh)
-    env = dict(os.environ, PYTHONPATH=ROOT, RANK=str(rank), WORLD_SIZE=str(ns.ranks), OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHONPATH=ROOT, RANK=str(rank), WORLD_SIZE=str(ns.ranks), OMP_NUM_THREADS="1",
+               BENCH_SECOND_DEVICE="1" if ns.second_device else "0")
     proc = subprocess.run([sys.executable, "-c", TRAIN, cfg, str(ns.steps), str(ns.layers), str(ns.d), str(ns.seq),
                            str(ns.batch), "1" if checked else "0"], capture_output=True, text=True, env=env,
                           preexec_fn=_pin([0]), timeout=3600)
@@ -331,6 +340,8 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=2, help="training processes writing records (2 for --workers 2)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--keep", help="keep the recorded folder and the training's step time in this folder")
+    p.add_argument("--second-device", action="store_true",
+                   help="record with tests/second_device.py's kernels: a correct device that rounds differently")
     p.add_argument("--records", help="time the server on a folder kept with --keep instead of training again")
     p.add_argument("--baseline", help="also time the server code of this source tree on the same records")
     p.add_argument("--rounds", type=int, default=1, help="times the floor and each server code run per worker "
@@ -353,6 +364,7 @@ def main() -> None:
                 meta = json.load(fh)
             plain, recorded = meta["plain"], meta["recorded"]
             ns.steps, ns.ranks = meta["steps"], meta["ranks"]
+            ns.second_device = meta.get("second_device", False)
             keep = os.path.join(ns.records, "nfs")
         else:
             plain = train(work, ns, checked=False)
@@ -362,7 +374,8 @@ def main() -> None:
                 os.makedirs(ns.keep, exist_ok=True)
                 shutil.rmtree(keep, ignore_errors=True)
                 with open(os.path.join(ns.keep, "bench.json"), "w", encoding="utf-8") as fh:
-                    json.dump({"plain": plain, "recorded": recorded, "steps": ns.steps, "ranks": ns.ranks}, fh)
+                    json.dump({"plain": plain, "recorded": recorded, "steps": ns.steps, "ranks": ns.ranks,
+                               "second_device": ns.second_device}, fh)
             shutil.copytree(nfs, keep, copy_function=_link_or_copy)
         rows, floors = [], {}
         modes = ("process", "thread") if ns.replay_in == "both" else (ns.replay_in,)
@@ -388,6 +401,10 @@ def main() -> None:
         print(f"training alone (1 core): {base * 1e3:.0f} ms CPU/step ({plain['wall_per_step'] * 1e3:.0f} ms wall); "
               f"with the agent writing to a folder: {recorded[0]['cpu_per_step'] * 1e3:.0f} ms CPU/step; "
               f"{recorded[0]['captured']} records per rank ({ns.steps + 1} steps, {ns.ranks} ranks)")
+        if ns.second_device:
+            print("recorded on the second device (tests/second_device.py: matmuls, softmax, layer_norm and gelu "
+                  "round differently), whose outputs differ from the server's same-dtype run as a real device's do; "
+                  "the training's times above are its own")
         if ns.rounds > 1:
             print(f"the floor and each server code ran {ns.rounds} times per worker count, in alternating order: the "
                   "fastest below")

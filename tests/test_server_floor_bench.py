@@ -71,3 +71,37 @@ def test_the_floor_takes_its_turn_in_every_round_and_its_fastest_is_kept():
     runs = [{"seconds": 35.1, "cpu": 34.0, "decode": 0.6, "records": 7, "replayed": 6},
             {"seconds": 30.1, "cpu": 34.5, "decode": 0.5, "records": 7, "replayed": 6}]
     assert bench.fastest_floor(runs) == {"seconds": 30.1, "cpu": 34.0, "decode": 0.5, "records": 7, "replayed": 6}
+
+
+def test_second_device_records_hold_matmuls_the_host_rounds_otherwise(tmp_path):
+    """--second-device: the recorded training runs tests/second_device.py's kernels, so its linear outputs differ from
+    what the host computes from the same recorded inputs (as a real device's do), where a plain recording's equal
+    them bit for bit."""
+    import argparse
+
+    import torch.nn.functional as F
+
+    from gpu_server.decode import decode_job
+
+    bench = _bench()
+
+    def linears(second: bool) -> tuple[int, int]:
+        work = str(tmp_path / ("second" if second else "host"))
+        ns = argparse.Namespace(steps=1, layers=1, d=64, seq=16, batch=2, ranks=1, second_device=second)
+        bench.train(work, ns, checked=True)
+        same = differ = 0
+        for record, payload in bench._folder_records(os.path.join(work, "nfs"), 0):
+            job = decode_job(record, payload)
+            if job.api != "linear" or job.output is None:
+                continue
+            host = F.linear(*job.args, **job.kwargs)
+            if torch.equal(host.view(torch.int32), job.output.view(torch.int32)):
+                same += 1
+            else:
+                differ += 1
+        return same, differ
+
+    same, differ = linears(second=False)
+    assert same > 0 and differ == 0
+    same, differ = linears(second=True)
+    assert differ > 0 and same == 0
