@@ -226,6 +226,26 @@ MUTATIONS = (
           "                    pass\n"),),
         ("tests/test_sandbox_kept.py",)),
     Mutation(
+        "a-dead-workers-graph-handles-are-still-sent",
+        "a backward whose kept graphs died with their worker process sends their handles to the next one, without "
+        "its forward record",
+        (("gpu_server/replay/sandbox.py", "kept.generation == self.generation and self._alive() else None",
+          "kept.generation == self.generation else None"),),
+        ("tests/test_sandbox.py",)),
+    Mutation(
+        "a-worker-that-ended-between-requests-is-blamed-on-the-next",
+        "a worker process that ended after its last answer is found only by the next request, which is lost",
+        (("gpu_server/replay/sandbox.py", "if self._proc is not None and self._hello and not self._alive():",
+          "if False:"),),
+        ("tests/test_sandbox.py",)),
+    Mutation(
+        "the-replay-worker-dies-with-the-servers-process-group",
+        "the replay worker shares the server's process group and takes SIGINT and SIGTERM: the replay in flight when "
+        "the group is signalled is quarantined",
+        (("gpu_server/replay/prestart.py", "start_new_session=True)", "start_new_session=False)"),
+         ("gpu_server/replay/sandbox_worker.py", "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n", "")),
+        ("tests/test_sandbox.py",)),
+    Mutation(
         "graphs-dropped-go-uncounted",
         "kept graphs dropped for --graph-memory-mb are not counted: the summary never says the budget is too small",
         (("gpu_server/checking/pending.py", "            self.graphs_dropped += 1\n", ""),),

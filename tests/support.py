@@ -84,9 +84,10 @@ class Server:
     SIGTERM and waits."""
 
     def __init__(self, workdir: str, port: int | None = None, args=(), out: str | None = None, fresh: bool = False,
-                 **config):
+                 session: bool = False, **config):
         self.workdir = workdir
-        self.fresh = fresh   # a fresh interpreter (the `gpu-server` command) even where others are forked
+        self.fresh = fresh or session   # a fresh interpreter (the `gpu-server` command) even where others are forked
+        self.session = session   # in a session (and process group) of its own, as a shell's foreground job is
         self.port = free_port() if port is None else port
         self.out = out or os.path.join(workdir, "out")
         self.config = server_config(os.path.join(workdir, f"server_{self.port}.json"), self.port, **config)
@@ -103,7 +104,8 @@ class Server:
         cmd = [os.path.join(os.path.dirname(PY), "gpu-server"), "--config", self.config, "--out", self.out,
                "--quiet", *self.args]
         if self.fresh or zygote.fresh():
-            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir)
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=self.workdir,
+                                         start_new_session=self.session)
         else:   # the same command's main, in a process forked once torch is imported (tests/zygote.py)
             self.proc = zygote.spawn("server", SERVER_MAIN, cmd[1:], dict(os.environ), self.workdir, self.log_path,
                                      argv0=cmd[0])

@@ -54,7 +54,10 @@ def launch() -> Launched:
     cmd = [sys.executable, "-m", "gpu_server.replay.sandbox_worker", "--rfd", str(to_child_r),
            "--wfd", str(from_child_w)]
     try:
-        proc = subprocess.Popen(cmd, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env, cwd=ROOT)
+        # a session of its own: a signal to the server's process group (Ctrl-C in a terminal, `timeout`, `kill --
+        # -PGID`) reaches the server, which drains, and not the replay it waits for (sandbox_worker.main)
+        proc = subprocess.Popen(cmd, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env, cwd=ROOT,
+                                start_new_session=True)
     except BaseException:
         os.close(to_child_w)
         os.close(from_child_r)

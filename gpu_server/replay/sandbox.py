@@ -238,6 +238,10 @@ class ProcessReplayer:
                  self.limits.memory_bytes >> 20, self.limits.timeout_s)
         self._hello = True
 
+    def _alive(self) -> bool:
+        """The child started last is still running (whether its replays are still wanted is `_request`'s)."""
+        return self._proc is not None and self._proc.poll() is None
+
     def _kill(self) -> str:
         """Stop the child for good; returns how it ended ("signal SIGSEGV", "exit status 1")."""
         proc, self._proc = self._proc, None
@@ -273,6 +277,12 @@ class ProcessReplayer:
         with self._lock:
             if self._closed:
                 raise WorkerLost("the server is stopping")
+            if self._proc is not None and self._hello and not self._alive():
+                # it ended after its last answer (killed, or a crash a replay left behind): not by this request
+                how = self._kill()
+                log.warning("%s: worker process %d ended between two requests (%s); starting another (the forward "
+                            "graphs it kept are gone: their backward records replay their forward again)", self.name,
+                            self.generation, how)
             for attempt in (1, 2):   # a start that fails is tried once more, then this request is lost
                 if self._proc is None:
                     self.replaced += 1
@@ -356,7 +366,9 @@ class ProcessReplayer:
                            self._handles(reply), nbytes if isinstance(nbytes, int) and nbytes >= 0 else 0)
 
     def backward(self, fwd: Job, bwd: Job, kept: Any, match: bool) -> BackwardRuns:
-        live = kept if isinstance(kept, _Handles) and kept.generation == self.generation else None
+        # graphs kept by the process a request now goes to: none when the one that kept them died since (the next
+        # request starts another, `_request`): the forward is then replayed again, with the same rows
+        live = kept if isinstance(kept, _Handles) and kept.generation == self.generation and self._alive() else None
         handles = [live.bench, live.same] if live is not None else None
         # a kept graph holds its forward record in the worker; both graphs are needed to leave the forward out
         need_fwd = live is None or live.bench is None or live.same is None

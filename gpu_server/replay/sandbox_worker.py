@@ -27,6 +27,7 @@ import errno
 import gc
 import os
 import resource
+import signal
 import sys
 import warnings
 from typing import Any, Iterator
@@ -323,6 +324,12 @@ def _arguments(argv: list[str]) -> list[str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The server ends this process (its exit message, its pipe closing, a kill at the time limit). SIGINT and SIGTERM
+    # sent to every process of a cgroup (systemd's default KillMode) while the server drains must not end the replay
+    # it waits for: that record would be quarantined as a crash and the next backward sent to a replacement
+    # (gpu_server/replay/prestart.py starts this process in a session of its own against the process group's).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     malloc_policy.keep_freed_memory()   # each record's tensors take the pages the last one freed
     argv = _arguments(sys.argv[1:] if argv is None else list(argv))
     if argv is None:
