@@ -246,6 +246,11 @@ MUTATIONS = (
          ("gpu_server/replay/sandbox_worker.py", "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n", "")),
         ("tests/test_sandbox.py",)),
     Mutation(
+        "a-replay-worker-outlives-its-server",
+        "a replay worker whose server was killed goes on with its replay (to its end, or forever)",
+        (("gpu_server/replay/sandbox_worker.py", "    _die_with_the_server()\n", ""),),
+        ("tests/test_sandbox.py",)),
+    Mutation(
         "graphs-dropped-go-uncounted",
         "kept graphs dropped for --graph-memory-mb are not counted: the summary never says the budget is too small",
         (("gpu_server/checking/pending.py", "            self.graphs_dropped += 1\n", ""),),

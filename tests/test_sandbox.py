@@ -322,6 +322,37 @@ def test_a_replay_worker_outlives_signals_sent_to_the_servers_process_group():
     assert proc._proc is None   # closed by its exit message (or killed) all the same
 
 
+def test_a_replay_worker_ends_with_its_server_even_mid_replay(tmp_path):
+    """kill -9 of the server while its worker replays a record that takes a minute: the worker ends at once
+    (its parent-death signal), not when the replay is done; with its own session and SIGTERM ignored, nothing else
+    would stop it, and a replay that never ends would run forever."""
+    server = support.Server(str(tmp_path), args=("--replay-timeout-s", "600"), session=True).start()
+    try:
+        [worker] = wait_for(lambda: replay_workers(server.proc.pid), 60, "the replay worker process")
+        # an svd whose float64 replay takes about a minute here (its recorded output is not what is measured)
+        torch.manual_seed(1)
+        n = 2 * SVD_N
+        frames = frames_of("Torch.linalg_svd.0", lambda a: (torch.zeros(n, n), torch.zeros(n), torch.zeros(n, n)),
+                           torch.randn(n, n))
+        stream = RawStream(server.port).send(hello(), *frames)
+        assert [a.status for a in stream.wait(1)] == [pb.Ack.ACCEPTED]
+        replaying(server, worker)
+        server.proc.kill()
+        server.proc.wait()
+        wait_for(lambda: not os.path.exists(f"/proc/{worker}") or _zombie(worker), 3, "the worker to end")
+        stream.close()
+    finally:
+        server.kill()
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
 def test_sigterm_to_the_servers_whole_process_group_drains_every_record(tmp_path):
     """Ctrl-C in a terminal, `timeout` and `kill -- -PGID` signal every process of the server's group (systemd's
     default KillMode, every process of its cgroup). The server drains; its replay worker must not die under it:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import errno
 import gc
@@ -297,6 +298,25 @@ def _warm_up_any_device() -> None:
         pass
 
 
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_the_server() -> None:
+    """Linux: SIGKILL for this process when the server ends, however it ends (kill -9 included). The server stops a
+    replay past its time limit; once it is gone nothing else would stop one (this process ignores SIGTERM and has a
+    session of its own), and it would run to its end, or forever. Its pipe closing stops only a process that waits
+    for a request. Elsewhere, or when prctl is not there, nothing changes."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:   # the server ended before the line above: no signal will come
+        os._exit(0)
+
+
 def _warm_up_threads() -> None:
     """The intra-op pool's threads, once their number is set (their stacks are address space, measured before the
     cap is set)."""
@@ -330,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     # (gpu_server/replay/prestart.py starts this process in a session of its own against the process group's).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_the_server()
     malloc_policy.keep_freed_memory()   # each record's tensors take the pages the last one freed
     argv = _arguments(sys.argv[1:] if argv is None else list(argv))
     if argv is None:
