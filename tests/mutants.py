@@ -251,6 +251,11 @@ MUTATIONS = (
         (("gpu_server/replay/sandbox_worker.py", "    _die_with_the_server()\n", ""),),
         ("tests/test_sandbox.py",)),
     Mutation(
+        "a-short-tile-takes-a-full-tiles-rows",
+        "the metrics' last, shorter tile is written into and summed over a full tile's rows (stale summands)",
+        (("gpu_server/judging/metrics.py", "(full, whole) if m == size else", "(full, whole) if True else"),),
+        ("tests/test_fast_paths.py",)),
+    Mutation(
         "graphs-dropped-go-uncounted",
         "kept graphs dropped for --graph-memory-mb are not counted: the summary never says the budget is too small",
         (("gpu_server/checking/pending.py", "            self.graphs_dropped += 1\n", ""),),

@@ -723,20 +723,26 @@ def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor,
     d_alls = [d.numpy() if d.dtype in _KERNEL_DTYPES and d.is_contiguous() else None for d in d_srcs]
     tally = [numpy.zeros(len(metric_kernel.COUNT_KEYS), dtype=numpy.int64) for _ in quick]
     top = [numpy.zeros(len(metric_kernel.MAX_KEYS), dtype=numpy.float64) for _ in quick]   # every term >= +0.0
+    consts = (np_spb, np_spf, np_ae, size)
+    params = (acc0.eps, p.small_value, p.small_atol, p.rtol, scale, p.ulp_min_exponent, p.ulp_threshold, bounds)
+
+    def rows(m: int) -> tuple:
+        """The kernel's output rows of a tile of m elements, per output (the same views for every full tile)."""
+        return tuple((np_bb[:m], j == 0, *(np_sums[j][key][:m] for key in _SUMS), tally[j], top[j])
+                     for j in range(len(quick)))
+
+    full, whole = rows(size), grid
     for lo in range(0, n, size):
         hi = min(n, lo + size)
         m = hi - lo
+        out, sums = (full, whole) if m == size else (rows(m), grid[:, :m])
         b = b_all[lo:hi] if b_all is not None else sc.get("b", size, f64, dev)[:m].copy_(src[lo:hi]).numpy()
         bits = b.view(numpy.int64)
-        for j in range(len(quick)):
-            d_all = d_alls[j]
+        for j, d_all in enumerate(d_alls):
             d = d_all[lo:hi] if d_all is not None else sc.get("d", size, f64, dev)[:m].copy_(d_srcs[j][lo:hi]).numpy()
-            sj = np_sums[j]
-            kern(b, bits, d, np_spb, np_spf, np_ae, size, bmax_f, dmax_f[j], acc0.eps, p.small_value,
-                 p.small_atol, p.rtol, scale, p.ulp_min_exponent, p.ulp_threshold, bounds, np_bb[:m], j == 0,
-                 sj["sq"][:m], sj["rel"][:m], sj["ulp"][:m], sj["dot"][:m], sj["dd"][:m], tally[j], top[j])
+            kern(b, bits, d, *consts, bmax_f, dmax_f[j], *params, *out[j])
         # the tile's sums (torch's) as numbers: added as numbers from here on
-        values = grid[:, :m].sum(1).tolist()
+        values = sums.sum(1).tolist()
         yield values[0], [dict(zip(_SUMS, values[1 + k * j:1 + k * (j + 1)])) for j in range(len(quick))]
     for j in range(len(quick)):
         got = dict(zip(metric_kernel.COUNT_KEYS, tally[j].tolist()))
