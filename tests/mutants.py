@@ -253,7 +253,7 @@ MUTATIONS = (
     Mutation(
         "a-short-tile-takes-a-full-tiles-rows",
         "the metrics' last, shorter tile is written into and summed over a full tile's rows (stale summands)",
-        (("gpu_server/judging/metrics.py", "(full, whole) if m == size else", "(full, whole) if True else"),),
+        (("gpu_server/judging/metrics.py", "(full, grid) if m == size else", "(full, grid) if True else"),),
         ("tests/test_fast_paths.py",)),
     Mutation(
         "graphs-dropped-go-uncounted",

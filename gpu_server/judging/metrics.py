@@ -731,11 +731,11 @@ def _compiled_tiles(kern, flat_b: torch.Tensor, quick: list, bmax: torch.Tensor,
         return tuple((np_bb[:m], j == 0, *(np_sums[j][key][:m] for key in _SUMS), tally[j], top[j])
                      for j in range(len(quick)))
 
-    full, whole = rows(size), grid
+    full = rows(size)
     for lo in range(0, n, size):
         hi = min(n, lo + size)
         m = hi - lo
-        out, sums = (full, whole) if m == size else (rows(m), grid[:, :m])
+        out, sums = (full, grid) if m == size else (rows(m), grid[:, :m])
         b = b_all[lo:hi] if b_all is not None else sc.get("b", size, f64, dev)[:m].copy_(src[lo:hi]).numpy()
         bits = b.view(numpy.int64)
         for j, d_all in enumerate(d_alls):
