@@ -171,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     for kind in KINDS:
         for label in measurers:
             b = best[(label, kind)]
-            print(f"{kind:12s} {label:7s} {b['intake']:8.1f} {b['floor']:8.1f} {b['intake'] / b['floor']:13.2f}")
+            # two decimals: a floor of 4.5 us printed to one would move intake/floor read back by 1 %
+            print(f"{kind:12s} {label:7s} {b['intake']:8.2f} {b['floor']:8.2f} {b['intake'] / b['floor']:13.2f}")
     if ns.baseline:
         print("ratios: after/before, intake time a record")
         for kind in KINDS:
