@@ -21,7 +21,7 @@ import sys
 import time
 
 from gpu_server import malloc_policy, omp_wait
-from gpu_server.config import ServerConfigError, load_server_config
+from gpu_server.config import ServerConfig, ServerConfigError, load_server_config
 from gpu_server.replay import prestart
 from gpu_server.stop_signal import StopSignal
 from protos.limits import DEFAULT_LIMITS, MiB
@@ -131,6 +131,15 @@ def main(argv=None) -> int:
     if ns.replay_in == "process" and (ns.workers or 1) > 0:
         # the replay workers' interpreters import torch while this process does (gpu_server/replay/prestart.py)
         prestart.start(ns.workers or 1)
+    try:
+        return _serve(ns, config)
+    finally:
+        prestart.stop()   # the fork server, if any (its workers ended with the server's workers)
+
+
+def _serve(ns: argparse.Namespace, config: ServerConfig) -> int:
+    """The rest of `main`, once the replay workers are on their way: the options that need torch, the server, its
+    progress lines, its drain and its reports."""
     from gpu_server.app import ServerApp, default_memory_budget  # imports torch: after the cheap checks
     from gpu_server.spool.store import SpoolError
 

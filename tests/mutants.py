@@ -251,6 +251,29 @@ MUTATIONS = (
         (("gpu_server/replay/sandbox_worker.py", "    _die_with_the_server()\n", ""),),
         ("tests/test_sandbox.py",)),
     Mutation(
+        "a-forked-worker-is-not-the-servers-child",
+        "the server starts its fork server without becoming a subreaper: the workers it forks are orphans of init, "
+        "which the server can neither wait for nor see end",
+        (("gpu_server/replay/prestart.py", "and fork_server.become_subreaper():", "and True:"),),
+        ("tests/test_prestart.py",)),
+    Mutation(
+        "a-forked-worker-does-not-wait-to-be-the-servers",
+        "a forked worker takes its parent-death signal before the server adopts it: the short-lived child in "
+        "between ends, and the signal kills the worker at once",
+        (("gpu_server/replay/fork_server.py", "    while os.getppid() != server:", "    while False:"),),
+        ("tests/test_prestart.py",)),
+    Mutation(
+        "a-forked-workers-end-is-not-seen",
+        "a forked worker that ended still polls as running: the next request goes to it and is lost",
+        (("gpu_server/replay/fork_server.py", "        return self._reap(os.WNOHANG)", "        return None"),),
+        ("tests/test_prestart.py",)),
+    Mutation(
+        "a-forked-workers-exit-status-is-lost",
+        "a forked worker's end is reported without the signal that ended it (the quarantine's message names none)",
+        (("gpu_server/replay/fork_server.py", "self.returncode = os.waitstatus_to_exitcode(status)",
+          "self.returncode = 1"),),
+        ("tests/test_prestart.py",)),
+    Mutation(
         "a-short-tile-takes-a-full-tiles-rows",
         "the metrics' last, shorter tile is written into and summed over a full tile's rows (stale summands)",
         (("gpu_server/judging/metrics.py", "(full, grid) if m == size else", "(full, grid) if True else"),),

@@ -1,44 +1,117 @@
-"""Replay worker interpreters started ahead (gpu_server/replay/prestart.py): gpu-server starts --workers of them before
-it imports torch and its workers take exactly those (no other worker process, none left over) and check records;
-with --replay-in thread none is started; an interpreter whose server goes away before its arguments come exits
-quietly, as does one given no arguments; `discard` kills those nobody took; `take` passes over one that
-died."""
+"""Replay workers made ahead (gpu_server/replay/prestart.py): gpu-server starts its fork server
+(gpu_server/replay/fork_server.py) before it imports torch, and its workers, first ones and replacements, are forked
+by it as the server's own children (none left over); without the fork server (GPU_SERVER_FORK_SERVER=0, or once it
+is gone) they are interpreters started ahead, or fresh ones; with --replay-in thread none is started; an interpreter
+whose server goes away before its arguments come exits quietly, as does one given no arguments; `discard` kills
+those nobody took; `take` passes over one that died."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
 import pytest
+import torch
 
 from gpu_server.replay import prestart
+from gpu_server.replay.sandbox import InlineReplayer, ProcessReplayer, SandboxLimits
 from gpu_server.replay.sandbox_wire import send
 from protos import online_check_pb2 as pb
+from protos.limits import MiB
 from tests import support
 from tests.test_hostile import RawStream, hello
-from tests.test_sandbox import relu, replay_workers
+from tests.test_sandbox import _zombie, fork_servers, job_of, relu, replay_workers, wait_for
 
 
 def _ended(proc: subprocess.Popen, timeout: float = 120) -> int:
     return proc.wait(timeout=timeout)
 
 
+def _gone(pids: list[int], timeout: float = 10) -> bool:
+    return bool(wait_for(lambda: all(not os.path.exists(f"/proc/{p}") or _zombie(p) for p in pids), timeout,
+                         f"the end of {pids}"))
+
+
+def _check_three(server) -> None:
+    stream = RawStream(server.port).send(hello(), *[f for seq in range(3) for f in relu(seq)])
+    assert [a.status for a in stream.wait(3)] == [pb.Ack.ACCEPTED] * 3
+    stream.close()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
-def test_the_server_s_workers_are_the_interpreters_it_started_ahead(tmp_path, workers):
+def test_the_server_s_workers_are_forked_by_its_fork_server(tmp_path, workers):
     # the command as a fresh interpreter (not forked from a helper that imported torch already: tests/zygote.py)
     with support.Server(str(tmp_path), args=("--workers", str(workers)), fresh=True) as server:
-        pids = replay_workers(server.proc.pid)
-        assert len(pids) == workers, pids          # started before torch was imported: no more, none left over
+        forks = fork_servers(server.proc.pid)
+        assert len(forks) == 1, forks                       # one fork server, whatever the worker count
+        pids = wait_for(lambda: len(replay_workers(server.proc.pid)) == workers and replay_workers(server.proc.pid),
+                        60, "the forked workers")
+        assert len(pids) == workers, pids                   # the server's own children: it adopted them
         with open(f"/proc/{pids[0]}/cmdline", "rb") as fh:
-            assert b"--folder" not in fh.read()     # its arguments came by message
-        stream = RawStream(server.port).send(hello(), *[f for seq in range(3) for f in relu(seq)])
-        assert [a.status for a in stream.wait(3)] == [pb.Ack.ACCEPTED] * 3
-        stream.close()
+            assert b"gpu_server.replay.fork_server" in fh.read()   # forked from it, not a fresh interpreter
+        _check_three(server)
         assert server.stop() == 0                  # drains: the three are checked
         # (a worker logs its start at its first request: the first record of its rank)
-        assert server.log().count("worker process 1 started ahead") == 1, server.log()
-        assert sorted(p for p in pids if os.path.exists(f"/proc/{p}")) == []   # ended with the server
+        assert server.log().count("worker process 1 started (forked)") == 1, server.log()
+        assert _gone(pids + forks)                 # ended with the server
     rows = support.read_csv(server.out, "accuracy_checking_result")
     assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows
+
+
+def test_without_the_fork_server_the_workers_are_the_interpreters_started_ahead(tmp_path, monkeypatch):
+    monkeypatch.setenv(prestart.FORK_SERVER_ENV, "0")
+    with support.Server(str(tmp_path), args=("--workers", "2"), fresh=True) as server:
+        assert fork_servers(server.proc.pid) == []
+        pids = replay_workers(server.proc.pid)
+        assert len(pids) == 2, pids                # started before torch was imported: no more, none left over
+        with open(f"/proc/{pids[0]}/cmdline", "rb") as fh:
+            cmd = fh.read()
+        assert b"gpu_server.replay.sandbox_worker" in cmd and b"--folder" not in cmd   # its arguments came by message
+        _check_three(server)
+        assert server.stop() == 0
+        assert server.log().count("worker process 1 started (started ahead)") == 1, server.log()
+        assert _gone(pids)
+    rows = support.read_csv(server.out, "accuracy_checking_result")
+    assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows
+
+
+@pytest.fixture
+def fork_server_here():
+    """A fork server started by this test process, as gpu-server starts its own (it adopts the forked workers)."""
+    prestart.start(1)
+    assert prestart._forks is not None
+    try:
+        yield prestart._forks
+    finally:
+        prestart.stop()
+    assert prestart._forks is None
+
+
+def test_replaced_workers_are_forked_and_once_the_fork_server_is_gone_started_fresh(fork_server_here):
+    """The same replays from a forked worker, from the fork that replaces it after a kill, and from the fresh
+    interpreter that replaces that one once the fork server is gone; each end is reported with its signal."""
+    job = job_of(relu(0))
+    want = InlineReplayer(torch.device("cpu")).forward(job, keep=False, match=True)
+    proc = ProcessReplayer(torch.device("cpu"), SandboxLimits(timeout_s=60), 1, 64 * MiB)
+    try:
+        hows = []
+        for generation in (1, 2, 3):
+            got = proc.forward(job, keep=False, match=True)
+            assert torch.equal(got.bench[0], want.bench[0]) and torch.equal(got.same[0], want.same[0])
+            assert proc.generation == generation
+            hows.append(proc._how)
+            pid = proc._proc.pid
+            assert replay_workers(os.getpid()) == [pid]     # this process's child, forked or not
+            if generation == 2:
+                fork_server_here.proc.kill()
+                fork_server_here.proc.wait()
+            os.kill(pid, signal.SIGKILL)
+            assert _gone([pid])
+            assert proc._kill() == "signal SIGKILL"                 # its exit status, as a fresh worker's
+        assert hows == ["forked", "forked", ""]
+        assert proc.replaced == 2
+    finally:
+        proc.close()
 
 
 def test_a_server_replaying_in_its_threads_starts_no_worker_process(tmp_path):
@@ -61,7 +134,8 @@ def test_an_interpreter_given_no_arguments_exits(tmp_path):
     one.close()
 
 
-def test_discard_kills_the_interpreters_nobody_took_and_take_passes_over_a_dead_one():
+def test_discard_kills_the_interpreters_nobody_took_and_take_passes_over_a_dead_one(monkeypatch):
+    monkeypatch.setenv(prestart.FORK_SERVER_ENV, "0")
     prestart.start(3)
     try:
         dead = prestart._waiting[0]
@@ -90,7 +164,7 @@ def test_the_replay_workers_openmp_threads_wait_passively_unless_the_user_says(t
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", given)
     with support.Server(str(tmp_path)) as server:
-        pids = replay_workers(server.proc.pid)
+        pids = wait_for(lambda: replay_workers(server.proc.pid), 60, "the replay worker process")
         with open(f"/proc/{pids[0]}/environ", "rb") as fh:
             env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
         assert env.get(b"OMP_WAIT_POLICY") == (given or "PASSIVE").encode()

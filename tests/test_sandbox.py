@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from gpu_server.replay.fork_server import FORK_SERVER_NAME, WORKER_NAME
 from gpu_server.replay.sandbox import InlineReplayer, ProcessReplayer, SandboxLimits
 from gpu_server.replay.sandbox_wire import ChannelClosed, read_leaves
 from npu_agent.records import PendingRecord, encode_record
@@ -43,8 +44,7 @@ def relu(seq: int, run_id: str = "sandbox") -> list[bytes]:
                      seq=seq)
 
 
-def replay_workers(server_pid: int) -> list[int]:
-    """The server's replay worker processes (its children running gpu_server.replay.sandbox_worker)."""
+def _children_named(server_pid: int, name: bytes) -> list[int]:
     pids = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -52,13 +52,24 @@ def replay_workers(server_pid: int) -> list[int]:
         try:
             with open(f"/proc/{entry}/stat") as fh:
                 ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{entry}/cmdline", "rb") as fh:
-                cmd = fh.read()
+            with open(f"/proc/{entry}/comm", "rb") as fh:
+                comm = fh.read().strip()
         except OSError:
             continue
-        if ppid == server_pid and b"gpu_server.replay.sandbox_worker" in cmd:
+        if ppid == server_pid and comm == name:
             pids.append(int(entry))
     return pids
+
+
+def replay_workers(server_pid: int) -> list[int]:
+    """The server's replay worker processes: its children named gpu-replay (gpu_server/replay/fork_server.py names
+    them so, forked or started as gpu_server.replay.sandbox_worker)."""
+    return _children_named(server_pid, WORKER_NAME)
+
+
+def fork_servers(server_pid: int) -> list[int]:
+    """The server's replay fork server (gpu_server/replay/fork_server.py), as a list."""
+    return _children_named(server_pid, FORK_SERVER_NAME)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -139,7 +150,7 @@ def test_a_record_quarantined_before_the_server_died_is_reported_skip_at_restart
     server = support.Server(str(tmp_path), out=out, args=("--replay-timeout-s", "600")).start()
     stream = RawStream(server.port).send(hello(), *slow_svd(0))
     assert [a.status for a in stream.wait(1)] == [pb.Ack.ACCEPTED]
-    [worker] = replay_workers(server.proc.pid)
+    [worker] = wait_for(lambda: replay_workers(server.proc.pid), 60, "the replay worker process")
     replaying(server, worker)
     # the server dies while the worker replays; its journal had quarantined the record (as it does when a replay
     # kills its worker, before the SKIP row is written)
@@ -153,7 +164,7 @@ def test_a_record_quarantined_before_the_server_died_is_reported_skip_at_restart
                        60, "the quarantined record's row")
         assert row["Status"] == "SKIP" and "killed a replay worker before the restart" in row["Message"]
         assert "SIGSEGV" in row["Message"]
-        workers = replay_workers(again.proc.pid)
+        workers = wait_for(lambda: replay_workers(again.proc.pid), 60, "the replay worker process")
         assert workers and all(cpu_seconds(w) < 30 for w in workers)   # nothing replayed the svd
         assert again.stop() == 0
     assert time.time() - t0 < 120
@@ -337,9 +348,13 @@ def test_a_replay_worker_ends_with_its_server_even_mid_replay(tmp_path):
         stream = RawStream(server.port).send(hello(), *frames)
         assert [a.status for a in stream.wait(1)] == [pb.Ack.ACCEPTED]
         replaying(server, worker)
+        forks = fork_servers(server.proc.pid)
+        assert len(forks) == 1, forks
         server.proc.kill()
         server.proc.wait()
         wait_for(lambda: not os.path.exists(f"/proc/{worker}") or _zombie(worker), 3, "the worker to end")
+        # and its fork server (gpu_server/replay/fork_server.py), idle, also by its parent-death signal
+        wait_for(lambda: not os.path.exists(f"/proc/{forks[0]}") or _zombie(forks[0]), 3, "the fork server to end")
         stream.close()
     finally:
         server.kill()

@@ -9,6 +9,12 @@ message on its pipe (`ProcessReplayer` sends it), so it can be started before it
 one (`take`), or launches one then. `discard` kills those nobody took (they hold nothing yet), when the server is
 built and at exit; one left behind anyway exits once its pipe closes.
 
+Where the server can adopt its descendants (Linux), it starts one fork server instead
+(gpu_server/replay/fork_server.py): a single interpreter that imports torch and the meta kernels once, while the
+server imports torch, and then forks each worker `take` asks for, the first ones and every replacement, in
+milliseconds instead of 2.7 s of CPU each. Elsewhere, with GPU_SERVER_FORK_SERVER=0, or once the fork server is gone,
+`take` hands out the interpreters started ahead and `launch` starts a fresh one.
+
 This module does not import torch: the command line imports it first.
 """
 from __future__ import annotations
@@ -16,11 +22,14 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import threading
 
 from gpu_server import omp_wait
+from gpu_server.replay import fork_server
+from gpu_server.replay.fork_server import ForkedWorker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,9 +38,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 class Launched:
     """A replay worker interpreter, waiting for its arguments: its process, and the pipe ends to it and from it."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | ForkedWorker
     to_child: int
     from_child: int
+    how: str = ""   # "started ahead", "forked" (by the fork server), "" (started when it was needed)
 
     def close(self) -> None:
         for fd in (self.to_child, self.from_child):
@@ -44,20 +54,27 @@ class Launched:
 
 _lock = threading.Lock()
 _waiting: list[Launched] = []
+_forks: fork_server.Client | None = None
+FORK_SERVER_ENV = "GPU_SERVER_FORK_SERVER"   # "0": every worker a fresh interpreter, as where fork_server cannot run
+START_TIMEOUT_S = 180.0   # a worker interpreter imports torch: slow on a loaded host, never a reason to give up early
+
+
+def _popen(module: str, args: list[str], fds: tuple[int, ...]) -> subprocess.Popen:
+    """A worker interpreter (or the fork server) running `module`, with the environment every worker gets."""
+    env = omp_wait.passive(dict(os.environ, MALLOC_ARENA_MAX="2", PYTHONUNBUFFERED="1"))
+    # a session of its own: a signal to the server's process group (Ctrl-C in a terminal, `timeout`, `kill --
+    # -PGID`) reaches the server, which drains, and not the replay it waits for (sandbox_worker.main)
+    return subprocess.Popen([sys.executable, "-m", module, *args], pass_fds=fds, stdin=subprocess.DEVNULL, env=env,
+                            cwd=ROOT, start_new_session=True)
 
 
 def launch() -> Launched:
     """Start one replay worker interpreter (it imports torch, then waits for its arguments on its pipe)."""
     to_child_r, to_child_w = os.pipe()
     from_child_r, from_child_w = os.pipe()
-    env = omp_wait.passive(dict(os.environ, MALLOC_ARENA_MAX="2", PYTHONUNBUFFERED="1"))
-    cmd = [sys.executable, "-m", "gpu_server.replay.sandbox_worker", "--rfd", str(to_child_r),
-           "--wfd", str(from_child_w)]
     try:
-        # a session of its own: a signal to the server's process group (Ctrl-C in a terminal, `timeout`, `kill --
-        # -PGID`) reaches the server, which drains, and not the replay it waits for (sandbox_worker.main)
-        proc = subprocess.Popen(cmd, pass_fds=(to_child_r, from_child_w), stdin=subprocess.DEVNULL, env=env, cwd=ROOT,
-                                start_new_session=True)
+        proc = _popen("gpu_server.replay.sandbox_worker", ["--rfd", str(to_child_r), "--wfd", str(from_child_w)],
+                      (to_child_r, from_child_w))
     except BaseException:
         os.close(to_child_w)
         os.close(from_child_r)
@@ -69,21 +86,60 @@ def launch() -> Launched:
 
 
 def start(n: int) -> None:
-    """Launch n worker interpreters now, for the `ProcessReplayer`s to come (best effort: one that cannot be
-    started now is launched when it is needed, and says why then)."""
-    if n > 0:
-        atexit.register(discard)
+    """Get ready to hand out n workers: start the fork server, or else launch n worker interpreters now, for the
+    `ProcessReplayer`s to come (best effort: a worker that cannot be had now is launched when it is needed, and says
+    why then)."""
+    global _forks
+    if n <= 0:
+        return
+    atexit.register(stop)
+    if _forks is None and os.environ.get(FORK_SERVER_ENV, "") != "0" and fork_server.become_subreaper():
+        # (a subreaper before the fork server exists: it inherits the mark, and its forks find the server)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            proc = _popen("gpu_server.replay.fork_server", ["--sock", str(theirs.fileno())], (theirs.fileno(),))
+        except OSError:
+            ours.close()
+        else:
+            _forks = fork_server.Client(proc, ours)
+            return
+        finally:
+            theirs.close()
     for _ in range(n):
         try:
             one = launch()
         except OSError:
             return
+        one.how = "started ahead"
         with _lock:
             _waiting.append(one)
 
 
+def _forked() -> Launched | None:
+    """A worker the fork server forks now (it reads its arguments from its pipe once forked), or None when there is
+    no fork server any more."""
+    client = _forks
+    if client is None or not client.alive():
+        return None
+    to_child_r, to_child_w = os.pipe()
+    from_child_r, from_child_w = os.pipe()
+    try:
+        number = client.fork(to_child_r, from_child_w)
+    except OSError:
+        os.close(to_child_w)
+        os.close(from_child_r)
+        return None
+    finally:
+        os.close(to_child_r)
+        os.close(from_child_w)
+    return Launched(ForkedWorker(client, number, START_TIMEOUT_S), to_child_w, from_child_r, "forked")
+
+
 def take() -> Launched | None:
-    """A pre-started worker interpreter still running, or None."""
+    """A worker forked by the fork server, else a pre-started worker interpreter still running, else None."""
+    forked = _forked()
+    if forked is not None:
+        return forked
     while True:
         with _lock:
             if not _waiting:
@@ -105,3 +161,13 @@ def discard() -> None:
         if one.proc.poll() is None:
             one.proc.kill()
         one.proc.wait()
+
+
+def stop() -> None:
+    """At exit: `discard`, and end the fork server (the workers it forked are the server's, and end with it)."""
+    global _forks
+    discard()
+    client, _forks = _forks, None
+    if client is not None:
+        client.close()
+        fork_server.become_subreaper(False)   # the workers forked so far stay this process's children

@@ -34,6 +34,7 @@ from gpu_server.job import Job
 from gpu_server.memcopy import copy_into
 from gpu_server.replay import extensions, prestart, shm_folder, spread
 from gpu_server.replay.answer_arenas import AnswerMaps
+from gpu_server.replay.fork_server import ForkedWorker
 from gpu_server.replay.run import (
     KeptForward,
     ReplayError,
@@ -56,7 +57,6 @@ from gpu_server.replay.sandbox_wire import (
 
 log = logging.getLogger("gpu_server")
 
-START_TIMEOUT_S = 180.0    # a new worker imports torch: slow on a loaded host, never a reason to give up early
 
 
 def host_memory(unknown: int) -> int:
@@ -177,11 +177,11 @@ class ProcessReplayer:
         self.outbox = AnswerMaps(self.folder, "out")
         self.generation = 0
         self.replaced = 0
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | ForkedWorker | None = None
         self._w = self._r = -1
         self._drops: list[int] = []
         self._hello = False
-        self._ahead = False   # the child was started before the server imported torch (gpu_server/replay/prestart.py)
+        self._how = ""   # started ahead, or forked (gpu_server/replay/prestart.py), or started when it was needed
         self._lock = threading.Lock()
         self._closed = False
         self._spawn()
@@ -191,9 +191,8 @@ class ProcessReplayer:
         """A worker interpreter (one gpu-server started ahead, else a new one: gpu_server/replay/prestart.py), told
         what to be by its first message."""
         self._clear_answers()
-        ahead = prestart.take()
-        child = ahead or prestart.launch()
-        self._ahead = ahead is not None
+        child = prestart.take() or prestart.launch()
+        self._how = child.how
         args = ["--folder", self.folder, "--device", str(self.device), "--threads", str(self.threads),
                 "--memory", str(self.limits.memory_bytes), "--max-record-bytes", str(self.max_record_bytes)]
         ext = extensions.active()
@@ -228,13 +227,13 @@ class ProcessReplayer:
         if self._hello:
             return
         try:
-            hello = receive(self._r, START_TIMEOUT_S)
+            hello = receive(self._r, prestart.START_TIMEOUT_S)
         except (ChannelClosed, ChannelTimeout) as exc:
             how = self._kill()
             raise RuntimeError(f"the replay worker process did not start ({how}; {type(exc).__name__}: {exc}); see "
                                "the lines above") from None
         log.info("%s worker process %s started%s (pid %s, device %s, memory cap %d MiB, time limit %g s)", self.name,
-                 self.generation, " ahead" if self._ahead else "", hello.get("ready"), self.device,
+                 self.generation, f" ({self._how})" if self._how else "", hello.get("ready"), self.device,
                  self.limits.memory_bytes >> 20, self.limits.timeout_s)
         self._hello = True
 

@@ -38,8 +38,8 @@ import torch
 from gpu_server import malloc_policy
 from gpu_server.decode import decode_job
 from gpu_server.job import Job
+from gpu_server.replay import fork_server, spread
 from gpu_server.replay import run as replay
-from gpu_server.replay import spread
 from gpu_server.replay.answer_arenas import AnswerArenas
 from gpu_server.replay.run import KeptForward, ReplayError, flatten_outputs
 from gpu_server.replay.sandbox_wire import (
@@ -351,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_the_server()
+    fork_server.name_this_process(fork_server.WORKER_NAME)   # forked or not, `ps` shows it as a replay worker
     malloc_policy.keep_freed_memory()   # each record's tensors take the pages the last one freed
     argv = _arguments(sys.argv[1:] if argv is None else list(argv))
     if argv is None:
