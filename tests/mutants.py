@@ -265,7 +265,8 @@ MUTATIONS = (
     Mutation(
         "a-forked-workers-end-is-not-seen",
         "a forked worker that ended still polls as running: the next request goes to it and is lost",
-        (("gpu_server/replay/fork_server.py", "        return self._reap(os.WNOHANG)", "        return None"),),
+        (("gpu_server/replay/fork_server.py", "        pid = self._known(0.0)\n        if self.returncode",
+          "        return None\n        if self.returncode"),),
         ("tests/test_prestart.py",)),
     Mutation(
         "a-forked-workers-exit-status-is-lost",

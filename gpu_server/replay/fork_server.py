@@ -155,22 +155,19 @@ class ForkedWorker:
                 self._pid = pid
         return self._pid
 
-    def _reap(self, flags: int) -> int | None:
-        pid = self._known(0.0 if flags else self._start_timeout)
+    def poll(self) -> int | None:
+        """None while it runs (or is being forked), else its exit code (negative: the signal that ended it)."""
+        pid = self._known(0.0)
         if self.returncode is not None or pid is None:
             return self.returncode
         try:
-            got, status = os.waitpid(pid, flags)
+            got, status = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:   # not (or no longer) ours to wait for: it is gone
             self.returncode = -int(signal.SIGKILL)
             return self.returncode
         if got == pid:
             self.returncode = os.waitstatus_to_exitcode(status)
         return self.returncode
-
-    def poll(self) -> int | None:
-        """None while it runs (or is being forked), else its exit code (negative: the signal that ended it)."""
-        return self._reap(os.WNOHANG)
 
     def wait(self, timeout: float | None = None) -> int:
         """Its exit code; subprocess.TimeoutExpired after `timeout` seconds."""
