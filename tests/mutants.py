@@ -275,6 +275,12 @@ MUTATIONS = (
           "self.returncode = 1"),),
         ("tests/test_prestart.py",)),
     Mutation(
+        "killing-a-worker-not-yet-forked-waits-for-its-fork",
+        "a server stopping a worker its fork server has not forked yet waits for the fork server's whole start timeout",
+        (("gpu_server/replay/fork_server.py", "pid = self._known(min(KILL_WAIT_S, self._start_timeout))",
+          "pid = self._known(self._start_timeout)"),),
+        ("tests/test_prestart.py::test_a_worker_the_fork_server_never_forks_counts_as_killed_without_waiting_for_it",)),
+    Mutation(
         "a-short-tile-takes-a-full-tiles-rows",
         "the metrics' last, shorter tile is written into and summed over a full tile's rows (stale summands)",
         (("gpu_server/judging/metrics.py", "(full, grid) if m == size else", "(full, grid) if True else"),),

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -179,3 +182,28 @@ def test_the_command_line_sets_the_policy_before_torch_loads_openmp(tmp_path, mo
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     assert cli.main(["--config", str(tmp_path / "missing.json"), "--out", str(tmp_path / "out")]) == 2
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+
+
+def test_a_worker_the_fork_server_never_forks_counts_as_killed_without_waiting_for_it(monkeypatch):
+    """A fork server still starting (or stuck) when the server stops a worker it asked for: `kill` waits
+    KILL_WAIT_S for the fork, then counts the worker as killed, so a stopping server is not held by it."""
+    from gpu_server.replay import fork_server
+
+    monkeypatch.setattr(fork_server, "KILL_WAIT_S", 0.5)
+    ours, theirs = socket.socketpair()
+    silent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], pass_fds=(theirs.fileno(),))
+    theirs.close()
+    client = fork_server.Client(silent, ours)
+    try:
+        r, w = os.pipe()
+        worker = fork_server.ForkedWorker(client, client.fork(r, w), start_timeout=20)
+        os.close(r)
+        os.close(w)
+        assert worker.poll() is None and worker.pid is None      # asked for, not forked yet: running, as far as known
+        t0 = time.monotonic()
+        worker.kill()
+        assert worker.wait(timeout=5) == -signal.SIGKILL
+        assert time.monotonic() - t0 < 5
+    finally:
+        client.close()
+    assert silent.returncode is not None                          # close ended the fork server

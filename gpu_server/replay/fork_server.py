@@ -42,6 +42,7 @@ _PR_SET_NAME = 15
 WORKER_NAME = b"gpu-replay"             # a replay worker's name in ps and top (/proc/PID/comm), forked or not
 FORK_SERVER_NAME = b"gpu-replay-fork"   # this process's
 _REPARENT_TIMEOUT_S = 10.0
+KILL_WAIT_S = 5.0                       # how long `ForkedWorker.kill` waits for a fork still to come
 
 
 def _prctl(option: int, value: int | bytes) -> bool:
@@ -184,8 +185,14 @@ class ForkedWorker:
         return self.returncode
 
     def kill(self) -> None:
-        pid = self._known(self._start_timeout)
-        if pid is not None and self.returncode is None:
+        """SIGKILL. One not forked within `KILL_WAIT_S` (a fork server still starting, or stuck) counts as killed:
+        forked later, it finds its pipe closed (the server closes it first) and exits before it replays anything."""
+        pid = self._known(min(KILL_WAIT_S, self._start_timeout))
+        if pid is None:
+            if self.returncode is None:
+                self.returncode = -int(signal.SIGKILL)
+            return
+        if self.returncode is None:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
