@@ -23,16 +23,11 @@ from protos import online_check_pb2 as pb
 from protos.limits import MiB
 from tests import support
 from tests.test_hostile import RawStream, hello
-from tests.test_sandbox import _zombie, fork_servers, job_of, relu, replay_workers, wait_for
+from tests.test_sandbox import ended, fork_servers, job_of, relu, replay_workers, wait_for
 
 
 def _ended(proc: subprocess.Popen, timeout: float = 120) -> int:
     return proc.wait(timeout=timeout)
-
-
-def _gone(pids: list[int], timeout: float = 10) -> bool:
-    return bool(wait_for(lambda: all(not os.path.exists(f"/proc/{p}") or _zombie(p) for p in pids), timeout,
-                         f"the end of {pids}"))
 
 
 def _check_three(server) -> None:
@@ -56,7 +51,7 @@ def test_the_server_s_workers_are_forked_by_its_fork_server(tmp_path, workers):
         assert server.stop() == 0                  # drains: the three are checked
         # (a worker logs its start at its first request: the first record of its rank)
         assert server.log().count("worker process 1 started (forked)") == 1, server.log()
-        assert _gone(pids + forks)                 # ended with the server
+        ended(pids + forks, 10, "the workers and the fork server to end with the server")
     rows = support.read_csv(server.out, "accuracy_checking_result")
     assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows
 
@@ -73,7 +68,7 @@ def test_without_the_fork_server_the_workers_are_the_interpreters_started_ahead(
         _check_three(server)
         assert server.stop() == 0
         assert server.log().count("worker process 1 started (started ahead)") == 1, server.log()
-        assert _gone(pids)
+        ended(pids, 10, "the workers to end with the server")
     rows = support.read_csv(server.out, "accuracy_checking_result")
     assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows
 
@@ -109,7 +104,7 @@ def test_replaced_workers_are_forked_and_once_the_fork_server_is_gone_started_fr
                 fork_server_here.proc.kill()
                 fork_server_here.proc.wait()
             os.kill(pid, signal.SIGKILL)
-            assert _gone([pid])
+            ended([pid], 10, "the killed worker to end")
             assert proc._kill() == "signal SIGKILL"                 # its exit status, as a fresh worker's
         assert hows == ["forked", "forked", ""]
         assert proc.replaced == 2

@@ -352,12 +352,17 @@ def test_a_replay_worker_ends_with_its_server_even_mid_replay(tmp_path):
         assert len(forks) == 1, forks
         server.proc.kill()
         server.proc.wait()
-        wait_for(lambda: not os.path.exists(f"/proc/{worker}") or _zombie(worker), 3, "the worker to end")
+        ended([worker], 3, "the worker to end")
         # and its fork server (gpu_server/replay/fork_server.py), idle, also by its parent-death signal
-        wait_for(lambda: not os.path.exists(f"/proc/{forks[0]}") or _zombie(forks[0]), 3, "the fork server to end")
+        ended(forks, 3, "the fork server to end")
         stream.close()
     finally:
         server.kill()
+
+
+def ended(pids: list[int], timeout: float, what: str) -> None:
+    """Wait until every process of `pids` is gone or a zombie (ended, not yet waited for)."""
+    wait_for(lambda: all(not os.path.exists(f"/proc/{p}") or _zombie(p) for p in pids), timeout, what)
 
 
 def _zombie(pid: int) -> bool:

@@ -31,6 +31,7 @@ import select
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import threading
 import time
@@ -45,7 +46,8 @@ _REPARENT_TIMEOUT_S = 10.0
 KILL_WAIT_S = 5.0                       # how long `ForkedWorker.kill` waits for a fork still to come
 
 
-def _prctl(option: int, value: int | bytes) -> bool:
+def prctl(option: int, value: int | bytes) -> bool:
+    """Linux's prctl(option, value) for this process; False where it failed or there is none."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         arg = ctypes.c_char_p(value) if isinstance(value, bytes) else ctypes.c_ulong(value)
@@ -58,13 +60,13 @@ def become_subreaper(on: bool = True) -> bool:
     """Linux: this process adopts the orphans among its descendants, the forked replay workers among them (or, with
     `on` False, no longer does). False where that is not possible: the server then starts each worker as a fresh
     interpreter."""
-    return sys.platform.startswith("linux") and _prctl(_PR_SET_CHILD_SUBREAPER, int(on))
+    return sys.platform.startswith("linux") and prctl(_PR_SET_CHILD_SUBREAPER, int(on))
 
 
 def name_this_process(name: bytes) -> None:
     """The name `ps -o comm` and `top` show (Linux; elsewhere nothing changes)."""
     if sys.platform.startswith("linux"):
-        _prctl(_PR_SET_NAME, name)
+        prctl(_PR_SET_NAME, name)
 
 
 # -- the server's side -----------------------------------------------------------------------------------------------
@@ -172,8 +174,6 @@ class ForkedWorker:
 
     def wait(self, timeout: float | None = None) -> int:
         """Its exit code; subprocess.TimeoutExpired after `timeout` seconds."""
-        import subprocess
-
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = 0.001
         while self.poll() is None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import gc
@@ -307,11 +306,7 @@ def _die_with_the_server() -> None:
     session of its own), and it would run to its end, or forever. Its pipe closing stops only a process that waits
     for a request. Elsewhere, or when prctl is not there, nothing changes."""
     parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
+    if not fork_server.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL)):
         return
     if os.getppid() != parent:   # the server ended before the line above: no signal will come
         os._exit(0)
