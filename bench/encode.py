@@ -1,6 +1,7 @@
 """The sender's encoding of small records into one Batch frame, side by side in one run, on one core.
 
     python bench/encode.py [--records 64] [--rounds 30] [--sizes 4k,64k]
+    python bench/encode.py --strided [--rounds 30]
 
 For each size, 64 records of a relu call (input and output, each of that size / 2 bytes of float32) are encoded
 and framed four ways, alternating round by round, the fastest round of each kept (training-thread CPU):
@@ -14,6 +15,16 @@ and framed four ways, alternating round by round, the fastest round of each kept
 * floor:         each tensor's bytes memmoved into one preallocated buffer, nothing else: the copy itself.
 It prints microseconds per record and the ratios to the floor. Both encodings give the same bytes
 (tests/test_batching.py).
+
+`--strided`: the copy of one tensor that is not contiguous (a transpose, attention's heads, a slice of a fused qkv
+output, k transposed for q @ k^T) into a payload, three ways, alternating round by round, the fastest of each kept
+(wall time; one core, one torch thread):
+* compiled:      its elements gathered straight into the payload (npu_agent/_fastencode.c `gather`, what the
+                 compiled walk's copy does);
+* Python:        `.contiguous()`, then that copy memmoved into the payload (npu_agent.payload `Spans.copy` without
+                 the compiled module, and before it gathered);
+* floor:         the same number of bytes memmoved from a contiguous tensor.
+Both give the same bytes (tests/test_fastencode.py).
 """
 from __future__ import annotations
 
@@ -72,15 +83,62 @@ WAYS = {"together": _together, "together, Python walk": _in_python(_together), "
         "floor": _floor}
 
 
+def _strided_tensors() -> dict[str, torch.Tensor]:
+    return {"transpose 2048x2048 float32": torch.randn(2048, 2048).t(),
+            "transpose 512x512 float32": torch.randn(512, 512).t(),
+            "transpose 4096x1024 bfloat16": torch.randn(4096, 1024).to(torch.bfloat16).t(),
+            "heads [8,128,8,64] -> [8,8,128,64]": torch.randn(8, 128, 8, 64).transpose(1, 2),
+            "qkv slice [8,128,1536][..., :512]": torch.randn(8, 128, 3 * 512)[..., :512],
+            "k^T [8,8,128,64] -> [8,8,64,128]": torch.randn(8, 8, 128, 64).transpose(-2, -1),
+            "transpose 64x64 float32": torch.randn(64, 64).t()}
+
+
+def _copies(t: torch.Tensor, nbytes: int, addr: int, gather) -> dict:
+    """The three ways of `--strided` to copy `t` to addr."""
+    from npu_agent.payload import Region
+
+    dense = t.contiguous()
+    return {"compiled": lambda: Region(addr, nbytes, None).copy(0, nbytes, t, gather),
+            "Python": lambda: Region(addr, nbytes, None).copy(0, nbytes, t),
+            "floor": lambda: ctypes.memmove(addr, dense.data_ptr(), nbytes)}
+
+
+def strided(rounds: int) -> None:
+    """The `--strided` measures (module docstring)."""
+    walk = records.walker()
+    gather = getattr(walk, "gather", None)
+    if gather is None:
+        sys.exit("bench/encode.py --strided: npu_agent/_fastencode.c is not built (scripts/setup.sh builds it)")
+    print(f"one tensor copied into a payload, the fastest of {rounds} rounds each, alternating; us per tensor")
+    for name, t in _strided_tensors().items():
+        nbytes = t.numel() * t.element_size()
+        out = bytearray(nbytes)
+        ways = _copies(t, nbytes, ctypes.addressof((ctypes.c_char * nbytes).from_buffer(out)), gather)
+        best = dict.fromkeys(ways, float("inf"))
+        for r in range(rounds):
+            for way, run in (list(ways.items()) if r % 2 == 0 else list(ways.items())[::-1]):
+                t0 = time.perf_counter()
+                run()
+                best[way] = min(best[way], (time.perf_counter() - t0) * 1e6)
+        line = "   ".join(f"{k} {v:8.1f}" for k, v in best.items())
+        print(f"  {name:36s} {nbytes >> 10:6d} KiB   {line}   compiled/floor {best['compiled'] / best['floor']:.2f}"
+              f"   Python/floor {best['Python'] / best['floor']:.2f}   compiled/Python "
+              f"{best['compiled'] / best['Python']:.2f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--records", type=int, default=64)
     p.add_argument("--rounds", type=int, default=30)
     p.add_argument("--sizes", default="4k,64k", help="bytes per record (k: KiB)")
+    p.add_argument("--strided", action="store_true", help="the copy of one strided tensor (module docstring)")
     ns = p.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     torch.set_num_threads(1)
+    if ns.strided:
+        strided(ns.rounds)
+        return
     print(f"{ns.records} records a frame, the fastest of {ns.rounds} rounds each, alternating; us per record")
     for size in ns.sizes.split(","):
         nbytes = int(size[:-1]) * 1024 if size.endswith("k") else int(size)

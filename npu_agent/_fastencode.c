@@ -9,9 +9,12 @@
  *   value, sequence, mapping  RecordEncoder.value, .sequence, .mapping (a tensor's entry appended to enc.metas, its
  *                             place to enc.places, enc.size moved on, as _PayloadEncoder.tensor does);
  *   record                    the Record: header, tensor table, payload size, then its other fields as given;
- *   copy_places               _PayloadEncoder.copy_into's loop: a dense CPU tensor memmoved into a payload in one
- *                             piece (the interpreter lock released for 64 KiB and more), anything else by the
- *                             payload's own `copy`.
+ *   copy_places               _PayloadEncoder.copy_into's loop: a CPU tensor's elements copied into a payload in
+ *                             one piece, in row-major order (what `.contiguous()` holds: one memcpy for a
+ *                             contiguous tensor, row by row for a transposed or sliced one; the interpreter lock
+ *                             released for 64 KiB and more), anything else by the payload's own `copy`;
+ *   gather                    the same copy of any part of a tensor's bytes, for a payload in several pieces
+ *                             (npu_agent.payload `Spans.copy`: a large record's frames, a record file).
  *
  * Only the common cases are written here: None, bool, int, float, str, exact tuples, lists, str-keyed dicts,
  * torch.Size, dtypes and contiguous strided tensors of the exact classes torch.Tensor and torch.nn.Parameter whose
@@ -34,7 +37,8 @@ static PyObject *tensor_type, *parameter_type, *size_type, *dtype_type, *strided
 static long long align = 1;
 static PyObject *s_layout, *s_is_contiguous, *s_numel, *s_element_size, *s_dtype, *s_device, *s_shape, *s_metas,
     *s_places, *s_size, *s_tensor, *s_value, *s_mapping, *s_requires_grad, *s_is_cpu, *s_is_conj, *s_is_neg,
-    *s_nbytes,    *s_data_ptr;
+    *s_data_ptr, *s_stride;
+static PyObject *gather_fn;   /* this module's gather, handed to a payload's own copy */
 
 /* ---------------------------------------------------------------------------------------------- byte buffer */
 typedef struct {
@@ -438,35 +442,84 @@ put_value(Ctx *c, Buf *b, PyObject *obj, int depth)
 }
 
 /* ------------------------------------------------------------------------------------------- the copy */
-/* npu_agent.payload.dense_address: the address of t's nbytes when they lie in host memory as the wire wants them,
- * 0 when not (then target.copy converts them), -1 on error. Tensors of an exact class only (0 for the others). */
-static long long
-dense_address(PyObject *t, long long nbytes)
+/* A strided host tensor, as `gather` reads it: its first element's address, its element size, and its dimensions
+ * (size 1 dropped, neighbours that are one run merged), innermost last. */
+#define MAX_DIMS 64
+typedef struct {
+    char *addr;
+    long long item, ndim;
+    long long size[MAX_DIMS], stride[MAX_DIMS];   /* stride in bytes */
+} Strided;
+
+static int
+truth_of(PyObject *r)
+{
+    if (r == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return truth;
+}
+
+static int
+ints_of(PyObject *seq, long long *out, Py_ssize_t n)
+{
+    if (!PyTuple_Check(seq) || PyTuple_GET_SIZE(seq) != n)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
+        if (out[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 1;
+}
+
+/* 1 with `s` filled when t is a host tensor of an exact class, neither a conjugate nor a negative view, whose
+ * elements take exactly nbytes; 0 when not (then the payload's own `copy` converts it); -1 on error. */
+static int
+strided_of(PyObject *t, long long nbytes, Strided *s)
 {
     if (Py_TYPE(t) != (PyTypeObject *)tensor_type && Py_TYPE(t) != (PyTypeObject *)parameter_type)
         return 0;
-    PyObject *names[] = {s_is_cpu, s_is_contiguous, s_is_conj, s_is_neg};
-    int want[] = {1, 1, 0, 0};
-    for (int i = 0; i < 4; i++) {
-        PyObject *r = i == 0 ? PyObject_GetAttr(t, names[i]) : PyObject_CallMethodNoArgs(t, names[i]);
-        if (r == NULL)
-            return -1;
-        int truth = PyObject_IsTrue(r);
-        Py_DECREF(r);
-        if (truth < 0)
-            return -1;
-        if (truth != want[i])
-            return 0;
+    int truth = truth_of(PyObject_GetAttr(t, s_is_cpu));
+    if (truth != 1)
+        return truth;
+    for (int i = 0; i < 2; i++) {
+        truth = truth_of(PyObject_CallMethodNoArgs(t, i ? s_is_neg : s_is_conj));
+        if (truth != 0)
+            return truth < 0 ? -1 : 0;
     }
-    PyObject *n = PyObject_GetAttr(t, s_nbytes);
-    if (n == NULL)
+    long long size[MAX_DIMS], stride[MAX_DIMS];
+    PyObject *shape = PyObject_GetAttr(t, s_shape);
+    if (shape == NULL)
         return -1;
-    long long have = PyLong_AsLongLong(n);
-    Py_DECREF(n);
-    if (have == -1 && PyErr_Occurred())
+    Py_ssize_t ndim = PyTuple_Check(shape) ? PyTuple_GET_SIZE(shape) : MAX_DIMS + 1;
+    int ok = ndim <= MAX_DIMS ? ints_of(shape, size, ndim) : 0;
+    Py_DECREF(shape);
+    if (ok <= 0)
+        return ok;
+    PyObject *strides = PyObject_CallMethodNoArgs(t, s_stride);
+    if (strides == NULL)
         return -1;
-    if (have != nbytes)
-        return 0;
+    ok = ints_of(strides, stride, ndim);
+    Py_DECREF(strides);
+    if (ok <= 0)
+        return ok;
+    PyObject *r = PyObject_CallMethodNoArgs(t, s_element_size);
+    if (r == NULL)
+        return -1;
+    long long item = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    if (item == -1 && PyErr_Occurred())
+        return -1;
+    long long numel = 1;
+    for (Py_ssize_t i = 0; i < ndim; i++) {
+        if (size[i] < 0 || stride[i] < 0)
+            return 0;
+        numel *= size[i];
+    }
+    if (item <= 0 || numel * item != nbytes)
+        return 0;   /* (resized since the layout: the payload's copy raises) */
     PyObject *ptr = PyObject_CallMethodNoArgs(t, s_data_ptr);
     if (ptr == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_RuntimeError))   /* a wrapper subclass without storage: converted */
@@ -474,11 +527,178 @@ dense_address(PyObject *t, long long nbytes)
         PyErr_Clear();
         return 0;
     }
-    long long addr = (long long)PyLong_AsUnsignedLongLong(ptr);
+    s->addr = (char *)(uintptr_t)PyLong_AsUnsignedLongLong(ptr);
     Py_DECREF(ptr);
     if (PyErr_Occurred())
         return -1;
-    return addr;
+    s->item = item;
+    s->ndim = 0;
+    for (Py_ssize_t i = 0; i < ndim; i++) {
+        if (size[i] == 1)
+            continue;
+        long long st = stride[i] * item;
+        if (s->ndim && s->stride[s->ndim - 1] == st * size[i]) {   /* one run with the dimension before */
+            s->size[s->ndim - 1] *= size[i];
+            s->stride[s->ndim - 1] = st;
+        } else {
+            s->size[s->ndim] = size[i];
+            s->stride[s->ndim] = st;
+            s->ndim++;
+        }
+    }
+    if (s->ndim == 0) {   /* one element */
+        s->size[0] = 1;
+        s->stride[0] = item;
+        s->ndim = 1;
+    }
+    return 1;
+}
+
+/* Bytes [from, to) of a row of n elements `step` bytes apart, in order, to dst. */
+static char *
+copy_row(char *dst, const char *src, long long step, long long item, long long from, long long to)
+{
+    if (step == item) {   /* contiguous */
+        memcpy(dst, src + from, (size_t)(to - from));
+        return dst + (to - from);
+    }
+    long long e = from / item, part = from % item;
+    if (part) {   /* the end of an element cut at `from` */
+        long long n = item - part < to - from ? item - part : to - from;
+        memcpy(dst, src + e * step + part, (size_t)n);
+        dst += n;
+        from += n;
+        e++;
+    }
+    long long full = (to - from) / item;
+    const char *p = src + e * step;
+    switch (item) {
+    case 1:
+        for (long long i = 0; i < full; i++, p += step) dst[i] = *p;
+        break;
+    case 2:
+        for (long long i = 0; i < full; i++, p += step) memcpy(dst + 2 * i, p, 2);
+        break;
+    case 4:
+        for (long long i = 0; i < full; i++, p += step) memcpy(dst + 4 * i, p, 4);
+        break;
+    case 8:
+        for (long long i = 0; i < full; i++, p += step) memcpy(dst + 8 * i, p, 8);
+        break;
+    default:
+        for (long long i = 0; i < full; i++, p += step) memcpy(dst + item * i, p, (size_t)item);
+    }
+    dst += full * item;
+    from += full * item;
+    if (from < to) {   /* the start of an element cut at `to` */
+        memcpy(dst, p, (size_t)(to - from));
+        dst += to - from;
+    }
+    return dst;
+}
+
+/* An R x C plane whose element (i, j) is at src + i * s1 + j * s2, to dst in row-major order, in tiles of TILE_ROWS
+ * x TILE_COLS elements: where a row's elements lie far apart and a column's close (a transpose), each source cache
+ * line is then read once for many rows, not once for every row, and a tile's few columns stay within the cache's
+ * ways however their distance aliases. (A 2048 x 2048 float32 transpose on a 2-core EPYC VM: 7.8 ms, 14 ms in 32 x 32
+ * tiles, 35 ms row by row; torch's .contiguous() 7.9 ms. bench/encode.py --strided prints such copies.) */
+#define TILE_ROWS 64
+#define TILE_COLS 8
+static void
+copy_plane(char *dst, const char *src, long long R, long long C, long long s1, long long s2, long long item)
+{
+    for (long long i0 = 0; i0 < R; i0 += TILE_ROWS) {
+        long long i1 = i0 + TILE_ROWS < R ? i0 + TILE_ROWS : R;
+        for (long long j0 = 0; j0 < C; j0 += TILE_COLS) {
+            long long n = (j0 + TILE_COLS < C ? TILE_COLS : C - j0) * item;
+            for (long long i = i0; i < i1; i++)
+                copy_row(dst + (i * C + j0) * item, src + i * s1 + j0 * s2, s2, item, 0, n);
+        }
+    }
+}
+
+/* Bytes [skip, skip + count) of the tensor's elements in row-major order (what `.contiguous()` holds) to dst: the
+ * outer dimensions looped over, the inner ones a row, or a plane of rows (copy_plane) where the last dimension's
+ * elements lie farther apart than the one before it's. */
+static void
+gather(const Strided *s, char *dst, long long skip, long long count)
+{
+    long long last = s->ndim - 1, item = s->item;
+    int tiled = last >= 1 && s->stride[last] != item && s->stride[last - 1] < s->stride[last];
+    long long outer = tiled ? last - 1 : last;
+    long long R = tiled ? s->size[last - 1] : 1, C = s->size[last];
+    long long s1 = tiled ? s->stride[last - 1] : 0, s2 = s->stride[last];
+    long long row = C * item, plane = R * row;
+    long long idx[MAX_DIMS];
+    long long p = skip / plane, at = skip % plane;
+    for (long long d = outer - 1; d >= 0; d--) {   /* the plane's index over the outer dimensions */
+        idx[d] = p % s->size[d];
+        p /= s->size[d];
+    }
+    while (count > 0) {
+        const char *src = s->addr;
+        for (long long d = 0; d < outer; d++)
+            src += idx[d] * s->stride[d];
+        if (R > 1 && at == 0 && count >= plane) {
+            copy_plane(dst, src, R, C, s1, s2, item);
+            dst += plane;
+            count -= plane;
+        } else {   /* a part of a plane: its rows */
+            long long end = at + count < plane ? at + count : plane;
+            while (at < end) {
+                long long r = at / row, from = at % row, to = end - r * row < row ? end - r * row : row;
+                dst = copy_row(dst, src + r * s1, s2, item, from, to);
+                count -= to - from;
+                at = r * row + to;
+            }
+        }
+        at = 0;
+        for (long long d = outer - 1; d >= 0; d--) {   /* the next plane */
+            if (++idx[d] < s->size[d])
+                break;
+            idx[d] = 0;
+        }
+    }
+}
+
+/* gather, letting the training's thread run meanwhile for a large copy */
+static void
+copy_elements(const Strided *s, char *dst, long long skip, long long count)
+{
+    if (count >= (1 << 16)) {
+        Py_BEGIN_ALLOW_THREADS
+        gather(s, dst, skip, count);
+        Py_END_ALLOW_THREADS
+    } else {
+        gather(s, dst, skip, count);
+    }
+}
+
+/* gather(tensor, nbytes, addr, skip, count) -> bool */
+static PyObject *
+fe_gather(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "gather(tensor, nbytes, addr, skip, count) takes 5 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    long long nbytes = PyLong_AsLongLong(args[1]);
+    unsigned long long addr = PyLong_AsUnsignedLongLong(args[2]);
+    long long skip = PyLong_AsLongLong(args[3]), count = PyLong_AsLongLong(args[4]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (skip < 0 || count < 0 || skip + count > nbytes || !addr) {
+        PyErr_SetString(PyExc_ValueError, "gather: bytes [skip, skip + count) must lie within the tensor's nbytes");
+        return NULL;
+    }
+    Strided s;
+    int ok = strided_of(args[0], nbytes, &s);
+    if (ok < 0)
+        return NULL;
+    if (ok == 0)
+        Py_RETURN_FALSE;
+    copy_elements(&s, (char *)(uintptr_t)addr, skip, count);
+    Py_RETURN_TRUE;
 }
 
 /* _PayloadEncoder.copy_into's loop: each place's tensor (or its copy-on-write source) into the target. */
@@ -521,25 +741,18 @@ fe_copy_places(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
         if (src == NULL)
             src = t;
         Py_INCREF(src);
-        long long from = base ? dense_address(src, nbytes) : 0;
-        if (from > 0) {
-            if (nbytes >= (1 << 16)) {   /* a large copy lets the training's thread run meanwhile */
-                Py_BEGIN_ALLOW_THREADS
-                memmove((char *)(uintptr_t)base + off, (const char *)(uintptr_t)from, (size_t)nbytes);
-                Py_END_ALLOW_THREADS
-            } else {
-                memmove((char *)(uintptr_t)base + off, (const char *)(uintptr_t)from, (size_t)nbytes);
-            }
-        } else if (from == 0) {   /* target.copy(off, nbytes, src): any other layout, device or class */
-            PyObject *r = PyObject_CallMethod(target, "copy", "LLO", off, nbytes, src);
-            if (r == NULL) {
-                Py_DECREF(src);
-                return NULL;
-            }
-            Py_DECREF(r);
+        Strided st;
+        int ok = base ? strided_of(src, nbytes, &st) : 0;
+        if (ok > 0) {   /* a host tensor, contiguous or not: its elements written in order */
+            copy_elements(&st, (char *)(uintptr_t)base + off, 0, nbytes);
+        } else if (ok == 0) {   /* target.copy(off, nbytes, src, gather): any other device or class */
+            PyObject *r = PyObject_CallMethod(target, "copy", "LLOO", off, nbytes, src, gather_fn);
+            if (r == NULL)
+                ok = -1;
+            Py_XDECREF(r);
         }
         Py_DECREF(src);
-        if (from < 0)
+        if (ok < 0)
             return NULL;
     }
     Py_RETURN_NONE;
@@ -736,8 +949,13 @@ static PyMethodDef fe_methods[] = {
      "Record's bytes, its header, its tensor table and payload size, then the bytes of `tail` (its other fields)"},
     {"copy_places", (PyCFunction)(void (*)(void))fe_copy_places, METH_FASTCALL,
      "copy_places(target, places, source, addr): each (offset, nbytes, tensor) of places, its tensor or "
-     "source[id(tensor)], written at offset: memmoved to addr + offset where addr is the target's one span and the "
-     "tensor is dense in host memory, else by target.copy(offset, nbytes, tensor) (addr 0: always)"},
+     "source[id(tensor)], written at offset: its elements in row-major order to addr + offset where addr is the "
+     "target's one span and the tensor lies in host memory (as gather), else by target.copy(offset, nbytes, tensor, "
+     "gather) (addr 0: always)"},
+    {"gather", (PyCFunction)(void (*)(void))fe_gather, METH_FASTCALL,
+     "gather(tensor, nbytes, addr, skip, count) -> bool: bytes [skip, skip + count) of a host tensor's elements in "
+     "row-major order (what its .contiguous() holds) written to addr; False, with nothing written, for a tensor "
+     "this does not read (another device or class, a conjugate or negative view, not nbytes of elements)"},
     {NULL, NULL, 0, NULL},
 };
 
@@ -755,8 +973,16 @@ PyInit__fastencode(void)
     INTERN(s_shape, "shape"); INTERN(s_metas, "metas"); INTERN(s_places, "places"); INTERN(s_size, "size");
     INTERN(s_tensor, "tensor"); INTERN(s_value, "value"); INTERN(s_mapping, "mapping");
     INTERN(s_requires_grad, "requires_grad");
-    INTERN(s_is_cpu, "is_cpu"); INTERN(s_is_conj, "is_conj"); INTERN(s_is_neg, "is_neg"); INTERN(s_nbytes, "nbytes");
-    INTERN(s_data_ptr, "data_ptr");
+    INTERN(s_is_cpu, "is_cpu"); INTERN(s_is_conj, "is_conj"); INTERN(s_is_neg, "is_neg");
+    INTERN(s_data_ptr, "data_ptr"); INTERN(s_stride, "stride");
 #undef INTERN
-    return PyModule_Create(&fe_module);
+    PyObject *module = PyModule_Create(&fe_module);
+    if (module == NULL)
+        return NULL;
+    gather_fn = PyObject_GetAttrString(module, "gather");
+    if (gather_fn == NULL) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

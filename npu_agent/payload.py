@@ -28,7 +28,8 @@ import ctypes
 import mmap
 import os
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -179,6 +180,10 @@ def huge_pages(addr: int, n: int) -> bool:
     return bool(_libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0)
 
 
+# npu_agent/_fastencode.c's gather(tensor, nbytes, addr, skip, count)
+Gather = Callable[[torch.Tensor, int, int, int, int], bool]
+
+
 def dense_address(t: torch.Tensor, nbytes: int) -> int:
     """The address of `t`'s nbytes when they lie in host memory exactly as the wire wants them; else 0."""
     if (not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg()
@@ -221,17 +226,30 @@ class Spans:
         """The address of the whole payload when it lies in one piece written by `Region.write`, else 0."""
         return 0
 
-    def copy(self, off: int, nbytes: int, t: torch.Tensor) -> None:
-        """Write tensor `t` (nbytes of it) at payload offset `off`."""
+    def copy(self, off: int, nbytes: int, t: torch.Tensor, gather: Gather | None = None) -> None:
+        """Write tensor `t` (nbytes of it) at payload offset `off`. `gather`: the compiled copy of a host tensor's
+        elements (npu_agent/_fastencode.c, which passes it), for a tensor that is not dense: its elements written in
+        row-major order without a contiguous copy first (the bytes the Python path writes)."""
         src = dense_address(t, nbytes)
         if src:
             self.write(off, src, nbytes)
+            return
+        if gather is not None and self.gathered(off, nbytes, t, gather):
             return
         with torch.no_grad(), disable_torch_function():   # the agent's own torch calls are not captured
             host = t.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
         if host.numel() * host.element_size() != nbytes:
             raise ValueError(f"a {tuple(t.shape)} tensor does not fill the {nbytes} bytes laid out for it")
         self.write(off, int(host.data_ptr()), nbytes)
+
+
+    def gathered(self, off: int, nbytes: int, t: torch.Tensor, gather: Gather) -> bool:
+        """`gather` each span's part of `t`'s bytes into it; False, with nothing written, where it cannot read `t`."""
+        for start, end, addr in self.spans:
+            lo, hi = max(start, off), min(end, off + nbytes)
+            if lo < hi and not gather(t, nbytes, addr + lo - start, lo - off, hi - lo):
+                return False
+        return True
 
 
 class Region(Spans):
@@ -350,3 +368,29 @@ class FilePayload(Spans):
             lo, hi = max(start, off), min(end, off + n)
             if lo < hi:
                 pwrite_all(self.fd, bytes(hi - lo), file_at + lo - start)
+
+    def gathered(self, off: int, nbytes: int, t: torch.Tensor, gather: Gather) -> bool:
+        """`gather` `t`'s bytes into a scratch buffer of at most GATHER_BYTES, reused, and write each piece."""
+        scratch, addr = _scratch(min(nbytes, GATHER_BYTES))
+        for start, end, file_at in self.spans:
+            lo, hi = max(start, off), min(end, off + nbytes)
+            while lo < hi:
+                n = min(hi - lo, len(scratch))
+                if not gather(t, nbytes, addr, lo - off, n):
+                    return False
+                pwrite_all(self.fd, memoryview(scratch)[:n], file_at + lo - start)
+                lo += n
+        return True
+
+
+GATHER_BYTES = 4 << 20
+_SCRATCH = threading.local()   # FilePayload.gathered's buffer, one a thread (the sender's), kept for reuse
+
+
+def _scratch(n: int) -> tuple[bytearray, int]:
+    """This thread's buffer of at least n bytes, and its address."""
+    kept = getattr(_SCRATCH, "buf", None)
+    if kept is None or len(kept[0]) < n:
+        buf = bytearray(n)
+        kept = _SCRATCH.buf = (buf, (ctypes.c_char * n).from_buffer(buf))   # (pinned: the bytearray cannot move)
+    return kept[0], ctypes.addressof(kept[1])

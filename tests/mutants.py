@@ -141,6 +141,20 @@ MUTATIONS = (
           "        src = t;\n"),),
         ("tests/test_fastencode.py", "tests/test_capture_refs.py", "tests/test_batching.py")),
     Mutation(
+        "gather-reads-a-cut-element-from-its-start",
+        "the compiled gather copies the end of an element cut at a frame's or a scratch piece's start from the "
+        "element's first byte",
+        (("npu_agent/_fastencode.c", "        memcpy(dst, src + e * step + part, (size_t)n);\n",
+          "        memcpy(dst, src + e * step, (size_t)n);\n"),),
+        ("tests/test_fastencode.py",)),
+    Mutation(
+        "gather-tiles-step-columns-by-the-row-stride",
+        "the compiled gather's tiled copy of a transpose moves from one tile of columns to the next by the rows' "
+        "stride",
+        (("npu_agent/_fastencode.c", "src + i * s1 + j0 * s2, s2, item, 0, n);\n",
+          "src + i * s1 + j0 * s1, s2, item, 0, n);\n"),),
+        ("tests/test_fastencode.py",)),
+    Mutation(
         "fastencode-writes-past-its-buffer",
         "the compiled walk puts a field's key and length in front of it without making room: it writes past its buffer",
         (("npu_agent/_fastencode.c", "    if (reserve(b, k) < 0)\n        return -1;\n    memmove(b->p + start + k,",

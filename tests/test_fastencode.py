@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import enum
 import math
+import os
 
 import numpy as np
 import pytest
@@ -222,3 +223,84 @@ def test_a_list_emptied_during_its_walk_is_walked_as_python_walks_it(fast):
         got.append((walk.sequence(enc, [items], None, lambda t: {"requires_grad": False}), enc.metas, enc.size))
         assert _Shrinks.victim is None and items == []
     assert got[0] == got[1]
+
+
+def _strided() -> list[torch.Tensor]:
+    """Tensors that are not contiguous, of several dtypes: transposes, permutes, slices with steps, an expanded
+    one (stride 0), a row of a transpose (one run of elements apart), a view with a storage offset."""
+    out = []
+    for dt in (torch.float32, torch.bfloat16, torch.float64, torch.bool, torch.int8, torch.complex64):
+        base = (torch.randn(6, 7, 5, 4) * 10).to(dt)
+        out += [base.transpose(1, 3), base[:, 2:5, ::2], base.permute(3, 0, 2, 1), base[..., 1],
+                base[0, 0].expand(3, 5, 4), base.reshape(42, 20).t()[3:9], base.reshape(-1)[5::3]]
+    return out
+
+
+def test_the_compiled_gather_writes_what_contiguous_holds(fast):
+    """`gather` of any bytes [skip, skip + count) of a strided tensor: exactly those bytes of `.contiguous()`, cuts
+    inside an element included; False, with nothing written, for what it does not read."""
+    import ctypes
+    import random
+
+    rnd = random.Random(5)
+    for t in _strided():
+        want = t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+        for skip, count in [(0, len(want)), (1, len(want) - 2), (0, 0)] + [
+                (s, rnd.randrange(len(want) - s + 1)) for s in (rnd.randrange(len(want)) for _ in range(4))]:
+            buf = ctypes.create_string_buffer(b"\xee" * (count + 1))
+            assert fast.gather(t, len(want), ctypes.addressof(buf), skip, count) is True
+            assert buf.raw[:count] == want[skip:skip + count], (t.shape, t.stride(), t.dtype, skip, count)
+            assert buf.raw[count:count + 1] == b"\xee"   # nothing past count
+    buf = ctypes.create_string_buffer(64)
+    assert fast.gather(torch.randn(3), 11, ctypes.addressof(buf), 0, 11) is False           # not 3 float32s
+    assert fast.gather(torch.randn(2, dtype=torch.complex64).conj(), 16, ctypes.addressof(buf), 0, 16) is False
+    assert fast.gather(torch.randn(3).as_subclass(Tagged), 12, ctypes.addressof(buf), 0, 12) is False
+    assert buf.raw == bytes(64)
+    with pytest.raises(ValueError, match="within the tensor"):
+        fast.gather(torch.randn(3), 12, ctypes.addressof(buf), 4, 12)
+
+
+def test_strided_tensors_are_the_same_bytes_in_every_payload(fast, tmp_path, monkeypatch):
+    """A record of strided tensors, from both walks: in its own buffer, in a Batch frame, in a large record's
+    frames cut inside tensors and elements, and written into a record file piece by piece (a scratch buffer smaller
+    than a tensor)."""
+    from npu_agent import payload
+    from npu_agent.records import write_file
+
+    monkeypatch.setattr(payload, "GATHER_BYTES", 1000)
+
+    def small(i: int) -> PendingRecord:
+        torch.manual_seed(i)
+        ts = _strided()
+        return _record(i, tuple(ts[i::9]), {"w": ts[i + 1]}, ts[i + 2] * 1 if i % 2 else ts[i + 2])
+
+    def large(i: int) -> PendingRecord:
+        torch.manual_seed(i)
+        x = torch.randn(300, 512)
+        return _record(i, (x.t(), x[::3, 1::2].to(torch.bfloat16)), {}, x.t()[7:200])
+
+    got = []
+    for walk in (records.PythonWalk, fast):
+        with records.walking(walk):
+            one = [(e.serialized, bytes(e.buffers[0][1])) for e in (encode_record(small(i), "run-1", 2)
+                                                                    for i in range(4))]
+            recs = [small(i) for i in range(4)]
+            assert encode_together(recs, "run-1", 2)
+            together = batch_frame([r.encoded for r in recs])
+            frames = [b"".join(bytes(f) for f in encode_record(large(i), "run-1", 2, 100_003).wire_frames(100_003))
+                      for i in range(2)]
+            files = []
+            for i in range(2):
+                rec = large(i)
+                encode_record(rec, "run-1", 2, 100_003, defer=True)
+                fd = os.open(tmp_path / f"{walk is fast}{i}.rec", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    write_file(rec, fd)
+                finally:
+                    os.close(fd)
+                files.append((tmp_path / f"{walk is fast}{i}.rec").read_bytes())
+            got.append((one, together, frames, files))
+    python, c_walk = got
+    for part, p, c in zip(("own buffer", "Batch frame", "frames", "file"), python, c_walk):
+        assert c == p, f"{part}: the compiled copy wrote other bytes"
+    assert len(python[2][0]) > 600_000 and len(python[3][0]) > 600_000
