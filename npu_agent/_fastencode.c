@@ -17,9 +17,10 @@
  *                             (npu_agent.payload `Spans.copy`: a large record's frames, a record file).
  *
  * Only the common cases are written here: None, bool, int, float, str, exact tuples, lists, str-keyed dicts,
- * torch.Size, dtypes and contiguous strided tensors of the exact classes torch.Tensor and torch.nn.Parameter whose
- * dtype and device names are known already. Anything else (a tensor subclass, a non-contiguous tensor, a device, a
- * slice, a named tuple, a subclass of int, float, str, list or dict, a value nested deeper than MAX_DEPTH) is handed
+ * torch.Size, dtypes and strided tensors of the exact classes torch.Tensor and torch.nn.Parameter whose dtype and
+ * device names are known already (a non-contiguous one with the strides its clone has, as
+ * npu_agent.records._clone_stride gives them). Anything else (a tensor subclass, a 4-D or 5-D view whose elements are
+ * not dense, whose clone's layout torch picks, a device, a slice, a named tuple, a subclass of int, float, str, list or dict, a value nested deeper than MAX_DEPTH) is handed
  * to the encoder's own Python method (enc.tensor or enc.value), which writes it as always; so the two paths cannot
  * differ by design, and tests/test_fastencode.py checks that they give the same bytes. An error raised by Python code
  * called from here propagates as it would from the Python walk. Python code called from here may let the
@@ -169,8 +170,65 @@ requires_grad(Ctx *c, PyObject *t)
     return r;
 }
 
-/* _PayloadEncoder.tensor for a contiguous strided tensor of an exact class: its index in the table, -2 when this
- * tensor is for the Python method, -1 on error. */
+#define MAX_DIMS 64   /* dimensions read here; a tensor with more goes to the Python method */
+
+/* a tuple of n ints */
+static int
+ints_of(PyObject *seq, long long *out, Py_ssize_t n)
+{
+    if (!PyTuple_Check(seq) || PyTuple_GET_SIZE(seq) != n)
+        return 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
+        if (out[i] == -1 && PyErr_Occurred())
+            return -1;
+    }
+    return 1;
+}
+
+/* npu_agent.records._clone_stride for a tensor of `ndim` dimensions that is not contiguous: 1 with its own strides
+ * in `stride` when its elements are dense (a transpose, channels last: the sizes other than 1, sorted by (stride,
+ * size), each stride the product of the sizes before it), 0 when its clone is row-major (a view into a larger
+ * storage), -2 where torch decides (4 or 5 dimensions, not dense: the Python method asks it), -1 on error. */
+static int
+clone_stride(PyObject *t, PyObject *shape, Py_ssize_t ndim, long long *stride)
+{
+    long long size[MAX_DIMS], key[MAX_DIMS][2];
+    if (ndim > MAX_DIMS)
+        return -2;
+    PyObject *strides = PyObject_CallMethodNoArgs(t, s_stride);
+    if (strides == NULL)
+        return -1;
+    int ok = ints_of(strides, stride, ndim);
+    Py_DECREF(strides);
+    if (ok <= 0)
+        return ok < 0 ? -1 : -2;
+    if ((ok = ints_of(shape, size, ndim)) <= 0)
+        return ok < 0 ? -1 : -2;
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < ndim; i++) {   /* (stride, size) of the sizes other than 1, insertion-sorted */
+        if (size[i] == 1)
+            continue;
+        Py_ssize_t j = n++;
+        while (j > 0 && (key[j - 1][0] > stride[i] || (key[j - 1][0] == stride[i] && key[j - 1][1] > size[i]))) {
+            key[j][0] = key[j - 1][0];
+            key[j][1] = key[j - 1][1];
+            j--;
+        }
+        key[j][0] = stride[i];
+        key[j][1] = size[i];
+    }
+    long long expect = 1;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (key[j][0] != expect)
+            return ndim == 4 || ndim == 5 ? -2 : 0;
+        expect *= key[j][1];
+    }
+    return 1;
+}
+
+/* _PayloadEncoder.tensor for a strided tensor of an exact class (its clone's strides in the table where it is not
+ * contiguous): its index in the table, -2 when this tensor is for the Python method, -1 on error. */
 static Py_ssize_t
 tensor_here(Ctx *c, PyObject *t, int rg)
 {
@@ -189,15 +247,20 @@ tensor_here(Ctx *c, PyObject *t, int rg)
     }
     if ((contiguous = PyObject_CallMethodNoArgs(t, s_is_contiguous)) == NULL)
         goto done;
-    if (contiguous != Py_True) {
-        result = -2;
-        goto done;
-    }
     if ((numel = PyObject_CallMethodNoArgs(t, s_numel)) == NULL ||
         (elsize = PyObject_CallMethodNoArgs(t, s_element_size)) == NULL ||
         (dtype = PyObject_GetAttr(t, s_dtype)) == NULL || (device = PyObject_GetAttr(t, s_device)) == NULL ||
         (shape = PyObject_GetAttr(t, s_shape)) == NULL || (size = PyObject_GetAttr(c->enc, s_size)) == NULL)
         goto done;
+    long long stride[MAX_DIMS];
+    int strided_clone = 0;   /* the table gives the clone's strides */
+    if (contiguous != Py_True) {
+        strided_clone = PyTuple_Check(shape) ? clone_stride(t, shape, PyTuple_GET_SIZE(shape), stride) : -2;
+        if (strided_clone < 0) {
+            result = strided_clone == -1 ? -1 : -2;
+            goto done;
+        }
+    }
     dtype_name = PyDict_GetItemWithError(dtype_names, dtype);
     Py_XINCREF(dtype_name);
     device_name = dtype_name ? PyDict_GetItemWithError(device_names, device) : NULL;
@@ -226,6 +289,14 @@ tensor_here(Ctx *c, PyObject *t, int rg)
                 goto done;
         }
         if (wrap(&e, start, 2) < 0)
+            goto done;
+    }
+    if (strided_clone && ndim) {
+        Py_ssize_t start = e.n;
+        for (Py_ssize_t i = 0; i < ndim; i++)
+            if (put_varint(&e, (uint64_t)stride[i]) < 0)
+                goto done;
+        if (wrap(&e, start, 3) < 0)
             goto done;
     }
     if (offset && (put_key(&e, 4, 0) < 0 || put_varint(&e, (uint64_t)offset) < 0))
@@ -444,7 +515,6 @@ put_value(Ctx *c, Buf *b, PyObject *obj, int depth)
 /* ------------------------------------------------------------------------------------------- the copy */
 /* A strided host tensor, as `gather` reads it: its first element's address, its element size, and its dimensions
  * (size 1 dropped, neighbours that are one run merged), innermost last. */
-#define MAX_DIMS 64
 typedef struct {
     char *addr;
     long long item, ndim;
@@ -459,19 +529,6 @@ truth_of(PyObject *r)
     int truth = PyObject_IsTrue(r);
     Py_DECREF(r);
     return truth;
-}
-
-static int
-ints_of(PyObject *seq, long long *out, Py_ssize_t n)
-{
-    if (!PyTuple_Check(seq) || PyTuple_GET_SIZE(seq) != n)
-        return 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        out[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(seq, i));
-        if (out[i] == -1 && PyErr_Occurred())
-            return -1;
-    }
-    return 1;
 }
 
 /* 1 with `s` filled when t is a host tensor of an exact class, neither a conjugate nor a negative view, whose
@@ -623,6 +680,8 @@ copy_plane(char *dst, const char *src, long long R, long long C, long long s1, l
 static void
 gather(const Strided *s, char *dst, long long skip, long long count)
 {
+    if (count <= 0)   /* (an empty tensor's plane is 0 bytes) */
+        return;
     long long last = s->ndim - 1, item = s->item;
     int tiled = last >= 1 && s->stride[last] != item && s->stride[last - 1] < s->stride[last];
     long long outer = tiled ? last - 1 : last;

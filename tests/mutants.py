@@ -155,6 +155,13 @@ MUTATIONS = (
           "src + i * s1 + j0 * s1, s2, item, 0, n);\n"),),
         ("tests/test_fastencode.py",)),
     Mutation(
+        "clone-stride-keeps-a-slices-strides",
+        "the compiled walk writes a non-contiguous tensor's own strides into its table entry even where its elements "
+        "are not dense (a slice), whose clone is row-major",
+        (("npu_agent/_fastencode.c", "            return ndim == 4 || ndim == 5 ? -2 : 0;\n",
+          "            return ndim == 4 || ndim == 5 ? -2 : 1;\n"),),
+        ("tests/test_fastencode.py",)),
+    Mutation(
         "fastencode-writes-past-its-buffer",
         "the compiled walk puts a field's key and length in front of it without making room: it writes past its buffer",
         (("npu_agent/_fastencode.c", "    if (reserve(b, k) < 0)\n        return -1;\n    memmove(b->p + start + k,",

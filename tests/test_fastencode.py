@@ -81,6 +81,9 @@ def _values() -> list[tuple[tuple, dict, object]]:
         (({1: "int key"}, {"s": 1, 2: "mixed"}), {"k": {3: 4}}, torch.ones(2).as_subclass(Tagged)),
         ((_nested(80), _nested(3)), {"deep": _nested(70)}, _nested(66)),
         ((x[:, 1:3], x.detach()[::2]), {}, x.sum()),                                              # views of a slice
+        ((torch.empty(2, 0, 3, 4).transpose(1, 2), torch.empty(3, 0).t(), torch.empty(0, 2)[:, ::2]),  # empty views
+         {"cl": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last)},                   # 4-D, dense
+         torch.randn(2, 3, 4, 5, 6).permute(0, 2, 4, 1, 3)[:, 1:]),                               # 5-D, not dense
     ]
 
 
