@@ -186,6 +186,17 @@ ints_of(PyObject *seq, long long *out, Py_ssize_t n)
     return 1;
 }
 
+/* ints_of a new reference (NULL: the error already set), released */
+static int
+ints_taken(PyObject *seq, long long *out, Py_ssize_t n)
+{
+    if (seq == NULL)
+        return -1;
+    int ok = ints_of(seq, out, n);
+    Py_DECREF(seq);
+    return ok;
+}
+
 /* npu_agent.records._clone_stride for a tensor of `ndim` dimensions that is not contiguous: 1 with its own strides
  * in `stride` when its elements are dense (a transpose, channels last: the sizes other than 1, sorted by (stride,
  * size), each stride the product of the sizes before it), 0 when its clone is row-major (a view into a larger
@@ -196,11 +207,7 @@ clone_stride(PyObject *t, PyObject *shape, Py_ssize_t ndim, long long *stride)
     long long size[MAX_DIMS], key[MAX_DIMS][2];
     if (ndim > MAX_DIMS)
         return -2;
-    PyObject *strides = PyObject_CallMethodNoArgs(t, s_stride);
-    if (strides == NULL)
-        return -1;
-    int ok = ints_of(strides, stride, ndim);
-    Py_DECREF(strides);
+    int ok = ints_taken(PyObject_CallMethodNoArgs(t, s_stride), stride, ndim);
     if (ok <= 0)
         return ok < 0 ? -1 : -2;
     if ((ok = ints_of(shape, size, ndim)) <= 0)
@@ -555,12 +562,7 @@ strided_of(PyObject *t, long long nbytes, Strided *s)
     Py_DECREF(shape);
     if (ok <= 0)
         return ok;
-    PyObject *strides = PyObject_CallMethodNoArgs(t, s_stride);
-    if (strides == NULL)
-        return -1;
-    ok = ints_of(strides, stride, ndim);
-    Py_DECREF(strides);
-    if (ok <= 0)
+    if ((ok = ints_taken(PyObject_CallMethodNoArgs(t, s_stride), stride, ndim)) <= 0)
         return ok;
     PyObject *r = PyObject_CallMethodNoArgs(t, s_element_size);
     if (r == NULL)
