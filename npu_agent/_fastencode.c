@@ -613,7 +613,7 @@ strided_of(PyObject *t, long long nbytes, Strided *s)
     return 1;
 }
 
-/* Bytes [from, to) of a row of n elements `step` bytes apart, in order, to dst. */
+/* Bytes [from, to) of a row of elements `step` bytes apart (each `item` bytes), in order, to dst. */
 static char *
 copy_row(char *dst, const char *src, long long step, long long item, long long from, long long to)
 {
@@ -678,7 +678,7 @@ copy_plane(char *dst, const char *src, long long R, long long C, long long s1, l
 
 /* Bytes [skip, skip + count) of the tensor's elements in row-major order (what `.contiguous()` holds) to dst: the
  * outer dimensions looped over, the inner ones a row, or a plane of rows (copy_plane) where the last dimension's
- * elements lie farther apart than the one before it's. */
+ * elements lie farther apart than those of the one before it. */
 static void
 gather(const Strided *s, char *dst, long long skip, long long count)
 {

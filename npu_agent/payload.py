@@ -242,7 +242,6 @@ class Spans:
             raise ValueError(f"a {tuple(t.shape)} tensor does not fill the {nbytes} bytes laid out for it")
         self.write(off, int(host.data_ptr()), nbytes)
 
-
     def gathered(self, off: int, nbytes: int, t: torch.Tensor, gather: Gather) -> bool:
         """`gather` each span's part of `t`'s bytes into it; False, with nothing written, where it cannot read `t`."""
         for start, end, addr in self.spans:
