@@ -200,17 +200,20 @@ class Spans:
 
     spans: list[tuple[int, int, int]]
 
-    def write(self, off: int, src: int, n: int) -> None:
-        for start, end, addr in self.spans:
+    def pieces(self, off: int, n: int) -> Iterator[tuple[int, int, int]]:
+        """Payload bytes [off, off + n) span by span: (where the piece lives, its distance from off, its length)."""
+        for start, end, at in self.spans:
             lo, hi = max(start, off), min(end, off + n)
             if lo < hi:
-                ctypes.memmove(addr + lo - start, src + lo - off, hi - lo)
+                yield at + lo - start, lo - off, hi - lo
+
+    def write(self, off: int, src: int, n: int) -> None:
+        for at, skip, count in self.pieces(off, n):
+            ctypes.memmove(at, src + skip, count)
 
     def zero(self, off: int, n: int) -> None:
-        for start, end, addr in self.spans:
-            lo, hi = max(start, off), min(end, off + n)
-            if lo < hi:
-                ctypes.memset(addr + lo - start, 0, hi - lo)
+        for at, _, count in self.pieces(off, n):
+            ctypes.memset(at, 0, count)
 
     def zero_padding(self, size: int, places: list[tuple[int, int, Any]]) -> None:
         """Zero what no tensor of `places` [(offset, nbytes, tensor)] covers: alignment padding goes out as zeros."""
@@ -244,9 +247,8 @@ class Spans:
 
     def gathered(self, off: int, nbytes: int, t: torch.Tensor, gather: Gather) -> bool:
         """`gather` each span's part of `t`'s bytes into it; False, with nothing written, where it cannot read `t`."""
-        for start, end, addr in self.spans:
-            lo, hi = max(start, off), min(end, off + nbytes)
-            if lo < hi and not gather(t, nbytes, addr + lo - start, lo - off, hi - lo):
+        for at, skip, count in self.pieces(off, nbytes):
+            if not gather(t, nbytes, at, skip, count):
                 return False
         return True
 
@@ -357,28 +359,22 @@ class FilePayload(Spans):
         self.zero_padding(size, places)
 
     def write(self, off: int, src: int, n: int) -> None:
-        for start, end, file_at in self.spans:
-            lo, hi = max(start, off), min(end, off + n)
-            if lo < hi:
-                pwrite_all(self.fd, (ctypes.c_char * (hi - lo)).from_address(src + lo - off), file_at + lo - start)
+        for file_at, skip, count in self.pieces(off, n):
+            pwrite_all(self.fd, (ctypes.c_char * count).from_address(src + skip), file_at)
 
     def zero(self, off: int, n: int) -> None:
-        for start, end, file_at in self.spans:
-            lo, hi = max(start, off), min(end, off + n)
-            if lo < hi:
-                pwrite_all(self.fd, bytes(hi - lo), file_at + lo - start)
+        for file_at, _, count in self.pieces(off, n):
+            pwrite_all(self.fd, bytes(count), file_at)
 
     def gathered(self, off: int, nbytes: int, t: torch.Tensor, gather: Gather) -> bool:
         """`gather` `t`'s bytes into a scratch buffer of at most GATHER_BYTES, reused, and write each piece."""
         scratch, addr = _scratch(min(nbytes, GATHER_BYTES))
-        for start, end, file_at in self.spans:
-            lo, hi = max(start, off), min(end, off + nbytes)
-            while lo < hi:
-                n = min(hi - lo, len(scratch))
-                if not gather(t, nbytes, addr, lo - off, n):
+        for file_at, skip, count in self.pieces(off, nbytes):
+            for done in range(0, count, len(scratch)):
+                n = min(count - done, len(scratch))
+                if not gather(t, nbytes, addr, skip + done, n):
                     return False
-                pwrite_all(self.fd, memoryview(scratch)[:n], file_at + lo - start)
-                lo += n
+                pwrite_all(self.fd, memoryview(scratch)[:n], file_at + done)
         return True
 
 

@@ -38,6 +38,7 @@ import time
 
 _REQUEST = struct.Struct("<q")          # the request number; the two pipe ends ride along (SCM_RIGHTS)
 _ANSWER = struct.Struct("<qq")          # the request number, the worker's pid (0: it could not be forked)
+_PID = struct.Struct("<q")              # the worker's pid, from the short-lived child in between to the fork server
 _PR_SET_CHILD_SUBREAPER = 36
 _PR_SET_NAME = 15
 WORKER_NAME = b"gpu-replay"             # a replay worker's name in ps and top (/proc/PID/comm), forked or not
@@ -234,18 +235,18 @@ def _fork(fds: list[int], sock: socket.socket, sandbox_worker) -> int:
                     sys.stdout.flush()
                     sys.stderr.flush()
                     os._exit(code)
-            os.write(w, struct.pack("<q", worker))
+            os.write(w, _PID.pack(worker))
         except BaseException:  # noqa: BLE001
             code = 1
         finally:
             os._exit(code)
     os.close(w)
     try:
-        data = os.read(r, 8)
+        data = os.read(r, _PID.size)
     finally:
         os.close(r)
     os.waitpid(between, 0)   # once it is gone, the worker's parent is the server
-    return struct.unpack("<q", data)[0] if len(data) == 8 else 0
+    return _PID.unpack(data)[0] if len(data) == _PID.size else 0
 
 
 def serve(sock: socket.socket, sandbox_worker) -> None:

@@ -58,7 +58,6 @@ from gpu_server.replay.sandbox_wire import (
 log = logging.getLogger("gpu_server")
 
 
-
 def host_memory(unknown: int) -> int:
     """The host's physical memory in bytes (`unknown` where the platform does not say); the server's memory
     defaults are fractions of it."""
