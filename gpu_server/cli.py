@@ -129,7 +129,8 @@ def main(argv=None) -> int:
         print(f"gpu-server: {exc}", file=sys.stderr)
         return 2
     if ns.replay_in == "process" and (ns.workers or 1) > 0:
-        # the replay workers' interpreters import torch while this process does (gpu_server/replay/prestart.py)
+        # the fork server loads the meta kernels (or the workers' interpreters import torch) while this process goes
+        # on with its start (gpu_server/replay/prestart.py)
         prestart.start(ns.workers or 1)
     try:
         return _serve(ns, config)

@@ -20,10 +20,12 @@ import ctypes
 import os
 import platform
 import sys
+from typing import Callable
 
 MMAP_THRESHOLD = 32 << 20   # glibc's ceiling for its own adaptive threshold (DEFAULT_MMAP_THRESHOLD_MAX)
 TRIM_THRESHOLD = 1 << 30
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3   # malloc.h
+WORKER_ARENAS = 2          # a replay worker's malloc arenas (MALLOC_ARENA_MAX): its threads share two heaps
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8   # malloc.h
 ENV = "GPU_SERVER_KEEP_FREED_MEMORY"
 _TUNED = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_")
 
@@ -33,15 +35,30 @@ def user_tuned() -> bool:
     return "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", "") or any(v in os.environ for v in _TUNED)
 
 
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's mallopt, or None where the C library is not glibc."""
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt  # type: ignore[no-any-return]
+
+
 def keep_freed_memory() -> bool:
     """Set the thresholds (module docstring); True when they were set."""
     if os.environ.get(ENV, "") == "0" or user_tuned():
         return False
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    mallopt = _mallopt()
+    if mallopt is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def limit_arenas(n: int) -> bool:
+    """At most `n` malloc arenas from now on, what MALLOC_ARENA_MAX=n gives a process from its start (a forked
+    process has read its parent's environment long ago); True when set."""
+    mallopt = _mallopt()
+    return mallopt is not None and bool(mallopt(_M_ARENA_MAX, n))

@@ -278,6 +278,12 @@ MUTATIONS = (
         (("gpu_server/replay/prestart.py", "and fork_server.become_subreaper():", "and True:"),),
         ("tests/test_prestart.py",)),
     Mutation(
+        "the-fork-server-holds-the-servers-end-of-its-socket",
+        "the fork server keeps the server's end of their socket open: the server closing it no longer ends the fork "
+        "server's input, and a fork server outlives its server's stop until the parent-death signal",
+        (("gpu_server/replay/fork_server.py", "        server_end.close()\n", ""),),
+        ("tests/test_prestart.py::test_the_server_s_workers_are_forked_by_its_fork_server",)),
+    Mutation(
         "a-forked-worker-does-not-wait-to-be-the-servers",
         "a forked worker takes its parent-death signal before the server adopts it: the short-lived child in "
         "between ends, and the signal kills the worker at once",

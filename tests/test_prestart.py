@@ -42,11 +42,12 @@ def test_the_server_s_workers_are_forked_by_its_fork_server(tmp_path, workers):
     with support.Server(str(tmp_path), args=("--workers", str(workers)), fresh=True) as server:
         forks = fork_servers(server.proc.pid)
         assert len(forks) == 1, forks                       # one fork server, whatever the worker count
+        _is_a_fork_set_apart(forks[0], server.proc.pid)
         pids = wait_for(lambda: len(replay_workers(server.proc.pid)) == workers and replay_workers(server.proc.pid),
                         60, "the forked workers")
         assert len(pids) == workers, pids                   # the server's own children: it adopted them
         with open(f"/proc/{pids[0]}/cmdline", "rb") as fh:
-            assert b"gpu_server.replay.fork_server" in fh.read()   # forked from it, not a fresh interpreter
+            assert b"sandbox_worker" not in fh.read()   # forked (from the server), not a fresh interpreter
         _check_three(server)
         assert server.stop() == 0                  # drains: the three are checked
         # (a worker logs its start at its first request: the first record of its rank)
@@ -54,6 +55,22 @@ def test_the_server_s_workers_are_forked_by_its_fork_server(tmp_path, workers):
         ended(pids + forks, 10, "the workers and the fork server to end with the server")
     rows = support.read_csv(server.out, "accuracy_checking_result")
     assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows
+
+
+def _is_a_fork_set_apart(fork: int, server: int) -> None:
+    """The fork server is a fork of the server (the command's interpreter, no new one), set apart as a fresh worker
+    interpreter would be: a session of its own, no standard input, the project's folder, and of the socket pair only
+    its own end (the server's closed in it, so the server closing its end is the fork server's end of input)."""
+    def cmdline(pid: int) -> bytes:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+
+    assert cmdline(fork) == cmdline(server)
+    assert os.getsid(fork) == fork and os.getsid(server) != fork
+    assert os.readlink(f"/proc/{fork}/fd/0") == os.devnull
+    assert os.readlink(f"/proc/{fork}/cwd") == prestart.ROOT
+    links = [os.readlink(f"/proc/{fork}/fd/{fd}") for fd in os.listdir(f"/proc/{fork}/fd")]
+    assert len([x for x in links if x.startswith("socket:")]) == 1, links
 
 
 def test_without_the_fork_server_the_workers_are_the_interpreters_started_ahead(tmp_path, monkeypatch):
@@ -153,20 +170,28 @@ def test_discard_kills_the_interpreters_nobody_took_and_take_passes_over_a_dead_
     assert prestart.take() is None
 
 
+@pytest.mark.parametrize("forked", [True, False])
 @pytest.mark.parametrize("given", [None, "ACTIVE"])
-def test_the_replay_workers_openmp_threads_wait_passively_unless_the_user_says(tmp_path, monkeypatch, given):
-    """gpu_server/omp_wait.py: a replay worker's environment has OMP_WAIT_POLICY=PASSIVE (its idle OpenMP threads
-    sleep instead of spinning on the cores the server needs), or the policy the user gave the server."""
+def test_the_replay_workers_openmp_threads_wait_passively_unless_the_user_says(tmp_path, monkeypatch, given, forked):
+    """gpu_server/omp_wait.py: the replay workers' OpenMP threads wait with OMP_WAIT_POLICY=PASSIVE (idle, they sleep
+    instead of spinning on the cores the server needs), or with the policy the user gave the server. What counts is
+    what libgomp read when it was loaded, which it prints with OMP_DISPLAY_ENV: in `gpu-server` (the command, a fresh
+    interpreter), which its fork server and the workers it forks inherit loaded; without the fork server, in each
+    worker interpreter too. (A forked process's /proc/PID/environ shows the environment its parent started with.)"""
     if given is None:
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     else:
         monkeypatch.setenv("OMP_WAIT_POLICY", given)
-    with support.Server(str(tmp_path)) as server:
-        pids = wait_for(lambda: replay_workers(server.proc.pid), 60, "the replay worker process")
-        with open(f"/proc/{pids[0]}/environ", "rb") as fh:
-            env = dict(kv.split(b"=", 1) for kv in fh.read().split(b"\0") if b"=" in kv)
-        assert env.get(b"OMP_WAIT_POLICY") == (given or "PASSIVE").encode()
+    if not forked:
+        monkeypatch.setenv(prestart.FORK_SERVER_ENV, "0")
+    monkeypatch.setenv("OMP_DISPLAY_ENV", "TRUE")
+    loads = 1 if forked else 2
+    with support.Server(str(tmp_path), fresh=True) as server:
+        wait_for(lambda: replay_workers(server.proc.pid), 60, "the replay worker process")
+        wait_for(lambda: server.log().count("OPENMP DISPLAY ENVIRONMENT END") >= loads, 60, "libgomp's displays")
         assert server.stop() == 0
+    policies = [line.split("=")[1].strip() for line in server.log().splitlines() if "OMP_WAIT_POLICY" in line]
+    assert policies == [f"'{given or 'PASSIVE'}'"] * loads, server.log()
 
 
 def test_the_command_line_sets_the_policy_before_torch_loads_openmp(tmp_path, monkeypatch):

@@ -3,13 +3,16 @@ forks a child per training (or per `gpu-server`).
 
 About 90 % of a small test training's CPU time is `import torch` plus the torch._dynamo import that
 `torch.optim.Optimizer.__init__` triggers (about 5 s on the 2-core CI machine); the training itself takes well under
-a second. A test server's start and stop cost about 6 s of CPU, 2.4 s of it `import torch` in `gpu-server` itself
-(the rest is its replay worker, which it starts as a fresh interpreter either way), and the suite starts about a
-hundred of them. A forked child is still its own process: its own pid, environment, working directory, argv, stdout
-and stderr (files), signals, exit status and atexit hooks (the script runs as `__main__` and the child leaves through
-the interpreter's normal exit). The helper itself imports nothing of this project and no gRPC (neither is fork-safe
-once started), runs no torch op (no thread pool exists when it forks), and sets the child's intra-op thread count
-from its OMP_NUM_THREADS, which torch reads only at import.
+a second. A test server started as the `gpu-server` command costs about 3 s of CPU before it serves, half of it
+`import torch`, and the suite starts about a hundred of them. A forked child is still its own process: its own pid,
+environment, working directory, argv, stdout and stderr (files), signals, exit status and atexit hooks (the script
+runs as `__main__` and the child leaves through the interpreter's normal exit). The helper imports no gRPC (not
+fork-safe once started), runs no torch op on a real device (no thread pool exists when it forks), and sets the
+child's intra-op thread count from its OMP_NUM_THREADS, which torch reads only at import. The server helper also
+loads the meta kernels, as each server's fork server would (gpu_server/replay/fork_server.py: a fork of the server,
+1.3 s of CPU each): meta-device operations only, through the project's own warm-up. (When the fork server was a
+fresh interpreter, it imported torch and the meta kernels for every test server: 2.6 s of CPU each, a fifth of the
+suite's CPU.)
 
 There is one helper per kind of child, since what libgomp and torch read once, when they are loaded, must be what
 that kind's fresh interpreter would have read: trainings get the test process's environment (less the thread counts,
@@ -36,6 +39,9 @@ import importlib, json, os, select, sys, traceback
 import torch
 for name in filter(None, sys.argv[1].split(",")):   # what every child of this kind imports; nothing else
     importlib.import_module(name)
+if sys.argv[2]:   # what every child of this kind would run first, where it creates no thread (module:function)
+    module, function = sys.argv[2].split(":")
+    getattr(importlib.import_module(module), function)()
 proto_in, proto_out = 0, os.dup(1)
 os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
 default_threads = torch.get_num_threads()
@@ -109,6 +115,10 @@ _helpers: dict[str, _Helper] = {}
 
 # what each kind of child imports besides torch, before the fork
 IMPORTS = {"training": "torch._dynamo,torch.nn,torch.optim,torch.nn.functional", "server": ""}
+# what each kind runs before the fork: a server's fork server (gpu_server/replay/fork_server.py, a fork of the server)
+# loads the meta kernels its workers' dry runs need, using the meta device only (no thread pool, no CUDA), 1.3 s of
+# CPU a server; done here once, every server's fork server finds them loaded
+WARM_UP = {"training": "", "server": "gpu_server.replay.sandbox_worker:_warm_up_any_device"}
 
 
 class _Helper:
@@ -119,8 +129,8 @@ class _Helper:
             from gpu_server import omp_wait  # (imports nothing heavy)
 
             omp_wait.passive(env)
-        self.proc = subprocess.Popen([sys.executable, "-c", HELPER, IMPORTS[kind]], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=env)
+        self.proc = subprocess.Popen([sys.executable, "-c", HELPER, IMPORTS[kind], WARM_UP[kind]],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._cv = threading.Condition()
         self._pids: dict[int, int] = {}
         self._exits: dict[int, int] = {}

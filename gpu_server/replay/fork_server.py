@@ -1,11 +1,12 @@
-"""The replay workers' fork server: one interpreter imports torch once and forks every replay worker the server asks
-for (docs/design.md §6.8).
+"""The replay workers' fork server: one process loads torch and the meta kernels once and forks every replay worker
+the server asks for (docs/design.md §6.8).
 
 A replay worker interpreter spends about 2.7 s of CPU before its first replay: `import torch` (1.4 s), then the meta
 kernels its dry runs need, which import sympy and torch._dynamo (1.3 s). gpu-server used to start one interpreter
 per worker, and another for each worker it replaced (a crash, the memory cap, the time limit), each paying that again.
-Now `gpu-server` starts this process instead (gpu_server/replay/prestart.py); it imports and warms up once, while
-the server imports torch itself, and then forks one replay worker per request in a few milliseconds.
+Now `gpu-server` imports torch, forks this process (`fork_here`, called by gpu_server/replay/prestart.py), and goes
+on with its start while this process loads the meta kernels; then it forks one replay worker per request in a few
+milliseconds.
 
 * **The request.** The server sends one request per worker on a Unix socket: a request number and the worker's two
   pipe ends (SCM_RIGHTS). The fork server answers the number and the worker's pid; the worker then reads its
@@ -15,17 +16,21 @@ the server imports torch itself, and then forks one replay worker per request in
   (`become_subreaper`). The server waits for its workers as for any child (their exit status names the signal that
   ended one, for the quarantine's message), and a worker's parent-death signal points at the server, not at this
   process (`_worker`).
-* **Fork safety.** This process runs no thread pool of torch's before it forks (the warm-up runs meta-device
-  operations only: no intra-op threads, no CUDA), so each worker sets its thread count and device itself, as a fresh
-  interpreter would. Its environment is the one a fresh worker would get (prestart.launch's).
+* **Fork safety.** The server forks this process before it starts any thread, opens any transport or reads any key
+  or record: with torch imported and no torch operation run. This process runs no thread pool of torch's before it
+  forks (the warm-up runs meta-device operations only: no intra-op threads, no CUDA), so each worker sets its thread
+  count and device itself, as a fresh interpreter would. Its environment, session, working directory, standard
+  streams and malloc arenas are those a fresh worker interpreter gets (prestart._environment); OpenMP's wait policy
+  is the server's, which libgomp read when the server loaded torch (gpu_server/omp_wait.py: the same value).
 * **Its end.** It dies with the server (a parent-death signal), ignores SIGINT and SIGTERM as the workers do (its
   own session), and exits once the server closes the socket.
 
-This module imports torch only in the fork server process itself (`main`); the server's side (`Client`) does not.
+This module imports torch only in the fork server process itself (`_run`); the server's side (`Client`) does not.
 """
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import select
 import signal
@@ -35,6 +40,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from gpu_server import malloc_policy
 
 _REQUEST = struct.Struct("<q")          # the request number; the two pipe ends ride along (SCM_RIGHTS)
 _ANSWER = struct.Struct("<qq")          # the request number, the worker's pid (0: it could not be forked)
@@ -133,15 +140,12 @@ class Client:
         self.proc.wait()
 
 
-class ForkedWorker:
-    """A replay worker forked by the fork server, answering like the `subprocess.Popen` of a fresh one (`poll`,
-    `kill`, `wait`, `returncode`, `pid`): it is this process's child once the fork server has answered."""
+class Child:
+    """A process this one forked itself, answering like the `subprocess.Popen` of a fresh one (`pid`, `poll`,
+    `wait`, `kill`, `returncode`)."""
 
-    def __init__(self, client: Client, number: int, start_timeout: float):
-        self._client = client
-        self._number = number
-        self._start_timeout = start_timeout
-        self._pid: int | None = None
+    def __init__(self, pid: int | None):
+        self._pid = pid
         self.returncode: int | None = None
 
     @property
@@ -149,14 +153,7 @@ class ForkedWorker:
         return self._known(0.0)
 
     def _known(self, timeout: float) -> int | None:
-        """Its pid once the fork server has answered (waiting up to `timeout`); None before. A request it could not
-        fork ends with returncode 1."""
-        if self._pid is None and self.returncode is None:
-            pid = self._client.pid(self._number, timeout)
-            if pid == 0:
-                self.returncode = 1
-            elif pid is not None:
-                self._pid = pid
+        """Its pid (`ForkedWorker`: once known)."""
         return self._pid
 
     def poll(self) -> int | None:
@@ -179,11 +176,41 @@ class ForkedWorker:
         delay = 0.001
         while self.poll() is None:
             if deadline is not None and time.monotonic() >= deadline:
-                raise subprocess.TimeoutExpired(f"replay worker {self._pid}", timeout or 0.0)
+                raise subprocess.TimeoutExpired(f"process {self._pid}", timeout or 0.0)
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
         assert self.returncode is not None
         return self.returncode
+
+    def kill(self) -> None:
+        """SIGKILL."""
+        pid = self._known(0.0)
+        if pid is not None and self.returncode is None:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+class ForkedWorker(Child):
+    """A replay worker forked by the fork server: this process's child once the fork server has answered."""
+
+    def __init__(self, client: Client, number: int, start_timeout: float):
+        super().__init__(None)
+        self._client = client
+        self._number = number
+        self._start_timeout = start_timeout
+
+    def _known(self, timeout: float) -> int | None:
+        """Its pid once the fork server has answered (waiting up to `timeout`); None before. A request it could not
+        fork ends with returncode 1."""
+        if self._pid is None and self.returncode is None:
+            pid = self._client.pid(self._number, timeout)
+            if pid == 0:
+                self.returncode = 1
+            elif pid is not None:
+                self._pid = pid
+        return self._pid
 
     def kill(self) -> None:
         """SIGKILL. One not forked within `KILL_WAIT_S` (a fork server still starting, or stuck) counts as killed:
@@ -193,11 +220,7 @@ class ForkedWorker:
             if self.returncode is None:
                 self.returncode = -int(signal.SIGKILL)
             return
-        if self.returncode is None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        super().kill()
 
 
 # -- the fork server process -------------------------------------------------------------------------------------------
@@ -275,17 +298,27 @@ def serve(sock: socket.socket, sandbox_worker) -> None:
             return
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 2 or args[0] != "--sock" or not args[1].isdigit():
-        print("usage: python -m gpu_server.replay.fork_server --sock FD (started by gpu-server)", file=sys.stderr)
-        return 2
-    sock = socket.socket(fileno=int(args[1]))
+def _unbuffered_output() -> None:
+    """stdout and stderr written through at once, as PYTHONUNBUFFERED gives a fresh interpreter: a worker's last words
+    reach the server's log before it is killed."""
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        try:
+            raw = open(fd, "wb", buffering=0, closefd=False)
+        except OSError:
+            continue
+        setattr(sys, name, io.TextIOWrapper(raw, encoding=getattr(old, "encoding", None) or "utf-8",
+                                            errors=getattr(old, "errors", None) or "backslashreplace",
+                                            write_through=True))
+
+
+def _run(sock: socket.socket) -> int:
+    """The fork server's life, in the forked process (`fork_here`)."""
     # as a worker does (sandbox_worker.main): the server ends this process, not a signal to its process group
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     name_this_process(FORK_SERVER_NAME)
-    from gpu_server.replay import sandbox_worker  # imports torch
+    from gpu_server.replay import sandbox_worker  # imports torch (a no-op where the server had imported it)
 
     sandbox_worker._die_with_the_server()
     sandbox_worker._warm_up_any_device()
@@ -293,5 +326,35 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def fork_here(sock: socket.socket, server_end: socket.socket, env: dict[str, str], cwd: str) -> Child:
+    """Start the fork server as a fork of this process (the server, before it has started any thread of its own),
+    serving `sock`; `server_end` is the socket's other end, which it closes. It runs in a session of its own, with
+    `env` and `cwd` and no standard input, as a fresh interpreter started for it would; what this process has
+    imported (torch, where an embedding process has) it does not import again. Returns the child."""
+    for stream in (sys.stdout, sys.stderr):   # what is buffered is this process's to write, once
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    pid = os.fork()
+    if pid:
+        return Child(pid)
+    code = 1
+    try:
+        server_end.close()
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        os.chdir(cwd)
+        os.environ.clear()
+        os.environ.update(env)
+        malloc_policy.limit_arenas(malloc_policy.WORKER_ARENAS)
+        _unbuffered_output()
+        code = _run(sock)
+    except BaseException:  # noqa: BLE001 - never back into the server's code
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        os._exit(code)

@@ -10,12 +10,12 @@ one (`take`), or launches one then. `discard` kills those nobody took (they hold
 built and at exit; one left behind anyway exits once its pipe closes.
 
 Where the server can adopt its descendants (Linux), it starts one fork server instead
-(gpu_server/replay/fork_server.py): a single interpreter that imports torch and the meta kernels once, while the
-server imports torch, and then forks each worker `take` asks for, the first ones and every replacement, in
+(gpu_server/replay/fork_server.py): it imports torch and forks a process that loads the meta kernels once, while the
+server goes on with its start, and then forks each worker `take` asks for, the first ones and every replacement, in
 milliseconds instead of 2.7 s of CPU each. Elsewhere, with GPU_SERVER_FORK_SERVER=0, or once the fork server is gone,
 `take` hands out the interpreters started ahead and `launch` starts a fresh one.
 
-This module does not import torch: the command line imports it first.
+This module imports torch only to fork the fork server (`start`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 
-from gpu_server import omp_wait
+from gpu_server import malloc_policy, omp_wait
 from gpu_server.replay import fork_server
 from gpu_server.replay.fork_server import ForkedWorker
 
@@ -59,13 +59,18 @@ FORK_SERVER_ENV = "GPU_SERVER_FORK_SERVER"   # "0": every worker a fresh interpr
 START_TIMEOUT_S = 180.0   # a worker interpreter imports torch: slow on a loaded host, never a reason to give up early
 
 
+def _environment() -> dict[str, str]:
+    """The environment of every worker, and of the fork server."""
+    return dict(omp_wait.passive(dict(os.environ, MALLOC_ARENA_MAX=str(malloc_policy.WORKER_ARENAS),
+                                      PYTHONUNBUFFERED="1")))
+
+
 def _popen(module: str, args: list[str], fds: tuple[int, ...]) -> subprocess.Popen:
-    """A worker interpreter (or the fork server) running `module`, with the environment every worker gets."""
-    env = omp_wait.passive(dict(os.environ, MALLOC_ARENA_MAX="2", PYTHONUNBUFFERED="1"))
+    """A worker interpreter running `module`, with the environment every worker gets."""
     # a session of its own: a signal to the server's process group (Ctrl-C in a terminal, `timeout`, `kill --
     # -PGID`) reaches the server, which drains, and not the replay it waits for (sandbox_worker.main)
-    return subprocess.Popen([sys.executable, "-m", module, *args], pass_fds=fds, stdin=subprocess.DEVNULL, env=env,
-                            cwd=ROOT, start_new_session=True)
+    return subprocess.Popen([sys.executable, "-m", module, *args], pass_fds=fds, stdin=subprocess.DEVNULL,
+                            env=_environment(), cwd=ROOT, start_new_session=True)
 
 
 def launch() -> Launched:
@@ -97,7 +102,11 @@ def start(n: int) -> None:
         # (a subreaper before the fork server exists: it inherits the mark, and its forks find the server)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            proc = _popen("gpu_server.replay.fork_server", ["--sock", str(theirs.fileno())], (theirs.fileno(),))
+            # torch once, in this process, before the fork: the fork server then loads only the meta kernels
+            # (1.3 s of CPU while this process goes on with its start) instead of importing torch a second time
+            import torch  # noqa: F401
+
+            proc = fork_server.fork_here(theirs, ours, _environment(), ROOT)
         except OSError:
             ours.close()
         else:
