@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     if ns.replay_in == "process" and (ns.workers or 1) > 0:
         # the fork server loads the meta kernels (or the workers' interpreters import torch) while this process goes
         # on with its start (gpu_server/replay/prestart.py)
-        prestart.start(ns.workers or 1)
+        prestart.start(ns.workers or 1, fork=True)   # (this process has run no torch operation, and no thread)
     try:
         return _serve(ns, config)
     finally:

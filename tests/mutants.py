@@ -284,6 +284,12 @@ MUTATIONS = (
         (("gpu_server/replay/fork_server.py", "        server_end.close()\n", ""),),
         ("tests/test_prestart.py::test_the_server_s_workers_are_forked_by_its_fork_server",)),
     Mutation(
+        "a-process-running-threads-forks-its-fork-server",
+        "a process that runs threads (a test, an embedding process) forks its fork server from itself: the fork may "
+        "inherit a lock another thread held, and torch's thread pools, which it then uses",
+        (("gpu_server/replay/prestart.py", "if fork and threading.active_count() == 1:", "if fork:"),),
+        ("tests/test_prestart.py::test_replaced_workers_are_forked_and_once_the_fork_server_is_gone_started_fresh",)),
+    Mutation(
         "a-forked-worker-does-not-wait-to-be-the-servers",
         "a forked worker takes its parent-death signal before the server adopts it: the short-lived child in "
         "between ends, and the signal kills the worker at once",

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -92,9 +93,20 @@ def test_without_the_fork_server_the_workers_are_the_interpreters_started_ahead(
 
 @pytest.fixture
 def fork_server_here():
-    """A fork server started by this test process, as gpu-server starts its own (it adopts the forked workers)."""
-    prestart.start(1)
+    """A fork server started by this test process, as gpu-server starts its own (it adopts the forked workers). This
+    process runs a thread (and may have run torch operations), so its fork server is an interpreter of its own, even
+    asked to be a fork of it."""
+    done = threading.Event()
+    other = threading.Thread(target=done.wait, name="another-thread")
+    other.start()
+    try:
+        prestart.start(1, fork=True)
+    finally:
+        done.set()
+        other.join()
     assert prestart._forks is not None
+    with open(f"/proc/{prestart._forks.proc.pid}/cmdline", "rb") as fh:
+        assert b"gpu_server.replay.fork_server" in fh.read()
     try:
         yield prestart._forks
     finally:

@@ -6,7 +6,8 @@ kernels its dry runs need, which import sympy and torch._dynamo (1.3 s). gpu-ser
 per worker, and another for each worker it replaced (a crash, the memory cap, the time limit), each paying that again.
 Now `gpu-server` imports torch, forks this process (`fork_here`, called by gpu_server/replay/prestart.py), and goes
 on with its start while this process loads the meta kernels; then it forks one replay worker per request in a few
-milliseconds.
+milliseconds. A process that cannot fork it safely (one running threads) starts it as an interpreter of its own
+(`python -m gpu_server.replay.fork_server --sock FD`), which imports torch itself.
 
 * **The request.** The server sends one request per worker on a Unix socket: a request number and the worker's two
   pipe ends (SCM_RIGHTS). The fork server answers the number and the worker's pid; the worker then reads its
@@ -17,11 +18,12 @@ milliseconds.
   ended one, for the quarantine's message), and a worker's parent-death signal points at the server, not at this
   process (`_worker`).
 * **Fork safety.** The server forks this process before it starts any thread, opens any transport or reads any key
-  or record: with torch imported and no torch operation run. This process runs no thread pool of torch's before it
-  forks (the warm-up runs meta-device operations only: no intra-op threads, no CUDA), so each worker sets its thread
-  count and device itself, as a fresh interpreter would. Its environment, session, working directory, standard
-  streams and malloc arenas are those a fresh worker interpreter gets (prestart._environment); OpenMP's wait policy
-  is the server's, which libgomp read when the server loaded torch (gpu_server/omp_wait.py: the same value).
+  or record: with torch imported and no torch operation run (or starts it fresh, `main`). This process runs no
+  thread pool of torch's before it forks (the warm-up runs meta-device operations only: no intra-op threads, no
+  CUDA), so each worker sets its thread count and device itself, as a fresh interpreter would. Its environment,
+  session, working directory, standard streams and malloc arenas are those a fresh worker interpreter gets
+  (prestart._environment); OpenMP's wait policy is the server's, which libgomp read when the server loaded torch
+  (gpu_server/omp_wait.py: the same value).
 * **Its end.** It dies with the server (a parent-death signal), ignores SIGINT and SIGTERM as the workers do (its
   own session), and exits once the server closes the socket.
 
@@ -313,7 +315,7 @@ def _unbuffered_output() -> None:
 
 
 def _run(sock: socket.socket) -> int:
-    """The fork server's life, in the forked process (`fork_here`)."""
+    """The fork server's life (`fork_here`'s child, or `main`'s interpreter)."""
     # as a worker does (sandbox_worker.main): the server ends this process, not a signal to its process group
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -358,3 +360,16 @@ def fork_here(sock: socket.socket, server_end: socket.socket, env: dict[str, str
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The fork server as an interpreter of its own, for a server that cannot fork it (prestart.start)."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "--sock" or not args[1].isdigit():
+        print("usage: python -m gpu_server.replay.fork_server --sock FD (started by gpu-server)", file=sys.stderr)
+        return 2
+    return _run(socket.socket(fileno=int(args[1])))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -12,10 +12,12 @@ built and at exit; one left behind anyway exits once its pipe closes.
 Where the server can adopt its descendants (Linux), it starts one fork server instead
 (gpu_server/replay/fork_server.py): it imports torch and forks a process that loads the meta kernels once, while the
 server goes on with its start, and then forks each worker `take` asks for, the first ones and every replacement, in
-milliseconds instead of 2.7 s of CPU each. Elsewhere, with GPU_SERVER_FORK_SERVER=0, or once the fork server is gone,
-`take` hands out the interpreters started ahead and `launch` starts a fresh one.
+milliseconds instead of 2.7 s of CPU each. A process that is not `gpu-server` at its start (a test, a benchmark, one
+running threads) gets a fork server that is an interpreter of its own, which imports torch itself. Elsewhere, with
+GPU_SERVER_FORK_SERVER=0, or once the fork server is gone, `take` hands out the interpreters started ahead and
+`launch` starts a fresh one.
 
-This module imports torch only to fork the fork server (`start`).
+This module imports torch only to fork the fork server (`start` in gpu-server's main).
 """
 from __future__ import annotations
 
@@ -90,10 +92,11 @@ def launch() -> Launched:
     return Launched(proc, to_child_w, from_child_r)
 
 
-def start(n: int) -> None:
+def start(n: int, fork: bool = False) -> None:
     """Get ready to hand out n workers: start the fork server, or else launch n worker interpreters now, for the
     `ProcessReplayer`s to come (best effort: a worker that cannot be had now is launched when it is needed, and says
-    why then)."""
+    why then). `fork`: the fork server may be a fork of this process, which has run no torch operation and started
+    no thread (gpu-server's main, at its start); it is a fresh interpreter otherwise, or where a thread runs."""
     global _forks
     if n <= 0:
         return
@@ -102,11 +105,14 @@ def start(n: int) -> None:
         # (a subreaper before the fork server exists: it inherits the mark, and its forks find the server)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            # torch once, in this process, before the fork: the fork server then loads only the meta kernels
-            # (1.3 s of CPU while this process goes on with its start) instead of importing torch a second time
-            import torch  # noqa: F401
+            if fork and threading.active_count() == 1:
+                # torch once, in this process, before the fork: the fork server then loads only the meta kernels
+                # (1.3 s of CPU while this process goes on with its start) instead of importing torch a second time
+                import torch  # noqa: F401
 
-            proc = fork_server.fork_here(theirs, ours, _environment(), ROOT)
+                proc: subprocess.Popen | fork_server.Child = fork_server.fork_here(theirs, ours, _environment(), ROOT)
+            else:   # a process that runs threads (or torch operations, for all we know): a fresh interpreter
+                proc = _popen("gpu_server.replay.fork_server", ["--sock", str(theirs.fileno())], (theirs.fileno(),))
         except OSError:
             ours.close()
         else:
