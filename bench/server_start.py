@@ -7,9 +7,9 @@ CPU seconds; side by side with `--baseline SRC`, rounds alternating (docs/perfor
 
 The floor is one fresh interpreter doing what some process of any server start must do once: `import torch` and the
 meta kernels a replay's dry run loads (gpu_server/replay/run.py warm_up), with the server's malloc thresholds and
-OpenMP wait policy (gpu_server/malloc_policy.py, omp_wait.py). Printed per start: seconds to "listening
-on", seconds until no process of the server's used CPU for 0.5 s, and the CPU seconds of the server and of its
-children then; last, each checkout's fastest and its CPU as a multiple of the floor's.
+OpenMP wait policy (gpu_server/malloc_policy.py, omp_wait.py), its CPU read before it exits. Printed per start:
+seconds to "listening on", seconds until no process of the server's used CPU for 0.5 s, and the CPU seconds of the
+server and of its children then; last, each checkout's fastest and its CPU as a multiple of the floor's.
 """
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def _tree_cpu(root: int) -> tuple[float, float]:
     return cpu.get(root, 0.0), sum(cpu.get(p, 0.0) for p in below)
 
 
-def _config(folder: str) -> tuple[str, int]:
+def _config(folder: str) -> str:
+    """A loopback gpu-server config file on a free port, in `folder`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -80,13 +81,13 @@ def _config(folder: str) -> tuple[str, int]:
         json.dump({"task": "run_ut", "run_ut": {"white_list": [], "black_list": [], "error_data_path": "./",
                                                 "is_online": True, "nfs_path": "", "host": "127.0.0.1", "port": port,
                                                 "rank_list": [], "tls_path": ""}}, fh)
-    return path, port
+    return path
 
 
 def one_start(repo: str, workers: int) -> dict[str, float]:
     """Start the server of the checkout at `repo` once, measure it, stop it."""
     with tempfile.TemporaryDirectory() as folder:
-        config, _port = _config(folder)
+        config = _config(folder)
         log_path = os.path.join(folder, "server.log")
         env = dict(os.environ, PYTHONPATH=repo)
         with open(log_path, "w") as log:

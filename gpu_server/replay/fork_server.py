@@ -332,7 +332,7 @@ def fork_here(sock: socket.socket, server_end: socket.socket, env: dict[str, str
     """Start the fork server as a fork of this process (the server, before it has started any thread of its own),
     serving `sock`; `server_end` is the socket's other end, which it closes. It runs in a session of its own, with
     `env` and `cwd` and no standard input, as a fresh interpreter started for it would; what this process has
-    imported (torch, where an embedding process has) it does not import again. Returns the child."""
+    imported (torch) it does not import again. Returns the child."""
     for stream in (sys.stdout, sys.stderr):   # what is buffered is this process's to write, once
         try:
             stream.flush()

@@ -63,12 +63,13 @@ START_TIMEOUT_S = 180.0   # a worker interpreter imports torch: slow on a loaded
 
 def _environment() -> dict[str, str]:
     """The environment of every worker, and of the fork server."""
-    return dict(omp_wait.passive(dict(os.environ, MALLOC_ARENA_MAX=str(malloc_policy.WORKER_ARENAS),
-                                      PYTHONUNBUFFERED="1")))
+    env = dict(os.environ, MALLOC_ARENA_MAX=str(malloc_policy.WORKER_ARENAS), PYTHONUNBUFFERED="1")
+    omp_wait.passive(env)
+    return env
 
 
 def _popen(module: str, args: list[str], fds: tuple[int, ...]) -> subprocess.Popen:
-    """A worker interpreter running `module`, with the environment every worker gets."""
+    """A worker interpreter (or the fork server) running `module`, with the environment every worker gets."""
     # a session of its own: a signal to the server's process group (Ctrl-C in a terminal, `timeout`, `kill --
     # -PGID`) reaches the server, which drains, and not the replay it waits for (sandbox_worker.main)
     return subprocess.Popen([sys.executable, "-m", module, *args], pass_fds=fds, stdin=subprocess.DEVNULL,
