@@ -9,7 +9,8 @@ The floor is one fresh interpreter doing what some process of any server start m
 meta kernels a replay's dry run loads (gpu_server/replay/run.py warm_up), with the server's malloc thresholds and
 OpenMP wait policy (gpu_server/malloc_policy.py, omp_wait.py), its CPU read before it exits. Printed per start:
 seconds to "listening on", seconds until no process of the server's used CPU for 0.5 s, and the CPU seconds of the
-server and of its children then; last, each checkout's fastest and its CPU as a multiple of the floor's.
+server and of its children then, and the memory they hold together (the sum of their proportional set sizes: pages
+they share counted once); last, each checkout's fastest and its CPU as a multiple of the floor's.
 """
 from __future__ import annotations
 
@@ -53,22 +54,39 @@ def _stat(pid: int) -> tuple[int, float] | None:
     return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
 
 
-def _tree_cpu(root: int) -> tuple[float, float]:
-    """CPU seconds of `root` and of its live descendants."""
-    parents: dict[int, int] = {}
-    cpu: dict[int, float] = {}
+def _pss_mib(pid: int) -> float:
+    """The process's proportional set size (its private pages, and its share of those it shares), MiB; 0 once gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and its live descendants."""
+    parents = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             got = _stat(int(name))
             if got is not None:
-                parents[int(name)], cpu[int(name)] = got
-    below, todo = set(), [root]
+                parents[int(name)] = got[0]
+    found, todo = [root], [root]
     while todo:
         pid = todo.pop()
-        kids = [p for p, parent in parents.items() if parent == pid and p not in below]
-        below.update(kids)
+        kids = [p for p, parent in parents.items() if parent == pid and p not in found]
+        found.extend(kids)
         todo.extend(kids)
-    return cpu.get(root, 0.0), sum(cpu.get(p, 0.0) for p in below)
+    return found
+
+
+def _tree_cpu(root: int) -> tuple[float, float]:
+    """CPU seconds of `root` and of its live descendants."""
+    cpu = {pid: got[1] for pid in _tree(root) if (got := _stat(pid)) is not None}
+    return cpu.pop(root, 0.0), sum(cpu.values())
 
 
 def _config(folder: str) -> str:
@@ -112,7 +130,9 @@ def one_start(repo: str, workers: int) -> dict[str, float]:
                     last, changed = total, time.perf_counter()
                 time.sleep(0.01)
             own, children = _tree_cpu(proc.pid)
-            return {"listening": listening, "settled": changed - t0, "server": own, "children": children}
+            memory = sum(_pss_mib(pid) for pid in _tree(proc.pid))
+            return {"listening": listening, "settled": changed - t0, "server": own, "children": children,
+                    "pss": memory}
         finally:
             proc.terminate()
             proc.wait(timeout=120)
@@ -146,12 +166,12 @@ def main() -> int:
             runs[label].append(got)
             print(f"{label:8s} listening {got['listening']:5.2f} s, settled {got['settled']:5.2f} s, CPU: server "
                   f"{got['server']:5.2f} s, its children {got['children']:5.2f} s, together "
-                  f"{got['server'] + got['children']:5.2f} s", flush=True)
+                  f"{got['server'] + got['children']:5.2f} s; memory (PSS) {got['pss']:4.0f} MiB", flush=True)
     for label, got in runs.items():
         cpu = min(g["server"] + g["children"] for g in got)
         print(f"{label:8s} fastest: listening {min(g['listening'] for g in got):.2f} s, settled "
-              f"{min(g['settled'] for g in got):.2f} s, CPU {cpu:.2f} s = {cpu / best_floor['cpu']:.2f}x the floor "
-              f"({best_floor['cpu']:.2f} s)")
+              f"{min(g['settled'] for g in got):.2f} s, memory {min(g['pss'] for g in got):.0f} MiB, CPU {cpu:.2f} s "
+              f"= {cpu / best_floor['cpu']:.2f}x the floor ({best_floor['cpu']:.2f} s)")
     return 0
 
 

@@ -11,7 +11,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "bench", "server_start.py")
 START = re.compile(r"^(this|baseline) +listening +([\d.]+) s, settled +([\d.]+) s, CPU: server +([\d.]+) s, its "
-                   r"children +([\d.]+) s, together +([\d.]+) s$")
+                   r"children +([\d.]+) s, together +([\d.]+) s; memory \(PSS\) +(\d+) MiB$")
 
 
 def test_the_server_start_bench_starts_both_checkouts_and_prints_them_against_the_floor(tmp_path):
@@ -24,10 +24,11 @@ def test_the_server_start_bench_starts_both_checkouts_and_prints_them_against_th
     assert all(starts), lines
     assert {m.group(1) for m in starts} == {"this", "baseline"}
     for m in starts:
-        listening, settled, server, children, together = map(float, m.groups()[1:])
+        listening, settled, server, children, together, memory = map(float, m.groups()[1:])
         assert 0 < listening <= settled, m.group(0)
         assert server > 0 and children > 0, m.group(0)   # the fork server (and the worker it forked) worked too
         assert abs(server + children - together) < 0.02, m.group(0)
+        assert memory > 0, m.group(0)
     for label in ("this", "baseline"):
         [line] = [x for x in lines if x.startswith(label + " ") and "fastest" in x]
         assert float(line.split(" = ")[1].split("x")[0]) > 0, line
