@@ -14,6 +14,7 @@ import torch
 from gpu_server.replay.answer_arenas import HOLD, AnswerArenas, AnswerMaps
 from gpu_server.replay.sandbox import InlineReplayer, ProcessReplayer, SandboxLimits
 from gpu_server.replay.sandbox_wire import ALIGN, Arena, ChannelClosed, Mapped, read_leaves, write_leaves
+from tests.support import forked_replay_workers  # noqa: F401 - its replay workers forked (an autouse fixture)
 from tests.test_sandbox import MiB, frames_of, job_of
 
 

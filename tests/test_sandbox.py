@@ -21,6 +21,7 @@ from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
 from tests import support
+from tests.support import forked_replay_workers  # noqa: F401 - its replay workers forked (an autouse fixture)
 from tests.test_hostile import RawStream, hello
 
 MiB = 1 << 20

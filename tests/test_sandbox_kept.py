@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from gpu_server.replay import sandbox_worker
 from gpu_server.replay.sandbox import InlineReplayer, ProcessReplayer, SandboxLimits
-from tests.support import capture, to_job
+from tests.support import capture, forked_replay_workers, to_job  # noqa: F401 - its replay workers forked
 
 MiB = 1 << 20
 CPU = torch.device("cpu")

@@ -20,6 +20,7 @@ from gpu_server.replay.answer_arenas import AnswerArenas
 from gpu_server.replay.run import ReplayError
 from gpu_server.replay.sandbox import ProcessReplayer, SandboxLimits
 from gpu_server.replay.sandbox_wire import Arena, ArenaFull
+from tests.support import forked_replay_workers  # noqa: F401 - its replay workers forked (an autouse fixture)
 from tests.test_sandbox import MiB, frames_of, job_of
 
 
