@@ -35,8 +35,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from measuring import in_turn  # noqa: E402  (bench/measuring.py, beside this file)
 
 from npu_agent import records  # noqa: E402
 from npu_agent.records import PendingRecord, batch_frame, encode_record, encode_together  # noqa: E402
@@ -116,9 +118,9 @@ def strided(rounds: int) -> None:
         ways = _copies(t, nbytes, ctypes.addressof((ctypes.c_char * nbytes).from_buffer(out)), gather)
         best = dict.fromkeys(ways, float("inf"))
         for r in range(rounds):
-            for way, run in (list(ways.items()) if r % 2 == 0 else list(ways.items())[::-1]):
+            for way in in_turn(list(ways), r):
                 t0 = time.perf_counter()
-                run()
+                ways[way]()
                 best[way] = min(best[way], (time.perf_counter() - t0) * 1e6)
         line = "   ".join(f"{k} {v:8.1f}" for k, v in best.items())
         print(f"  {name:36s} {nbytes >> 10:6d} KiB   {line}   compiled/floor {best['compiled'] / best['floor']:.2f}"
@@ -144,11 +146,10 @@ def main() -> None:
         nbytes = int(size[:-1]) * 1024 if size.endswith("k") else int(size)
         best = dict.fromkeys(WAYS, float("inf"))
         for r in range(ns.rounds):
-            order = list(WAYS.items()) if r % 2 == 0 else list(WAYS.items())[::-1]
-            for name, way in order:
+            for name in in_turn(list(WAYS), r):
                 recs = _records(ns.records, nbytes // 8)
                 t0 = time.thread_time()
-                way(recs)
+                WAYS[name](recs)
                 best[name] = min(best[name], (time.thread_time() - t0) / ns.records * 1e6)
         line = "   ".join(f"{k} {v:6.1f}" for k, v in best.items())
         print(f"  {size:>4}: {line}")

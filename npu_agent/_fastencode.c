@@ -20,11 +20,12 @@
  * torch.Size, dtypes and strided tensors of the exact classes torch.Tensor and torch.nn.Parameter whose dtype and
  * device names are known already (a non-contiguous one with the strides its clone has, as
  * npu_agent.records._clone_stride gives them). Anything else (a tensor subclass, a 4-D or 5-D view whose elements are
- * not dense, whose clone's layout torch picks, a device, a slice, a named tuple, a subclass of int, float, str, list or dict, a value nested deeper than MAX_DEPTH) is handed
- * to the encoder's own Python method (enc.tensor or enc.value), which writes it as always; so the two paths cannot
- * differ by design, and tests/test_fastencode.py checks that they give the same bytes. An error raised by Python code
- * called from here propagates as it would from the Python walk. Python code called from here may let the
- * training's thread run, and change a list being walked: items are read afresh, and held while used.
+ * not dense, whose clone's layout torch picks, a device, a slice, a named tuple, a subclass of int, float, str, list
+ * or dict, a value nested deeper than MAX_DEPTH) is handed to the encoder's own Python method (enc.tensor or
+ * enc.value), which writes it as always; so the two paths cannot differ by design, and tests/test_fastencode.py
+ * checks that they give the same bytes. An error raised by Python code called from here propagates as it would from
+ * the Python walk. Python code called from here may let the training's thread run, and change a list being walked:
+ * items are read afresh, and held while used.
  *
  * Build: `python -m npu_agent.compiled --build` (scripts/setup.sh runs it). */
 #define PY_SSIZE_T_CLEAN
