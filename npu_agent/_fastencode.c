@@ -807,8 +807,9 @@ fe_copy_places(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
         int ok = base ? strided_of(src, nbytes, &st) : 0;
         if (ok > 0) {   /* a host tensor, contiguous or not: its elements written in order */
             copy_elements(&st, (char *)(uintptr_t)base + off, 0, nbytes);
-        } else if (ok == 0) {   /* target.copy(off, nbytes, src, gather): any other device or class */
-            PyObject *r = PyObject_CallMethod(target, "copy", "LLOO", off, nbytes, src, gather_fn);
+        } else if (ok == 0) {   /* target.copy(off, nbytes, src, gather): a payload in pieces, another device or
+                                 * class; gather only for the pieces (it reads no tensor strided_of refused) */
+            PyObject *r = PyObject_CallMethod(target, "copy", "LLOO", off, nbytes, src, base ? Py_None : gather_fn);
             if (r == NULL)
                 ok = -1;
             Py_XDECREF(r);
@@ -1013,7 +1014,7 @@ static PyMethodDef fe_methods[] = {
      "copy_places(target, places, source, addr): each (offset, nbytes, tensor) of places, its tensor or "
      "source[id(tensor)], written at offset: its elements in row-major order to addr + offset where addr is the "
      "target's one span and the tensor lies in host memory (as gather), else by target.copy(offset, nbytes, tensor, "
-     "gather) (addr 0: always)"},
+     "gather) (addr 0: always; with addr, another device or class: gather None)"},
     {"gather", (PyCFunction)(void (*)(void))fe_gather, METH_FASTCALL,
      "gather(tensor, nbytes, addr, skip, count) -> bool: bytes [skip, skip + count) of a host tensor's elements in "
      "row-major order (what its .contiguous() holds) written to addr; False, with nothing written, for a tensor "
