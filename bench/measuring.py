@@ -1,12 +1,14 @@
 """The measuring processes of a benchmark's `--baseline` run (bench/intake.py, bench/overhead.py --per-call,
 bench/sampling.py): each checkout measured by a process of its own that stays up, the rounds alternating between
 them. The test VM's speed drifts by 10-30 % within minutes, which runs one after the other would read as a change.
+And each thread's CPU (`thread_cpu`): which of the agent's threads spends what (bench/sampling.py).
 """
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterable, Sequence
 
 
@@ -47,3 +49,36 @@ class MeasuringProcess:
 def in_turn(labels: Sequence[str], r: int) -> Sequence[str]:
     """The order of round `r`: `labels` as given, reversed every other round."""
     return labels if r % 2 == 0 else labels[::-1]
+
+
+ThreadCpu = dict[int, tuple[str, float]]   # thread id -> (its name, CPU seconds)
+
+
+def thread_cpu() -> ThreadCpu:
+    """CPU seconds of each thread of this process so far: {thread id: (name, seconds)}, from the scheduler's own
+    count (/proc/self/task/TID/schedstat, nanoseconds: exact, where utime and stime are counted in clock ticks). The
+    name is the Python thread's where the thread is one, else the kernel's (a C library's thread: gRPC's C core).
+    Empty where /proc is not there."""
+    names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+    out: ThreadCpu = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as fh:
+                ns = int(fh.read().split()[0])
+            name = names.get(int(tid))
+            if name is None:
+                with open(f"/proc/self/task/{tid}/comm") as fh:
+                    name = "[C] " + fh.read().strip()
+        except (OSError, ValueError, IndexError):   # the thread ended meanwhile
+            continue
+        out[int(tid)] = (name, ns / 1e9)
+    return out
+
+
+def cpu_since(before: ThreadCpu, after: ThreadCpu) -> ThreadCpu:
+    """Each thread's CPU between two `thread_cpu()` readings (a thread started meanwhile: all of its CPU)."""
+    return {tid: (name, s - before.get(tid, (name, 0.0))[1]) for tid, (name, s) in after.items()}

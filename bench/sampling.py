@@ -13,7 +13,10 @@ the sampler saw (the calls of a step the agent does not watch are not seen: npu_
 does not watch"; their number is printed as "steps not watched").
 The floor: a TorchFunctionMode that does nothing, pushed around forward and backward as the agent's mode is ("no-op
 mode"); each policy's CPU is also given as a ratio of it, and its training thread's CPU (`time.thread_time`: the
-sender's and gRPC's threads left out). `--baseline PATH` also measures the checkout at PATH (a `git worktree add
+sender's and gRPC's threads left out), and under each policy's line the CPU a record of each of the agent's
+threads, read from the scheduler's count per thread (bench/measuring.py `thread_cpu`): the sender (encoding), the
+stream's reader (the server's answers), gRPC's Python threads (requests handed to gRPC, answers delivered) and its
+C core. `--baseline PATH` also measures the checkout at PATH (a `git worktree add
 --detach /tmp/base HEAD` of the previous main; this benchmark, that checkout's agent and server) and prints both
 before/after: each checkout in a process that stays up with its own server, the rounds alternating between them
 (the order reversed every other round). Run one after the other, drift made the second run's policy cheaper than
@@ -34,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import overhead  # noqa: E402  (pins this process to one core and torch to one thread on import)
 import torch  # noqa: E402
-from measuring import MeasuringProcess, in_turn  # noqa: E402  (bench/measuring.py, beside this file)
+from measuring import MeasuringProcess, cpu_since, in_turn, thread_cpu  # noqa: E402  (bench/measuring.py, beside this file)
 
 from examples.demo import TinyLM, batches  # noqa: E402
 
@@ -128,13 +131,21 @@ class Sampling:
         self.cpu = dict.fromkeys(self.variants, 0.0)
         self.wall = dict.fromkeys(self.variants, 0.0)
         self.thread = dict.fromkeys(self.variants, 0.0)
+        self.agent_threads: dict[str, dict[str, float]] = {name: {} for name in self.cfgs}
 
     def round(self) -> None:
         for name, dbg in self.variants.items():
+            before = thread_cpu()
             c, w, t = _round(self.model, self.opt, self.data, dbg)
             self.cpu[name] += c
             self.wall[name] += w
             self.thread[name] += t
+            if name in self.cfgs:   # (the other agents' threads are idle meanwhile: each round ends drained)
+                roles = self.agent_threads[name]
+                for thread, seconds in cpu_since(before, thread_cpu()).values():
+                    role = _role(thread)
+                    if role is not None:
+                        roles[role] = roles.get(role, 0.0) + seconds
         self.rounds += 1
 
     def finish(self) -> dict:
@@ -148,7 +159,25 @@ class Sampling:
         return {"repo": agent, "layers": self.layers, "steps": n, "calls": self.calls,
                 "cpu": {k: v / n for k, v in self.cpu.items()}, "wall": {k: v / n for k, v in self.wall.items()},
                 "thread": {k: v / n for k, v in self.thread.items()}, "counts": counts, "startup": self.startup,
+                "agent_threads": self.agent_threads,
                 "train_core": overhead.TRAIN_CORE, "server_core": overhead.SERVER_CORE}
+
+
+ROLES = ("the sender", "the stream's reader", "gRPC's Python threads", "gRPC's C core")
+
+
+def _role(thread: str) -> str | None:
+    """Which of the agent's threads `thread` (a name from bench/measuring.thread_cpu) is; None for the training's
+    own thread (its CPU is the thread column). The sender encodes and hands records to the transport; the stream's
+    reader (npu_agent/transport_grpc.py) reads the server's answers; gRPC's Python threads consume the requests
+    and deliver the answers; its C core moves the bytes."""
+    if thread == "MainThread":
+        return None
+    if thread == "online-check-sender":
+        return ROLES[0]
+    if thread.startswith("online-check"):
+        return ROLES[1]
+    return ROLES[3] if thread.startswith("[C] ") else ROLES[2]
 
 
 def measure(steps: int, rounds: int, layers: int, policies: dict) -> dict:
@@ -236,6 +265,10 @@ def report(r: dict, base: dict | None) -> None:
             extra += f"; start-up {start * 1e3:.0f} ms CPU, once (not in the steps)" if start is not None else ""
             print(f"  {name:15s} CPU {run['cpu'][name] * 1e3:7.2f} ms/step (thread {run['thread'][name] * 1e3:7.2f}); "
                   f"records {c['captured']:6d} (acknowledged {c['acknowledged']}); {extra}")
+            roles = run.get("agent_threads", {}).get(name)   # (absent from a baseline checkout's older bench)
+            if roles and c["captured"]:
+                print(f"  {'':15s} the agent's threads, CPU a record: " + ", ".join(
+                    f"{role} {roles.get(role, 0.0) / c['captured'] * 1e6:.0f} us" for role in ROLES))
     print(f"\nno-op mode (the floor): CPU x{r['cpu']['no-op mode'] / r['cpu']['off']:5.2f} of off")
     print("ratios and coverage")
     before = dict(_lines(base)) if base is not None else {}
