@@ -45,7 +45,7 @@ WAIT_LOG_S = 30.0   # the period of the "still waiting" lines
 # BATCH_RECORD_BYTES each, at most BATCH_RECORDS and BATCH_BYTES of tensors a message. A record up to 256 KiB is
 # encoded into one buffer, or straight into its batch's frame (npu_agent.records: larger ones into their own frames).
 BATCH_RECORD_BYTES = 256 << 10
-BATCH_BYTES = 1 << 20
+BATCH_BYTES = 2 << 20
 BATCH_RECORDS = 512
 LINGER_S = 0.003   # how long a small record that found the sender idle waits for others (see above)
 _THREAD_CLOCKS = hasattr(time, "pthread_getcpuclockid")   # Unix: another thread's CPU clock
