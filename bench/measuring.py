@@ -82,3 +82,35 @@ def thread_cpu() -> ThreadCpu:
 def cpu_since(before: ThreadCpu, after: ThreadCpu) -> ThreadCpu:
     """Each thread's CPU between two `thread_cpu()` readings (a thread started meanwhile: all of its CPU)."""
     return {tid: (name, s - before.get(tid, (name, 0.0))[1]) for tid, (name, s) in after.items()}
+
+
+AGENT_THREADS = ("the sender", "the stream's reader", "gRPC's Python threads", "gRPC's C core")
+
+
+def agent_thread(name: str) -> str | None:
+    """Which of the agent's threads a thread named `name` (by `thread_cpu`) is, as AGENT_THREADS names them; None
+    for the main thread (the training's, or a benchmark's own). The sender encodes records and hands them to the
+    transport; the stream's reader (npu_agent/transport_grpc.py) reads the server's answers; gRPC's Python threads
+    hand the requests to gRPC and deliver its answers; its C core moves the bytes."""
+    if name == "MainThread":
+        return None
+    if name == "online-check-sender":
+        return AGENT_THREADS[0]
+    if name.startswith("online-check"):
+        return AGENT_THREADS[1]
+    return AGENT_THREADS[3] if name.startswith("[C] ") else AGENT_THREADS[2]
+
+
+def agent_threads_since(before: ThreadCpu) -> dict[str, float]:
+    """The CPU seconds of each of the agent's threads (AGENT_THREADS) since the `thread_cpu()` reading `before`."""
+    out = dict.fromkeys(AGENT_THREADS, 0.0)
+    for name, seconds in cpu_since(before, thread_cpu()).values():
+        role = agent_thread(name)
+        if role is not None:
+            out[role] += seconds
+    return out
+
+
+def agent_threads_line(seconds: dict[str, float], records: int) -> str:
+    """`seconds` (agent_threads_since) as CPU a record, each thread named."""
+    return ", ".join(f"{role} {seconds.get(role, 0.0) / records * 1e6:.0f} us" for role in AGENT_THREADS)

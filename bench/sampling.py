@@ -37,7 +37,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import overhead  # noqa: E402  (pins this process to one core and torch to one thread on import)
 import torch  # noqa: E402
-from measuring import MeasuringProcess, cpu_since, in_turn, thread_cpu  # noqa: E402  (bench/measuring.py, beside this file)
+from measuring import (  # noqa: E402  (bench/measuring.py, beside this file)
+    MeasuringProcess,
+    agent_threads_line,
+    agent_threads_since,
+    in_turn,
+    thread_cpu,
+)
 
 from examples.demo import TinyLM, batches  # noqa: E402
 
@@ -142,10 +148,8 @@ class Sampling:
             self.thread[name] += t
             if name in self.cfgs:   # (the other agents' threads are idle meanwhile: each round ends drained)
                 roles = self.agent_threads[name]
-                for thread, seconds in cpu_since(before, thread_cpu()).values():
-                    role = _role(thread)
-                    if role is not None:
-                        roles[role] = roles.get(role, 0.0) + seconds
+                for role, seconds in agent_threads_since(before).items():
+                    roles[role] = roles.get(role, 0.0) + seconds
         self.rounds += 1
 
     def finish(self) -> dict:
@@ -161,23 +165,6 @@ class Sampling:
                 "thread": {k: v / n for k, v in self.thread.items()}, "counts": counts, "startup": self.startup,
                 "agent_threads": self.agent_threads,
                 "train_core": overhead.TRAIN_CORE, "server_core": overhead.SERVER_CORE}
-
-
-ROLES = ("the sender", "the stream's reader", "gRPC's Python threads", "gRPC's C core")
-
-
-def _role(thread: str) -> str | None:
-    """Which of the agent's threads `thread` (a name from bench/measuring.thread_cpu) is; None for the training's
-    own thread (its CPU is the thread column). The sender encodes and hands records to the transport; the stream's
-    reader (npu_agent/transport_grpc.py) reads the server's answers; gRPC's Python threads consume the requests
-    and deliver the answers; its C core moves the bytes."""
-    if thread == "MainThread":
-        return None
-    if thread == "online-check-sender":
-        return ROLES[0]
-    if thread.startswith("online-check"):
-        return ROLES[1]
-    return ROLES[3] if thread.startswith("[C] ") else ROLES[2]
 
 
 def measure(steps: int, rounds: int, layers: int, policies: dict) -> dict:
@@ -267,8 +254,7 @@ def report(r: dict, base: dict | None) -> None:
                   f"records {c['captured']:6d} (acknowledged {c['acknowledged']}); {extra}")
             roles = run.get("agent_threads", {}).get(name)   # (absent from a baseline checkout's older bench)
             if roles and c["captured"]:
-                print(f"  {'':15s} the agent's threads, CPU a record: " + ", ".join(
-                    f"{role} {roles.get(role, 0.0) / c['captured'] * 1e6:.0f} us" for role in ROLES))
+                print(f"  {'':15s} the agent's threads, CPU a record: {agent_threads_line(roles, c['captured'])}")
     print(f"\nno-op mode (the floor): CPU x{r['cpu']['no-op mode'] / r['cpu']['off']:5.2f} of off")
     print("ratios and coverage")
     before = dict(_lines(base)) if base is not None else {}

@@ -33,9 +33,11 @@ it is, as the agent leaves the training's.
 Each row runs `--repeat` times (default 3), the rows (and the baseline's) taking turns, and its fastest run is
 printed: a row takes well under a second at 64 KiB, and one run of raw gRPC read 9,426 records/s, the next 15,259.
 It prints MB/s, records/s and the CPU time per record of the sending and the receiving process (the receiver's
-from /proc, in clock ticks) of that run, then the ratios of the fastest runs: ours / raw gRPC (the goal: >= 0.9),
-ours (mTLS) / raw mTLS (the same goal), mTLS / raw gRPC (what encryption costs), ours / raw TCP, batched / one a
-message, folder / ours.
+from /proc, in clock ticks) of that run, under them the CPU a record of each of the agent's threads in the sending
+process for our rows (bench/measuring.py `thread_cpu`: the sender, the stream's reader, gRPC's Python threads and
+its C core; the submitting thread's is the rest), then the ratios of the fastest runs: ours / raw gRPC (the goal:
+>= 0.9), ours (mTLS) / raw mTLS (the same goal), mTLS / raw gRPC (what encryption costs), ours / raw TCP, batched /
+one a message, folder / ours.
 
 With `--rtt-ms R` every row but the folder's sends through a relay on loopback that holds each byte R/2 ms each way
 (bench/delay_relay.py), as a network between the training's host and the server's would: what the receiver's
@@ -59,6 +61,7 @@ if "--root" in sys.argv[:-1]:   # the code measured: another checkout's (--basel
 sys.path.insert(0, ROOT)
 
 from intake import counting_intake  # noqa: E402  (bench/intake.py, beside this file)
+from measuring import agent_threads_line, agent_threads_since, thread_cpu  # noqa: E402  (bench/measuring.py)
 
 MiB = 1 << 20
 RAW_METHOD = "/bench.Raw/Push"
@@ -150,14 +153,17 @@ RTT_S = 0.0       # --rtt-ms: each receiving child behind a relay (bench/delay_r
 
 def _start() -> None:
     child = _RUN["child"]
-    _RUN.update(t=time.perf_counter(), client=time.process_time(), server=child.cpu())
+    _RUN.update(t=time.perf_counter(), client=time.process_time(), server=child.cpu(), threads=thread_cpu())
 
 
 def _stop() -> float:
-    """Seconds since `_start`; leaves the CPU seconds of the sending and the receiving process in _RUN."""
+    """Seconds since `_start`; leaves the CPU seconds of the sending and the receiving process in _RUN, and those of
+    the agent's threads in the sending process where `run_ours` read them (bench/measuring.py
+    `agent_threads_since`; else none)."""
     dt = time.perf_counter() - _RUN["t"]
     _RUN["client"] = time.process_time() - _RUN["client"]
     _RUN["server"] = _RUN["child"].cpu() - _RUN["server"]
+    _RUN["threads"] = _RUN.pop("agent", None) or {}
     return dt
 
 
@@ -227,6 +233,12 @@ def run_ours(make_transport, size: int, n: int, on_done=None) -> float:
     _start()
     for r in recs[1:]:
         sender.submit(r)
+    # the agent's threads' CPU, read once every record is acknowledged and before close() ends those threads (a thread
+    # that ended is no longer in /proc); the 2 ms polls end within 2 ms of the last acknowledgement
+    deadline = time.monotonic() + 600
+    while sender.counts.acknowledged < n + 1 and sender.refusal is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    _RUN["agent"] = agent_threads_since(_RUN["threads"])
     counts = sender.close(timeout=600)
     if on_done is not None:
         on_done()
@@ -426,6 +438,7 @@ def main(argv=None) -> int:
         for size in sizes:
             n = (5000 if ns.quick else 20000) if size <= SMALL else max(4, int(total // size))
             best: dict[str, tuple[int, float, float, float]] = {}   # label -> the fastest run's numbers
+            threads: dict[str, dict[str, float]] = {}   # label -> the agent's threads' CPU in that run (ours)
             for _ in range(max(1, ns.repeat)):   # other work on the machine only adds time: the fastest counts
                 if ns.baseline:
                     for label, row in _baseline(os.path.abspath(ns.baseline), size, ns.mib, ns.quick).items():
@@ -435,19 +448,26 @@ def main(argv=None) -> int:
                     dt = globals()[fn](size, n, *((client_tls, server_tls) if tls else ()))
                     if ns.emit:
                         print(f"ROW {key} {n} {dt} {_RUN['client']} {_RUN['server']}", flush=True)
-                    else:
-                        _keep(best, name, (n, dt, _RUN["client"], _RUN["server"]))
+                    elif _keep(best, name, (n, dt, _RUN["client"], _RUN["server"])):
+                        threads[name] = _RUN["threads"]
             if not ns.emit:
                 for label, row in best.items():
                     _print_row(size, label, *row)
+                for label, seconds in threads.items():
+                    if label.startswith("ours") or label == "one a message":   # (a bare stream has no agent)
+                        print(f"{'':>8} {label}: the sending process's threads, CPU a record: "
+                              f"{agent_threads_line(seconds, best[label][0])}", flush=True)
                 _print_ratios({label: row[1] for label, row in best.items()})
     return 0
 
 
-def _keep(best: dict, label: str, row: tuple[int, float, float, float]) -> None:
-    """Remember `row` (records, seconds, sender and receiver CPU) for `label` when it is its fastest run so far."""
+def _keep(best: dict, label: str, row: tuple[int, float, float, float]) -> bool:
+    """Remember `row` (records, seconds, sender and receiver CPU) for `label` when it is its fastest run so far
+    (True then)."""
     if label not in best or row[1] < best[label][1]:
         best[label] = row
+        return True
+    return False
 
 
 def _print_ratios(rows: dict) -> None:

@@ -21,6 +21,14 @@ def test_every_row_of_the_wire_bench_runs(tmp_path):
     for label in ROWS.values():   # each row once: its fastest of the two runs
         assert sum(line.strip().startswith("64 KiB " + label) for line in lines) == 1, (label, run.stdout)
     assert any("ours/raw gRPC" in line and "folder/ours" in line for line in lines), run.stdout
+    # under the rows, the sending process's threads for each of ours (bench/measuring.py thread_cpu): the sender is
+    # busy in every one, gRPC's threads only where the records go over gRPC, none for the bare streams
+    threads = {line.split(":")[0].strip(): line for line in lines if "the sending process's threads" in line}
+    assert sorted(threads) == sorted(v for v in ROWS.values() if v.startswith("ours") or v == "one a message"), lines
+    for label, line in threads.items():
+        figures = dict(part.rsplit(" ", 2)[:2] for part in line.split("CPU a record: ", 1)[1].split(", "))
+        assert float(figures["the sender"]) > 0, line
+        assert (float(figures["gRPC's Python threads"]) > 0) == (label != "ours (folder)"), line
 
 
 def test_the_wire_bench_runs_across_a_delaying_relay(tmp_path):
