@@ -1,7 +1,7 @@
 """The measuring processes of a benchmark's `--baseline` run (bench/intake.py, bench/overhead.py --per-call,
 bench/sampling.py): each checkout measured by a process of its own that stays up, the rounds alternating between
 them. The test VM's speed drifts by 10-30 % within minutes, which runs one after the other would read as a change.
-And each thread's CPU (`thread_cpu`): which of the agent's threads spends what (bench/sampling.py).
+And each thread's CPU (`thread_cpu`): which of the agent's threads spends what (bench/sampling.py, transport.py).
 """
 from __future__ import annotations
 

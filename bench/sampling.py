@@ -141,12 +141,12 @@ class Sampling:
 
     def round(self) -> None:
         for name, dbg in self.variants.items():
-            before = thread_cpu()
+            before = thread_cpu() if name in self.cfgs else None
             c, w, t = _round(self.model, self.opt, self.data, dbg)
             self.cpu[name] += c
             self.wall[name] += w
             self.thread[name] += t
-            if name in self.cfgs:   # (the other agents' threads are idle meanwhile: each round ends drained)
+            if before is not None:   # an agent (the other agents' threads are idle meanwhile: each round ends drained)
                 roles = self.agent_threads[name]
                 for role, seconds in agent_threads_since(before).items():
                     roles[role] = roles.get(role, 0.0) + seconds
