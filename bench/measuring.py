@@ -1,7 +1,8 @@
 """The measuring processes of a benchmark's `--baseline` run (bench/intake.py, bench/overhead.py --per-call,
 bench/sampling.py): each checkout measured by a process of its own that stays up, the rounds alternating between
 them. The test VM's speed drifts by 10-30 % within minutes, which runs one after the other would read as a change.
-And each thread's CPU (`thread_cpu`): which of the agent's threads spends what (bench/sampling.py, transport.py).
+And the CPU a process (`process_stat`) and each thread (`thread_cpu`) spent so far: which of the agent's threads
+spends what (bench/sampling.py, transport.py), what a server's processes spend (bench/server_start.py).
 """
 from __future__ import annotations
 
@@ -49,6 +50,17 @@ class MeasuringProcess:
 def in_turn(labels: Sequence[str], r: int) -> Sequence[str]:
     """The order of round `r`: `labels` as given, reversed every other round."""
     return labels if r % 2 == 0 else labels[::-1]
+
+
+def process_stat(pid: int) -> tuple[int, float] | None:
+    """(parent pid, CPU seconds: user + system, in clock ticks) of a live process from /proc/PID/stat; None once it
+    is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return int(fields[1]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 ThreadCpu = dict[int, tuple[str, float]]   # thread id -> (its name, CPU seconds)

@@ -26,9 +26,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from measuring import in_turn  # noqa: E402  (bench/measuring.py, beside this file)
+from measuring import in_turn, process_stat  # noqa: E402  (bench/measuring.py, beside this file)
 
-TICK = os.sysconf("SC_CLK_TCK")
 SETTLED_S = 0.5
 FLOOR = ("from gpu_server import malloc_policy, omp_wait\n"
          "import os\n"
@@ -44,16 +43,6 @@ FLOOR = ("from gpu_server import malloc_policy, omp_wait\n"
 MAIN = "import sys\nfrom gpu_server.cli import main\nsys.exit(main())\n"
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """(parent pid, CPU seconds) of a live process, None once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
-
-
 def _pss_mib(pid: int) -> float:
     """The process's proportional set size (its private pages, and its share of those it shares), MiB; 0 once gone."""
     try:
@@ -66,26 +55,22 @@ def _pss_mib(pid: int) -> float:
     return 0.0
 
 
-def _tree(root: int) -> list[int]:
-    """`root` and its live descendants."""
-    parents = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            got = _stat(int(name))
-            if got is not None:
-                parents[int(name)] = got[0]
-    found, todo = [root], [root]
+def _tree(root: int) -> dict[int, float]:
+    """`root` and its live descendants: their CPU seconds, each process's /proc/PID/stat read once."""
+    stats = {int(name): got for name in os.listdir("/proc") if name.isdigit()
+             and (got := process_stat(int(name))) is not None}
+    found, todo = {root: stats[root][1]} if root in stats else {}, [root]
     while todo:
         pid = todo.pop()
-        kids = [p for p, parent in parents.items() if parent == pid and p not in found]
-        found.extend(kids)
+        kids = [p for p, (parent, _) in stats.items() if parent == pid and p not in found]
+        found.update((kid, stats[kid][1]) for kid in kids)
         todo.extend(kids)
     return found
 
 
 def _tree_cpu(root: int) -> tuple[float, float]:
     """CPU seconds of `root` and of its live descendants."""
-    cpu = {pid: got[1] for pid in _tree(root) if (got := _stat(pid)) is not None}
+    cpu = _tree(root)
     return cpu.pop(root, 0.0), sum(cpu.values())
 
 

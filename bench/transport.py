@@ -61,7 +61,12 @@ if "--root" in sys.argv[:-1]:   # the code measured: another checkout's (--basel
 sys.path.insert(0, ROOT)
 
 from intake import counting_intake  # noqa: E402  (bench/intake.py, beside this file)
-from measuring import agent_threads_line, agent_threads_since, thread_cpu  # noqa: E402  (bench/measuring.py)
+from measuring import (  # noqa: E402  (bench/measuring.py, beside this file)
+    agent_threads_line,
+    agent_threads_since,
+    process_stat,
+    thread_cpu,
+)
 
 MiB = 1 << 20
 RAW_METHOD = "/bench.Raw/Push"
@@ -170,9 +175,9 @@ def _stop() -> float:
 class Child:
     def cpu(self) -> float:
         """CPU seconds (user + system) of the receiving process so far."""
-        with open(f"/proc/{self.proc.pid}/stat") as fh:
-            fields = fh.read().rpartition(")")[2].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        stat = process_stat(self.proc.pid)
+        assert stat is not None, "the receiving process is gone"
+        return stat[1]
 
     def __init__(self, mode: str, tls_dir: str = "", nfs: str = ""):
         env = dict(os.environ, PYTHONPATH=ROOT)
