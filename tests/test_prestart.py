@@ -37,6 +37,11 @@ def _check_three(server) -> None:
     stream.close()
 
 
+def _cmdline(pid: int) -> bytes:
+    with open(f"/proc/{pid}/cmdline", "rb") as fh:
+        return fh.read()
+
+
 @pytest.mark.parametrize("workers", [1, 2])
 def test_the_server_s_workers_are_forked_by_its_fork_server(tmp_path, workers):
     # the command as a fresh interpreter (not forked from a helper that imported torch already: tests/zygote.py)
@@ -47,8 +52,7 @@ def test_the_server_s_workers_are_forked_by_its_fork_server(tmp_path, workers):
         pids = wait_for(lambda: len(replay_workers(server.proc.pid)) == workers and replay_workers(server.proc.pid),
                         60, "the forked workers")
         assert len(pids) == workers, pids                   # the server's own children: it adopted them
-        with open(f"/proc/{pids[0]}/cmdline", "rb") as fh:
-            assert b"sandbox_worker" not in fh.read()   # forked (from the server), not a fresh interpreter
+        assert b"sandbox_worker" not in _cmdline(pids[0])   # forked (from the server), not a fresh interpreter
         _check_three(server)
         assert server.stop() == 0                  # drains: the three are checked
         # (a worker logs its start at its first request: the first record of its rank)
@@ -62,11 +66,7 @@ def _is_a_fork_set_apart(fork: int, server: int) -> None:
     """The fork server is a fork of the server (the command's interpreter, no new one), set apart as a fresh worker
     interpreter would be: a session of its own, no standard input, the project's folder, and of the socket pair only
     its own end (the server's closed in it, so the server closing its end is the fork server's end of input)."""
-    def cmdline(pid: int) -> bytes:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read()
-
-    assert cmdline(fork) == cmdline(server)
+    assert _cmdline(fork) == _cmdline(server)
     assert os.getsid(fork) == fork and os.getsid(server) != fork
     assert os.readlink(f"/proc/{fork}/fd/0") == os.devnull
     assert os.readlink(f"/proc/{fork}/cwd") == prestart.ROOT
@@ -78,10 +78,11 @@ def test_without_the_fork_server_the_workers_are_the_interpreters_started_ahead(
     monkeypatch.setenv(prestart.FORK_SERVER_ENV, "0")
     with support.Server(str(tmp_path), args=("--workers", "2"), fresh=True) as server:
         assert fork_servers(server.proc.pid) == []
-        pids = replay_workers(server.proc.pid)
+        # each names itself once it has imported torch (it may still be importing on a loaded host)
+        pids = wait_for(lambda: len(replay_workers(server.proc.pid)) >= 2 and replay_workers(server.proc.pid),
+                        60, "the two interpreters started ahead")
         assert len(pids) == 2, pids                # started before torch was imported: no more, none left over
-        with open(f"/proc/{pids[0]}/cmdline", "rb") as fh:
-            cmd = fh.read()
+        cmd = _cmdline(pids[0])
         assert b"gpu_server.replay.sandbox_worker" in cmd and b"--folder" not in cmd   # its arguments came by message
         _check_three(server)
         assert server.stop() == 0
@@ -104,10 +105,11 @@ def fork_server_here():
     finally:
         done.set()
         other.join()
-    assert prestart._forks is not None
-    with open(f"/proc/{prestart._forks.proc.pid}/cmdline", "rb") as fh:
-        assert b"gpu_server.replay.fork_server" in fh.read()
     try:
+        assert prestart._forks is not None
+        # (Popen returns once exec has begun; the kernel sets the new command line a moment later)
+        wait_for(lambda: b"gpu_server.replay.fork_server" in _cmdline(prestart._forks.proc.pid), 10,
+                 "the fork server interpreter's command line")
         yield prestart._forks
     finally:
         prestart.stop()
