@@ -9,6 +9,9 @@
  * the Python code reads, so the two cannot drift apart: whenever a case is not plainly a skip (a call
  * not classified yet, a collective, a call that may write what a record holds, a backward pass, a scope
  * or an api list, a new call site, a call due for its check), it says False. Any error: False, cleared.
+ * It also says True, counting nothing, for a call that is not an API where the Python path would only run it: a
+ * property's getter (`x.shape`: about 4 us a call in Python, which looked it up twice and failed twice), or a call
+ * classified as no API while no record holds a tensor.
  * Build: `python -m npu_agent.fastskip --build` (scripts/setup.sh runs it). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -16,7 +19,8 @@
 #define MAX_REASONS 8   /* skipped_steps, _ranks, _repeats, _budget: far fewer */
 
 static PyObject *s_step_taken, *s_reason, *s_coverage, *s_step, *s_shape, *s_dtype, *s_calls, *s_repeats,
-    *s_inplace, *s_out;
+    *s_inplace, *s_out, *s_name;
+static PyTypeObject *method_wrapper_type;   /* type(None.__repr__): a slot bound to its object */
 
 typedef struct {
     PyObject_HEAD
@@ -273,7 +277,26 @@ count_skip(Skipper *self, PyObject *reason)
     return 0;
 }
 
-/* 1: skipped and counted; 0: not plainly a skip, nothing changed; -1: an error (nothing changed either). */
+/* A property's getter: `x.shape` reaches the mode as `Tensor.shape.__get__`, a method-wrapper made anew at each
+ * access (so never in naming.CLASSIFIED). naming.classify says it is not an API, and for a call that is not an API
+ * and has no `out=` the Python path only runs it (capture.protect_unseen: a getter writes nothing). 1: a getter; 0:
+ * not one; -1: an error set. */
+static int
+is_getter(PyObject *func)
+{
+    if (Py_TYPE(func) != method_wrapper_type)
+        return 0;
+    PyObject *name = PyObject_GetAttr(func, s_name);
+    if (name == NULL)
+        return -1;
+    int is = PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__get__") == 0;
+    Py_DECREF(name);
+    return is;
+}
+
+/* 1: run the call as it is: skipped and counted, or not an API and nothing the Python path would do for it (a
+ * property's getter; a call classified as no API while no record holds a tensor); 0: not plainly either, nothing
+ * changed; -1: an error (nothing changed either). */
 static int
 decide(Skipper *self, PyObject *func, PyObject *args, PyObject *kwargs)
 {
@@ -282,7 +305,14 @@ decide(Skipper *self, PyObject *func, PyObject *args, PyObject *kwargs)
     PyObject *sampler = self->sampler, *info = NULL, *grad = NULL, *site = NULL, *sig = NULL, *tmp = NULL;
     PyObject *reason = NULL;
 
+    if (kwargs == NULL || !PyDict_GET_SIZE(kwargs)) {
+        int getter = is_getter(func);
+        if (getter != 0)
+            return getter;
+    }
     info = PyDict_GetItemWithError(self->classified, func);
+    if (info == Py_None && !PyDict_GET_SIZE(self->pending))
+        return 1;   /* not an API (capture: `info is None`), and no record holds a tensor it might write */
     if (info == NULL || info == Py_None || !PyTuple_Check(info) || PyTuple_GET_SIZE(info) != 2) {
         info = NULL;
         goto check;
@@ -389,7 +419,8 @@ static PyMethodDef skipper_methods[] = {
     {"flush", (PyCFunction)skipper_flush, METH_NOARGS,
      "flush() adds the calls skipped here to the sampler's counts (Sampler.counts calls it before they are read)."},
     {"skip", (PyCFunction)(void (*)(void))skipper_skip, METH_FASTCALL,
-     "skip(func, args, kwargs) -> True: a call the sampling skips, counted; False: nothing changed, ask Python."},
+     "skip(func, args, kwargs) -> True: run the call as it is (a call the sampling skips, counted; or no API and "
+     "nothing to do for it); False: nothing changed, ask Python."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -418,13 +449,18 @@ PyInit__fastskip(void)
     struct { PyObject **slot; const char *name; } names[] = {
         {&s_step_taken, "step_taken"}, {&s_reason, "_reason"}, {&s_coverage, "_coverage"}, {&s_step, "step"},
         {&s_shape, "shape"}, {&s_dtype, "dtype"}, {&s_calls, "calls"}, {&s_repeats, "skipped_repeats"},
-        {&s_inplace, "inplace"}, {&s_out, "out"},
+        {&s_inplace, "inplace"}, {&s_out, "out"}, {&s_name, "__name__"},
     };
     for (size_t i = 0; i < sizeof(names) / sizeof(names[0]); i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].name);
         if (*names[i].slot == NULL)
             return NULL;
     }
+    PyObject *bound = PyObject_GetAttrString(Py_None, "__repr__");
+    if (bound == NULL)
+        return NULL;
+    method_wrapper_type = Py_TYPE(bound);   /* a built-in type: lives as long as the interpreter */
+    Py_DECREF(bound);
     if (PyType_Ready(&SkipperType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&fastskip_module);

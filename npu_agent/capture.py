@@ -178,6 +178,7 @@ _BY_TABLE = frozenset({"Aten", "NPU", "Distributed", "Custom"})
 _KINDS: dict[tuple[str, str], tuple[bool, bool, bool, bool]] = {}
 _CLASSIFIED = naming.CLASSIFIED
 _is_compiling = torch.compiler.is_compiling
+_METHOD_WRAPPER = type(None.__repr__)   # a slot bound to its object: a property's `__get__`
 _grad_enabled = torch.is_grad_enabled
 
 
@@ -247,6 +248,10 @@ class CaptureMode(TorchFunctionMode):
         if skip is not None and skip(func, args, kwargs):
             return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = kwargs or {}
+        if type(func) is _METHOD_WRAPPER and not kwargs and func.__name__ == "__get__":
+            # a property's getter (x.shape), made anew at each access: no API (naming.classify), and it writes
+            # nothing (protect_unseen); before, two failed cache lookups cost it about 4 us
+            return func(*args)
         try:
             info = _CLASSIFIED[func]   # naming.classify's cache, looked up without the call
         except Exception:  # noqa: BLE001 - not cached yet, or unhashable: the full path

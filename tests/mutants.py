@@ -330,6 +330,12 @@ MUTATIONS = (
          ("npu_agent/backward.py", "        if signature not in self.mixed:\n            self.mixed.add(signature)\n",
           "        if signature not in self.mixed:\n            pass\n")),
         ("tests/test_known_graphs.py",)),
+    Mutation(
+        "every-bound-slot-runs-unseen",
+        "the compiled skip runs any method-wrapper at once, a property's setter too, not only its getter",
+        (("npu_agent/_fastskip.c", 'PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__get__") == 0',
+          "PyUnicode_Check(name)"),),
+        ("tests/test_fastskip.py",)),
 )
 
 

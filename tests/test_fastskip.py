@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from npu_agent import PrecisionDebugger, fastskip
+from npu_agent import PrecisionDebugger, fastskip, naming
 from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.sampling import Policy, Sampler
 from npu_agent.snapshot import HELD
@@ -207,6 +207,46 @@ def test_a_call_that_writes_what_a_record_holds_goes_to_python(compiled, nothing
         assert cap.skip(F.linear, (x, w), {}) is True   # writes nothing: still a skip
     finally:
         del HELD.pending[id(key)]
+
+
+def test_calls_that_are_no_api_run_as_they_are_and_change_nothing(compiled, nothing_held):
+    """A property's getter (`x.shape` reaches the mode as `Tensor.shape.__get__`, a method-wrapper made anew at each
+    access) and a call classified as no API while no record holds a tensor: True (run it), nothing counted, as the
+    Python path only runs them; the same call while a record holds tensors, a setter, or a getter given `out=`:
+    Python's to decide."""
+    cap, x, w = _skipping_capturer(compiled)
+    _sweep()
+    assert not HELD.pending
+    getter = torch.Tensor.shape.__get__
+    assert type(getter).__name__ == "method-wrapper" and getter is not torch.Tensor.shape.__get__   # made anew
+    assert naming.classify(torch.Tensor._is_view) is None   # (cached as no API)
+    before = _state(cap)
+    assert cap.skip(getter, (x,), None) is True and _state(cap) == before
+    assert cap.skip(torch.Tensor.dtype.__get__, (x,), {}) is True and _state(cap) == before
+    assert cap.skip(torch.Tensor._is_view, (x,), None) is True and _state(cap) == before
+    assert cap.skip(torch.Tensor.requires_grad.__set__, (x, False), None) is False and _state(cap) == before
+    assert cap.skip(getter, (x,), {"out": w}) is False and _state(cap) == before
+    key = object()
+    HELD.pending[id(key)] = lambda: None   # a record holds tensors: the Python path decides whether it protects them
+    try:
+        assert cap.skip(torch.Tensor._is_view, (x,), None) is False and _state(cap) == before
+        assert cap.skip(getter, (x,), None) is True   # a getter writes nothing, held or not
+    finally:
+        del HELD.pending[id(key)]
+
+
+def test_the_python_path_runs_a_getter_unrecorded():
+    """Without a sampler (every call captured, no compiled skip) a property's getter is run at once, recorded as
+    nothing, whatever the records hold."""
+    sink = ListSink()
+    cap = Capturer(sink.append)
+    assert cap.skip is None
+    x = torch.randn(3, 4, requires_grad=True)
+    with CaptureMode(cap):
+        y = x * 2.0
+        shape, dtype, grad_fn = y.shape, y.dtype, y.grad_fn
+    assert shape == (3, 4) and dtype == torch.float32 and grad_fn is not None
+    assert [r.name for r in sink] == ["Tensor.mul.0"]
 
 
 def test_a_backward_pass_goes_to_python(compiled):
