@@ -6,19 +6,22 @@
                              [--baseline PATH]
 
 The agent alone (`--agent-alone`, issue 25 goal 1): the mid transformer, every call checked forward and backward,
-the folder transport into a folder no server reads yet (the server would start after the training), so the agent
-is measured alone. The training thread keeps one core, the agent's threads (`online-check-*`) are moved to the
-other. Per step, off and on alternating round by round: wall time and the training thread's CPU; the MB the agent
-writes a step against the MB/s the training makes them at; and the folder's floor: the same files written and
-published bare (new file, write, fsync, rename, fsync of the folder) by one thread on the agent's core. And the
-floor of the training's own cost ("beside"): off steps while a thread on the agent's core copies the bytes the agent
-wrote a step out of memory and publishes them bare, so the training meets the same memory traffic and kernel work
-without any of the agent's code; on / beside is what the agent adds above that. Each variant's line gives the
-training thread's minor page faults a step too: on a CPU training, the references the agent holds until it wrote
-them keep the allocator from reusing that memory, so the training's kernels write into new pages. `--folder`
-picks where the folder is made: /dev/shm shows the agent where the disk is not the limit. After each round the
-bench removes the round's record files, as the server would have read them (in /dev/shm they would take the
-memory: 3 rounds of the mid transformer are about 15 GB).
+the folder transport into a folder no server reads yet (the server would start after the training), so the agent is
+measured alone. The training thread keeps one core, the agent's threads (`online-check-*`) are moved to the other.
+Per step, off and on alternating round by round: wall time and the training thread's CPU; the MB the agent writes a
+step against the MB/s the training makes them at; and the folder's floor: the same files written and published bare
+(new file, write, fsync, rename, fsync of the folder) by one thread on the agent's core. And the floor of the
+training's own cost ("beside"): off steps while a thread on the agent's core copies the bytes the agent wrote a step
+out of memory and publishes them bare, so the training meets the same memory traffic and kernel work without any of
+the agent's code; on / beside is what the agent adds above that. Each variant's line gives the training thread's
+minor page faults a step too: on a CPU training, the references the agent holds until it wrote them keep the
+allocator from reusing that memory, so the training's kernels write into new pages; the agent keeps glibc's freed
+memory in the process for that (npu_agent/freed_memory.py), and its thresholds then hold for the off steps of the
+same process too. So the training without the checker is measured apart as well ("apart", the goal's reference): off
+steps in a child process on the training's core that the agent never ran in, glibc's own thresholds, run between the
+rounds while this process waits. `--folder` picks where the folder is made: /dev/shm shows the agent where the disk
+is not the limit. After each round the bench removes the round's record files, as the server would have read them
+(in /dev/shm they would take the memory: 3 rounds of the mid transformer are about 15 GB).
 
 Per call (`--per-call`, no server; issue 25 goal 2): against its floor, a TorchFunctionMode that does nothing, in
 the same process: TinyLM (tiny) steps alternating step by step between off, the no-op mode, the agent's capture mode
@@ -372,12 +375,7 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
     thread's CPU (`time.thread_time`), off and on alternating round by round. The agent's threads run on the other
     core; the training waits for the agent only where the agent makes it wait (its hooks and copies on the
     training thread, the interpreter lock its threads hold, a full memory budget)."""
-    kwargs, batch, dtype = MODELS["mid"]
-    torch.manual_seed(0)
-    model = TinyLM(dropout=0.1, **kwargs).to(dtype)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = list(batches(steps, batch=batch, seq=kwargs["seq"], vocab=kwargs["vocab"]))
-    _round(model, opt, data[:2], None)   # warm-up: lazy optimizer state, allocator
+    model, opt, data = _mid_training(steps)
     nfs = tempfile.mkdtemp(prefix="bench-agent-alone-", dir=where)
     cfg = os.path.join(nfs, "agent.json")
     folder = os.path.join(nfs, "records")
@@ -385,15 +383,17 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
     with open(cfg, "w") as fh:
         json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "nfs_path": folder,
                                                                  "online_memory_mb": memory_mb}}, fh)
-    wall: dict[str, list[float]] = {"off": [], "beside": [], "on": []}
-    cpu: dict[str, list[float]] = {"off": [], "beside": [], "on": []}
-    faults: dict[str, list[int]] = {"off": [], "beside": [], "on": []}   # the training thread's minor page faults
+    wall: dict[str, list[float]] = {"off": [], "beside": [], "on": [], "apart": []}
+    cpu: dict[str, list[float]] = {"off": [], "beside": [], "on": [], "apart": []}
+    faults: dict[str, list[int]] = {"off": [], "beside": [], "on": [], "apart": []}   # the training thread's minor
+    # page faults
     drain = []
     beside = _BareWriter(os.path.join(nfs, "beside"))
     per_step: list[list[int]] = []   # the files the agent wrote a step in the round before, for `beside`
     written = [0, 0.0, 0.0]   # bytes the agent wrote in the measured rounds, its wall time to write them, its CPU
     sender_cpu = 0.0
     last: list[int] = []   # the sizes of the files the agent wrote in the last round, in their order
+    apart = _OffApart(steps)
     try:
         dbg = PrecisionDebugger(config_path=cfg)
         reused = FRAMES.reused
@@ -428,10 +428,16 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
                         written[2] += sender.sender_cpu - sender_cpu
                         last = sizes
                     sender_cpu = sender.sender_cpu
+            for w, c, f in apart.round():
+                if r:
+                    wall["apart"].append(w)
+                    cpu["apart"].append(c)
+                    faults["apart"].append(f)
         reused = FRAMES.reused - reused   # (read before close: the counter is the pool's, not cleared)
         counts = dbg.close()
         floor = _write_floor(last, nfs)
     finally:
+        apart.close()
         beside.close()
         shutil.rmtree(nfs, ignore_errors=True)
     n = steps * rounds
@@ -443,6 +449,63 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
             "counts": counts, "threads": moved, "bytes per step": written[0] / n,
             "agent MB/s": written[0] / max(written[1], 1e-9) / 1e6, "agent CPU per step": written[2] / n,
             "floor MB/s": floor, "frames reused": reused}
+
+
+def _mid_training(steps: int):
+    """The mid transformer, its optimizer and `steps` batches, warmed up (lazy optimizer state, allocator)."""
+    kwargs, batch, dtype = MODELS["mid"]
+    torch.manual_seed(0)
+    model = TinyLM(dropout=0.1, **kwargs).to(dtype)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = list(batches(steps, batch=batch, seq=kwargs["seq"], vocab=kwargs["vocab"]))
+    _round(model, opt, data[:2], None)
+    return model, opt, data
+
+
+def _timed_steps(model, opt, data, dbg) -> list[tuple[float, float, int]]:
+    """Each step's (wall seconds, training-thread CPU seconds, training-thread minor page faults)."""
+    out = []
+    for idx, tgt in data:
+        f0, c0, w0 = _thread_faults(), time.thread_time(), time.perf_counter()
+        train_step(model, opt, idx, tgt, dbg)
+        out.append((time.perf_counter() - w0, time.thread_time() - c0, _thread_faults() - f0))
+    return out
+
+
+class _OffApart:
+    """Off in a process the agent never ran in (`--off-apart`, a child on the training's core): the training
+    without the checker as its user runs it. The agent fixes glibc's malloc thresholds of its process when it starts
+    (npu_agent/freed_memory.py), so the bench's own off steps after its first on round run with them too; this
+    child keeps glibc's own. It runs its steps when told, between the parent's rounds, while the parent waits."""
+
+    def __init__(self, steps: int) -> None:
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--off-apart", "--mid-steps",
+                                      str(steps), "--repo", REPO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, env=dict(os.environ, PYTHONPATH=REPO))
+
+    def round(self) -> list[tuple[float, float, int]]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("round\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the off-apart child ended (exit {self.proc.wait()})")
+        return [tuple(x) for x in json.loads(line)]
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def serve_off_apart(steps: int) -> None:
+    """The child of `_OffApart`: a line on stdin runs the steps, their timings go out as one JSON line."""
+    model, opt, data = _mid_training(steps)
+    for _ in sys.stdin:
+        print(json.dumps(_timed_steps(model, opt, data, None)), flush=True)
 
 
 def _thread_faults() -> int:
@@ -581,21 +644,30 @@ def print_agent_alone(r: dict) -> None:
     if r["agent MB/s"] < made:
         print("  the agent writes slower than the training makes records: a longer run fills the memory budget, "
               "then the training waits")
-    for v in ("off", "beside", "on"):
+    for v in ("apart", "off", "beside", "on"):
         if v not in r["wall"]:
             continue
         print(f"  {v:6s} wall {r['wall'][v] * 1e3:9.2f} ms/step (fastest {r['fastest wall'][v] * 1e3:8.2f})   training "
               f"thread CPU {r['cpu'][v] * 1e3:9.2f} ms/step (fastest {r['fastest cpu'][v] * 1e3:8.2f})   page faults "
               f"{r.get('faults', {}).get(v, 0):8.0f}/step")
-    print("  (beside: off steps with the same bytes copied and published bare on the agent's core meanwhile, "
-          "the floor: what the training loses to the machine, not to the agent's code; page faults: the training "
-          "thread's, new memory its kernels write into, where the records the agent still holds keep the allocator "
-          "from handing out memory freed before)")
-    print("\nratios (on / off)")
-    print(f"  wall per step                {r['wall']['on'] / r['wall']['off']:6.2f}   goal <= 1.10")
-    print(f"  training-thread CPU per step {r['cpu']['on'] / r['cpu']['off']:6.2f}   goal <= 1.05")
-    print(f"  fastest steps: wall {r['fastest wall']['on'] / r['fastest wall']['off']:.2f}, training-thread CPU "
-          f"{r['fastest cpu']['on'] / r['fastest cpu']['off']:.2f}")
+    print("  (apart: off steps in a process the agent never ran in, on the same core between the rounds, with "
+          "glibc's own malloc thresholds: the training without the "
+          "checker; off: this process, with the thresholds "
+          "the agent set at its start (npu_agent/freed_memory.py) after the first round; beside: off steps with the "
+          "same bytes copied and published bare on the agent's core meanwhile, the floor: what the training loses "
+          "to the machine, not to the agent's code; page faults: the training thread's, new memory its kernels "
+          "write into)")
+    ref = "apart" if "apart" in r["wall"] else "off"
+    print(f"\nratios (on / {ref})")
+    print(f"  wall per step                {r['wall']['on'] / r['wall'][ref]:6.2f}   goal <= 1.10")
+    print(f"  training-thread CPU per step {r['cpu']['on'] / r['cpu'][ref]:6.2f}   goal <= 1.05")
+    print(f"  fastest steps: wall {r['fastest wall']['on'] / r['fastest wall'][ref]:.2f}, training-thread CPU "
+          f"{r['fastest cpu']['on'] / r['fastest cpu'][ref]:.2f}")
+    if ref != "off":
+        print(f"  on / off in this process: wall {r['wall']['on'] / r['wall']['off']:.2f}, training-thread CPU "
+              f"{r['cpu']['on'] / r['cpu']['off']:.2f}; off / apart (the thresholds alone): wall "
+              f"{r['wall']['off'] / r['wall']['apart']:.2f}, training-thread CPU "
+              f"{r['cpu']['off'] / r['cpu']['apart']:.2f}")
     if "beside" in r["wall"]:
         print(f"  the floor (beside / off): wall {r['wall']['beside'] / r['wall']['off']:.2f}, training-thread CPU "
               f"{r['cpu']['beside'] / r['cpu']['off']:.2f}; on / beside: wall "
@@ -835,9 +907,13 @@ def main() -> None:
     p.add_argument("--memory-mb", type=int, default=4096, help="with --agent-alone: tensor.online_memory_mb")
     p.add_argument("--folder", default=None, help="with --agent-alone: where the shared folder is made (default: the "
                    "system's temporary folder; /dev/shm shows the agent where the disk is not the limit)")
+    p.add_argument("--off-apart", action="store_true", help=argparse.SUPPRESS)   # --agent-alone's off-apart child
     p.add_argument("--repo", metavar="PATH", help=argparse.SUPPRESS)   # read at import (_repo_arg)
     p.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)   # --baseline's subprocess: results to PATH
     ns = p.parse_args()
+    if ns.off_apart:
+        serve_off_apart(ns.mid_steps)
+        return
     if ns.agent_alone:
         argv = ["--agent-alone", "--mid-steps", str(ns.mid_steps), "--rounds", str(ns.rounds), "--memory-mb",
                 str(ns.memory_mb)] + (["--folder", ns.folder] if ns.folder else [])

@@ -26,7 +26,7 @@ _MSPROBE_TENSOR_KEYS = {"scope", "list", "data_mode", "file_format", "summary_mo
 # Our own keys (all optional): see README "Agent keys".
 _OWN_TENSOR_KEYS = {"online_memory_mb", "online_policy", "online_close_timeout_s", "online_connect_timeout_s",
                     "online_max_retry_s", "online_sample_steps", "online_sample_ranks", "online_coverage_steps",
-                    "online_overhead_budget"}
+                    "online_overhead_budget", "online_keep_freed_memory"}
 
 
 class ConfigError(ValueError):
@@ -68,6 +68,7 @@ class AgentConfig:
     sample_ranks: int = 1
     coverage_steps: int = 0
     overhead_budget: float = 0.0
+    keep_freed_memory: bool = True           # npu_agent.freed_memory
 
     def endpoint_for(self, rank: int) -> Endpoint:
         """Each rank always talks to the same server: ranks are spread over the endpoints round-robin."""
@@ -238,6 +239,7 @@ def parse_config(raw: dict[str, Any]) -> AgentConfig:
     coverage = _int_at_least("tensor.online_coverage_steps", tensor.get("online_coverage_steps"), errors, 0, 0,
                              "each call site is captured once every K steps, repeats skipped (0 = off)")
     budget = _fraction("tensor.online_overhead_budget", tensor.get("online_overhead_budget"), errors)
+    keep_freed = _bool("tensor.online_keep_freed_memory", tensor.get("online_keep_freed_memory", True), errors)
     if errors:
         raise ConfigError("invalid config.json:\n  " + "\n  ".join(errors))
     return AgentConfig(
@@ -246,6 +248,7 @@ def parse_config(raw: dict[str, Any]) -> AgentConfig:
         recompute=recompute, memory_bytes=int(memory_mb * (1 << 20)), policy=policy,
         close_timeout_s=close_s, connect_timeout_s=connect_s, max_retry_s=retry_s,
         sample_steps=sample_steps, sample_ranks=sample_ranks, coverage_steps=coverage, overhead_budget=budget,
+        keep_freed_memory=keep_freed,
     )
 
 

@@ -18,7 +18,7 @@ import threading
 import uuid
 from typing import Any
 
-from npu_agent import location
+from npu_agent import freed_memory, location
 from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.config import AgentConfig, load_config
 from npu_agent.records import PendingRecord
@@ -85,6 +85,8 @@ class PrecisionDebugger:
             self._closed = True
             return False
         transport = self._make_transport(rank, world)
+        if self.config.keep_freed_memory:
+            freed_memory.keep_for_held(self.config.memory_bytes)
         self._sender = self._home_sender = Sender(transport, self.config.memory_bytes, self.config.policy)
         if not self.config.nfs_path and len(self.config.endpoints) > 1:
             self._home = rank % len(self.config.endpoints)

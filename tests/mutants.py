@@ -336,6 +336,18 @@ MUTATIONS = (
         (("npu_agent/_fastskip.c", 'PyUnicode_Check(name) && PyUnicode_CompareWithASCIIString(name, "__get__") == 0',
           "PyUnicode_Check(name)"),),
         ("tests/test_fastskip.py",)),
+    Mutation(
+        "agent-hands-freed-memory-back",
+        "the agent never fixes glibc's thresholds: the training's next tensors fault in new pages while records hold "
+        "the step before's",
+        (("npu_agent/debugger.py", "freed_memory.keep_for_held(self.config.memory_bytes)", "pass"),),
+        ("tests/test_malloc_policy.py",)),
+    Mutation(
+        "agent-keeps-only-glibcs-own",
+        "the agent's trim threshold leaves out what its records may hold",
+        (("npu_agent/freed_memory.py", "trim = min(int(memory_bytes) + 2 * malloc.MMAP_THRESHOLD",
+          "trim = min(2 * malloc.MMAP_THRESHOLD"),),
+        ("tests/test_malloc_policy.py",)),
 )
 
 

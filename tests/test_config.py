@@ -45,6 +45,7 @@ def _with(**changes):
     ("tensor__online_coverage_steps", -1, "tensor.online_coverage_steps: -1 is not an integer >= 0"),
     ("tensor__online_overhead_budget", 1.5, "tensor.online_overhead_budget: 1.5 is not a number in [0, 1]"),
     ("tensor__online_overhead_budget", "5%", "tensor.online_overhead_budget: '5%' is not a number in [0, 1]"),
+    ("tensor__online_keep_freed_memory", "no", "tensor.online_keep_freed_memory: 'no' is not true or false"),
 ])
 def test_each_bad_agent_key_has_its_own_message(key, value, expect):
     with pytest.raises(ConfigError) as info:
@@ -70,6 +71,8 @@ def test_good_config_parses_with_defaults_and_endpoint_lists():
     cfg = parse_config(_with(tensor__online_sample_steps=4, tensor__online_sample_ranks=8,
                              tensor__online_coverage_steps=10, tensor__online_overhead_budget=0.05))
     assert (cfg.sample_steps, cfg.sample_ranks, cfg.coverage_steps, cfg.overhead_budget) == (4, 8, 10, 0.05)
+    assert parse_config(GOOD).keep_freed_memory
+    assert not parse_config(_with(tensor__online_keep_freed_memory=False)).keep_freed_memory
 
 
 def test_debugger_rejects_a_missing_or_broken_file(tmp_path):
