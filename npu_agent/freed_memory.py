@@ -32,7 +32,12 @@ def keep_for_held(memory_bytes: int) -> bool:
     trim = min(int(memory_bytes) + 2 * malloc.MMAP_THRESHOLD, malloc.MAX_TRIM_THRESHOLD)
     if trim <= _kept[0]:
         return True
-    if not malloc.keep_freed(trim):
+    try:
+        kept = malloc.keep_freed(trim)
+    except Exception as exc:  # noqa: BLE001 - never raise into the training: glibc's own thresholds stay
+        log.debug("online check: setting malloc's thresholds failed (%s: %s)", type(exc).__name__, exc)
+        return False
+    if not kept:
         log.debug("online check: malloc's thresholds left as they are (tuned by the user, or not glibc)")
         return False
     _kept[0] = trim

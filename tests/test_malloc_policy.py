@@ -84,3 +84,16 @@ def test_the_agent_keeps_what_the_training_frees_unless_told_not_to():
     assert applied and faults < 1000   # 30,720 pages written, none new
     applied, faults = _run(AGENT, json.dumps({"online_keep_freed_memory": False}))
     assert not applied and faults > 20_000
+
+
+def test_the_agent_never_raises_into_the_training_when_malloc_cannot_be_set(monkeypatch):
+    from npu_agent import freed_memory
+    from protos import malloc
+
+    def broken(trim_bytes: int) -> bool:
+        raise OSError("no mallopt here")
+
+    monkeypatch.setattr(freed_memory, "_kept", [0])
+    monkeypatch.setattr(malloc, "keep_freed", broken)
+    assert freed_memory.keep_for_held(1 << 30) is False
+    assert freed_memory._kept == [0]
