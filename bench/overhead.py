@@ -3,6 +3,7 @@
     python bench/overhead.py [--models tiny,mid] [--rounds 3] [--tiny-steps 20] [--mid-steps 3]
     python bench/overhead.py --per-call [--baseline PATH]
     python bench/overhead.py --agent-alone [--mid-steps 3] [--rounds 3] [--memory-mb 4096] [--folder DIR]
+                             [--agent-alone-model mid|tiny]
                              [--baseline PATH]
 
 The agent alone (`--agent-alone`, issue 25 goal 1): the mid transformer, every call checked forward and backward,
@@ -369,13 +370,13 @@ def _pin_agent_threads() -> list[str]:
     return moved
 
 
-def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = None) -> dict:
+def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = None, model_name: str = "mid") -> dict:
     """The mid transformer, every call checked forward and backward, the agent writing into a shared folder that
     no server reads yet (the server would start after the training): per step, the wall time and the training
     thread's CPU (`time.thread_time`), off and on alternating round by round. The agent's threads run on the other
     core; the training waits for the agent only where the agent makes it wait (its hooks and copies on the
     training thread, the interpreter lock its threads hold, a full memory budget)."""
-    model, opt, data = _mid_training(steps)
+    model, opt, data = _training(model_name, steps)
     nfs = tempfile.mkdtemp(prefix="bench-agent-alone-", dir=where)
     cfg = os.path.join(nfs, "agent.json")
     folder = os.path.join(nfs, "records")
@@ -393,7 +394,7 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
     written = [0, 0.0, 0.0]   # bytes the agent wrote in the measured rounds, its wall time to write them, its CPU
     sender_cpu = 0.0
     last: list[int] = []   # the sizes of the files the agent wrote in the last round, in their order
-    apart = _OffApart(steps)
+    apart = _OffApart(steps, model_name)
     try:
         dbg = PrecisionDebugger(config_path=cfg)
         reused = FRAMES.reused
@@ -442,7 +443,8 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
         shutil.rmtree(nfs, ignore_errors=True)
     n = steps * rounds
     wall, cpu = {k: v for k, v in wall.items() if v}, {k: v for k, v in cpu.items() if v}
-    return {"steps": n, "wall": {k: sum(v) / n for k, v in wall.items()},
+    label = "mid transformer (float32)" if model_name == "mid" else f"{model_name} ({MODELS[model_name][2]})"
+    return {"model": label, "steps": n, "wall": {k: sum(v) / n for k, v in wall.items()},
             "faults": {k: sum(v) / n for k, v in faults.items() if v},
             "cpu": {k: sum(v) / n for k, v in cpu.items()}, "drain": sum(drain) / max(len(drain), 1),
             "fastest wall": {k: min(v) for k, v in wall.items()}, "fastest cpu": {k: min(v) for k, v in cpu.items()},
@@ -451,9 +453,9 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
             "floor MB/s": floor, "frames reused": reused}
 
 
-def _mid_training(steps: int):
-    """The mid transformer, its optimizer and `steps` batches, warmed up (lazy optimizer state, allocator)."""
-    kwargs, batch, dtype = MODELS["mid"]
+def _training(name: str, steps: int):
+    """Model `name` of MODELS, its optimizer and `steps` batches, warmed up (lazy optimizer state, allocator)."""
+    kwargs, batch, dtype = MODELS[name]
     torch.manual_seed(0)
     model = TinyLM(dropout=0.1, **kwargs).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -478,10 +480,11 @@ class _OffApart:
     (npu_agent/freed_memory.py), so the bench's own off steps after its first on round run with them too; this
     child keeps glibc's own. It runs its steps when told, between the parent's rounds, while the parent waits."""
 
-    def __init__(self, steps: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--off-apart", "--mid-steps",
-                                      str(steps), "--repo", REPO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=dict(os.environ, PYTHONPATH=REPO))
+    def __init__(self, steps: int, model_name: str) -> None:
+        cmd = [sys.executable, os.path.abspath(__file__), "--off-apart", "--mid-steps", str(steps),
+               "--agent-alone-model", model_name, "--repo", REPO]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=dict(os.environ, PYTHONPATH=REPO))
 
     def round(self) -> list[tuple[float, float, int]]:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -501,9 +504,9 @@ class _OffApart:
             self.proc.kill()
 
 
-def serve_off_apart(steps: int) -> None:
+def serve_off_apart(steps: int, model_name: str) -> None:
     """The child of `_OffApart`: a line on stdin runs the steps, their timings go out as one JSON line."""
-    model, opt, data = _mid_training(steps)
+    model, opt, data = _training(model_name, steps)
     for _ in sys.stdin:
         print(json.dumps(_timed_steps(model, opt, data, None)), flush=True)
 
@@ -623,7 +626,7 @@ def _write_floor(sizes: list[int], where: str) -> float:
 
 def print_agent_alone(r: dict) -> None:
     c = r["counts"]
-    print(f"the agent alone: mid transformer (float32), {r['steps']} steps a variant (off, beside and on alternating "
+    print(f"the agent alone: {r.get('model', 'mid')}, {r['steps']} steps a variant (off, beside and on alternating "
           f"round by round), every call checked forward and backward into a folder no server reads; training thread "
           f"on core {TRAIN_CORE}, the agent's threads ({', '.join(r['threads']) or 'none found'}) on core "
           f"{SERVER_CORE}")
@@ -905,6 +908,8 @@ def main() -> None:
                    help="only the agent alone (goal 1): the mid transformer checked forward and backward into a "
                         "folder no server reads, training thread on one core, the agent's threads on the other")
     p.add_argument("--memory-mb", type=int, default=4096, help="with --agent-alone: tensor.online_memory_mb")
+    p.add_argument("--agent-alone-model", choices=("mid", "tiny"), default="mid",
+                   help="with --agent-alone: the model (default mid; tiny: a quick check of the bench itself)")
     p.add_argument("--folder", default=None, help="with --agent-alone: where the shared folder is made (default: the "
                    "system's temporary folder; /dev/shm shows the agent where the disk is not the limit)")
     p.add_argument("--off-apart", action="store_true", help=argparse.SUPPRESS)   # --agent-alone's off-apart child
@@ -912,13 +917,14 @@ def main() -> None:
     p.add_argument("--json", metavar="PATH", help=argparse.SUPPRESS)   # --baseline's subprocess: results to PATH
     ns = p.parse_args()
     if ns.off_apart:
-        serve_off_apart(ns.mid_steps)
+        serve_off_apart(ns.mid_steps, ns.agent_alone_model)
         return
     if ns.agent_alone:
         argv = ["--agent-alone", "--mid-steps", str(ns.mid_steps), "--rounds", str(ns.rounds), "--memory-mb",
-                str(ns.memory_mb)] + (["--folder", ns.folder] if ns.folder else [])
+                str(ns.memory_mb), "--agent-alone-model", ns.agent_alone_model] + (["--folder", ns.folder] if ns.folder
+                                                                                    else [])
         base = _baseline(ns.baseline, argv) if ns.baseline else None
-        r = agent_alone(ns.mid_steps, ns.rounds, ns.memory_mb, ns.folder)
+        r = agent_alone(ns.mid_steps, ns.rounds, ns.memory_mb, ns.folder, ns.agent_alone_model)
         if ns.json:
             with open(ns.json, "w") as fh:
                 json.dump(r, fh)
