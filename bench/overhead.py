@@ -371,9 +371,10 @@ def _pin_agent_threads() -> list[str]:
 
 
 def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = None, model_name: str = "mid") -> dict:
-    """The mid transformer, every call checked forward and backward, the agent writing into a shared folder that
-    no server reads yet (the server would start after the training): per step, the wall time and the training
-    thread's CPU (`time.thread_time`), off and on alternating round by round. The agent's threads run on the other
+    """Model `model_name` (the mid transformer by default), every call checked forward and backward, the agent
+    writing into a shared folder that no server reads yet (the server would start after the training): per step, the
+    wall time, the training thread's CPU (`time.thread_time`) and its page faults, off, beside and on alternating
+    round by round, and apart (`_OffApart`) between the rounds. The agent's threads run on the other
     core; the training waits for the agent only where the agent makes it wait (its hooks and copies on the
     training thread, the interpreter lock its threads hold, a full memory budget)."""
     model, opt, data = _training(model_name, steps)
@@ -384,10 +385,8 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
     with open(cfg, "w") as fh:
         json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "nfs_path": folder,
                                                                  "online_memory_mb": memory_mb}}, fh)
-    wall: dict[str, list[float]] = {"off": [], "beside": [], "on": [], "apart": []}
-    cpu: dict[str, list[float]] = {"off": [], "beside": [], "on": [], "apart": []}
-    faults: dict[str, list[int]] = {"off": [], "beside": [], "on": [], "apart": []}   # the training thread's minor
-    # page faults
+    # each measured step of each variant: (wall, training-thread CPU, training-thread minor page faults)
+    timed: dict[str, list[tuple[float, float, int]]] = {"off": [], "beside": [], "on": [], "apart": []}
     drain = []
     beside = _BareWriter(os.path.join(nfs, "beside"))
     per_step: list[list[int]] = []   # the files the agent wrote a step in the round before, for `beside`
@@ -406,12 +405,9 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
                 for i, (idx, tgt) in enumerate(data):
                     if name == "beside":
                         beside.start(per_step[i % len(per_step)])
-                    f0, c0, w0 = _thread_faults(), time.thread_time(), time.perf_counter()
-                    train_step(model, opt, idx, tgt, d)
+                    step = _timed_step(model, opt, idx, tgt, d)
                     if r:
-                        wall[name].append(time.perf_counter() - w0)
-                        cpu[name].append(time.thread_time() - c0)
-                        faults[name].append(_thread_faults() - f0)
+                        timed[name].append(step)
                     if name == "beside":
                         beside.finish()
                 if d is not None:
@@ -425,15 +421,13 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
                     if r:
                         drain.append(time.perf_counter() - w0)
                         written[0] += sum(sizes)
-                        written[1] += sum(wall["on"][-steps:]) + drain[-1]
+                        written[1] += sum(w for w, _, _ in timed["on"][-steps:]) + drain[-1]
                         written[2] += sender.sender_cpu - sender_cpu
                         last = sizes
                     sender_cpu = sender.sender_cpu
-            for w, c, f in apart.round():
-                if r:
-                    wall["apart"].append(w)
-                    cpu["apart"].append(c)
-                    faults["apart"].append(f)
+            steps_apart = apart.round()
+            if r:
+                timed["apart"] += steps_apart
         reused = FRAMES.reused - reused   # (read before close: the counter is the pool's, not cleared)
         counts = dbg.close()
         floor = _write_floor(last, nfs)
@@ -442,10 +436,11 @@ def agent_alone(steps: int, rounds: int, memory_mb: int, where: str | None = Non
         beside.close()
         shutil.rmtree(nfs, ignore_errors=True)
     n = steps * rounds
-    wall, cpu = {k: v for k, v in wall.items() if v}, {k: v for k, v in cpu.items() if v}
+    wall = {k: [w for w, _, _ in v] for k, v in timed.items() if v}
+    cpu = {k: [c for _, c, _ in v] for k, v in timed.items() if v}
     label = "mid transformer (float32)" if model_name == "mid" else f"{model_name} ({MODELS[model_name][2]})"
     return {"model": label, "steps": n, "wall": {k: sum(v) / n for k, v in wall.items()},
-            "faults": {k: sum(v) / n for k, v in faults.items() if v},
+            "faults": {k: sum(f for _, _, f in v) / n for k, v in timed.items() if v},
             "cpu": {k: sum(v) / n for k, v in cpu.items()}, "drain": sum(drain) / max(len(drain), 1),
             "fastest wall": {k: min(v) for k, v in wall.items()}, "fastest cpu": {k: min(v) for k, v in cpu.items()},
             "counts": counts, "threads": moved, "bytes per step": written[0] / n,
@@ -464,14 +459,11 @@ def _training(name: str, steps: int):
     return model, opt, data
 
 
-def _timed_steps(model, opt, data, dbg) -> list[tuple[float, float, int]]:
-    """Each step's (wall seconds, training-thread CPU seconds, training-thread minor page faults)."""
-    out = []
-    for idx, tgt in data:
-        f0, c0, w0 = _thread_faults(), time.thread_time(), time.perf_counter()
-        train_step(model, opt, idx, tgt, dbg)
-        out.append((time.perf_counter() - w0, time.thread_time() - c0, _thread_faults() - f0))
-    return out
+def _timed_step(model, opt, idx, tgt, dbg) -> tuple[float, float, int]:
+    """One training step's (wall seconds, training-thread CPU seconds, training-thread minor page faults)."""
+    f0, c0, w0 = _thread_faults(), time.thread_time(), time.perf_counter()
+    train_step(model, opt, idx, tgt, dbg)
+    return time.perf_counter() - w0, time.thread_time() - c0, _thread_faults() - f0
 
 
 class _OffApart:
@@ -508,7 +500,7 @@ def serve_off_apart(steps: int, model_name: str) -> None:
     """The child of `_OffApart`: a line on stdin runs the steps, their timings go out as one JSON line."""
     model, opt, data = _training(model_name, steps)
     for _ in sys.stdin:
-        print(json.dumps(_timed_steps(model, opt, data, None)), flush=True)
+        print(json.dumps([_timed_step(model, opt, idx, tgt, None) for idx, tgt in data]), flush=True)
 
 
 def _thread_faults() -> int:
@@ -626,10 +618,10 @@ def _write_floor(sizes: list[int], where: str) -> float:
 
 def print_agent_alone(r: dict) -> None:
     c = r["counts"]
-    print(f"the agent alone: {r.get('model', 'mid')}, {r['steps']} steps a variant (off, beside and on alternating "
-          f"round by round), every call checked forward and backward into a folder no server reads; training thread "
-          f"on core {TRAIN_CORE}, the agent's threads ({', '.join(r['threads']) or 'none found'}) on core "
-          f"{SERVER_CORE}")
+    print(f"the agent alone: {r['model']}, {r['steps']} steps a variant (off, beside and on alternating round by "
+          f"round, apart between the rounds), every call checked forward and backward into a folder no server "
+          f"reads; training thread on core {TRAIN_CORE}, the agent's threads "
+          f"({', '.join(r['threads']) or 'none found'}) on core {SERVER_CORE}")
     print(f"  agent: {c['captured']} captured, {c['acknowledged']} written, {c['dropped']} dropped; after each round "
           f"the agent took {r['drain'] * 1e3:.0f} ms more to write what was left (not counted in the steps)")
     made = r["bytes per step"] / r["wall"]["on"] / 1e6
@@ -654,23 +646,20 @@ def print_agent_alone(r: dict) -> None:
               f"thread CPU {r['cpu'][v] * 1e3:9.2f} ms/step (fastest {r['fastest cpu'][v] * 1e3:8.2f})   page faults "
               f"{r.get('faults', {}).get(v, 0):8.0f}/step")
     print("  (apart: off steps in a process the agent never ran in, on the same core between the rounds, with "
-          "glibc's own malloc thresholds: the training without the "
-          "checker; off: this process, with the thresholds "
+          "glibc's own malloc thresholds: the training without the checker; off: this process, with the thresholds "
           "the agent set at its start (npu_agent/freed_memory.py) after the first round; beside: off steps with the "
           "same bytes copied and published bare on the agent's core meanwhile, the floor: what the training loses "
           "to the machine, not to the agent's code; page faults: the training thread's, new memory its kernels "
           "write into)")
-    ref = "apart" if "apart" in r["wall"] else "off"
-    print(f"\nratios (on / {ref})")
-    print(f"  wall per step                {r['wall']['on'] / r['wall'][ref]:6.2f}   goal <= 1.10")
-    print(f"  training-thread CPU per step {r['cpu']['on'] / r['cpu'][ref]:6.2f}   goal <= 1.05")
-    print(f"  fastest steps: wall {r['fastest wall']['on'] / r['fastest wall'][ref]:.2f}, training-thread CPU "
-          f"{r['fastest cpu']['on'] / r['fastest cpu'][ref]:.2f}")
-    if ref != "off":
-        print(f"  on / off in this process: wall {r['wall']['on'] / r['wall']['off']:.2f}, training-thread CPU "
-              f"{r['cpu']['on'] / r['cpu']['off']:.2f}; off / apart (the thresholds alone): wall "
-              f"{r['wall']['off'] / r['wall']['apart']:.2f}, training-thread CPU "
-              f"{r['cpu']['off'] / r['cpu']['apart']:.2f}")
+    print("\nratios (on / apart)")
+    print(f"  wall per step                {r['wall']['on'] / r['wall']['apart']:6.2f}   goal <= 1.10")
+    print(f"  training-thread CPU per step {r['cpu']['on'] / r['cpu']['apart']:6.2f}   goal <= 1.05")
+    print(f"  fastest steps: wall {r['fastest wall']['on'] / r['fastest wall']['apart']:.2f}, training-thread CPU "
+          f"{r['fastest cpu']['on'] / r['fastest cpu']['apart']:.2f}")
+    print(f"  on / off in this process: wall {r['wall']['on'] / r['wall']['off']:.2f}, training-thread CPU "
+          f"{r['cpu']['on'] / r['cpu']['off']:.2f}; off / apart (the thresholds alone): wall "
+          f"{r['wall']['off'] / r['wall']['apart']:.2f}, training-thread CPU "
+          f"{r['cpu']['off'] / r['cpu']['apart']:.2f}")
     if "beside" in r["wall"]:
         print(f"  the floor (beside / off): wall {r['wall']['beside'] / r['wall']['off']:.2f}, training-thread CPU "
               f"{r['cpu']['beside'] / r['cpu']['off']:.2f}; on / beside: wall "
@@ -921,8 +910,8 @@ def main() -> None:
         return
     if ns.agent_alone:
         argv = ["--agent-alone", "--mid-steps", str(ns.mid_steps), "--rounds", str(ns.rounds), "--memory-mb",
-                str(ns.memory_mb), "--agent-alone-model", ns.agent_alone_model] + (["--folder", ns.folder] if ns.folder
-                                                                                    else [])
+                str(ns.memory_mb), "--agent-alone-model", ns.agent_alone_model]
+        argv += ["--folder", ns.folder] if ns.folder else []
         base = _baseline(ns.baseline, argv) if ns.baseline else None
         r = agent_alone(ns.mid_steps, ns.rounds, ns.memory_mb, ns.folder, ns.agent_alone_model)
         if ns.json:

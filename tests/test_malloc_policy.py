@@ -20,8 +20,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux") or platform
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# three rounds of 12 buffers of 10 MiB, each written as it is made (the last one held until the next round's first
-# is made, as a loop variable holds it), then all freed: the page faults of the third round
+# what each process sets up first: gpu-server's thresholds
 SERVER = r'''
 from gpu_server import malloc_policy
 applied = malloc_policy.keep_freed_memory()
@@ -40,6 +39,8 @@ dbg.start()
 dbg.stop()
 applied = freed_memory._kept[0] > 0
 '''
+# three rounds of 12 buffers of 10 MiB, each written as it is made (the last one held until the next round's first
+# is made, as a loop variable holds it), then all freed: the page faults of the third round
 ROUNDS = r'''
 import resource
 n = 10 << 20
