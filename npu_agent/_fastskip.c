@@ -12,7 +12,7 @@
  * It also says True, counting nothing, for a call that is not an API where the Python path would only run it: a
  * property's getter (`x.shape`: about 4 us a call in Python, which looked it up twice and failed twice), or a call
  * classified as no API while no record holds a tensor.
- * Build: `python -m npu_agent.fastskip --build` (scripts/setup.sh runs it). */
+ * Build: `python -m npu_agent.compiled --build` (scripts/setup.sh runs it). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
