@@ -48,8 +48,9 @@ class Job:
     source: str = ""           # "train.py:42 (forward)"
     collective: CollectiveInfo | None = None   # a torch.distributed call: matched across ranks, never replayed
     inputs_finite: bool | None = None   # every float input finite, once a check measured it (its backward reads it)
-    wire: tuple[Any, Any] | None = None   # (pb.Record, payload) it was decoded from: a replay worker process decodes
-                                          # the same bytes again (gpu_server/replay/sandbox.py)
+    wire: tuple[Any, Any, bytes | None] | None = None   # (pb.Record, payload, the Record's bytes where the decoder
+    # read them) it was decoded from: the spool keeps them, a replay worker process decodes them again
+    # (gpu_server/replay/sandbox.py)
 
 
 class RecordKey(NamedTuple):

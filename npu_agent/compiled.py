@@ -1,119 +1,31 @@
-"""The agent's compiled modules: how each is built and loaded (docs/design.md §4, "Skipped calls in C" and "The
-frame walk in C"; §5, "Values encoded in C").
+"""The agent's compiled modules (docs/design.md §4, "Skipped calls in C" and "The frame walk in C"; §5, "Values
+encoded in C"), built and loaded by protos/compiled.py.
 
-Each is a plain CPython extension written in C (no torch headers), next to this file: `_fastskip.c` answers the
-calls the sampling skips (npu_agent.fastskip), `_fastencode.c` writes a record's values and tensor table
-(npu_agent.records), `_fastlocate.c` finds the modules on a captured call's stack (npu_agent.location). Each has a
-pure-Python path that gives the same records; that path runs where the module is not built, where it fails to load,
-or with ONLINE_CHECK_PURE_PYTHON=1.
+`_fastskip.c` answers the calls the sampling skips (npu_agent.fastskip), `_fastencode.c` writes a record's values
+and tensor table (npu_agent.records), `_fastlocate.c` finds the modules on a captured call's stack
+(npu_agent.location). Each has a pure-Python path that gives the same records; that path runs where the module is
+not built, where it fails to load, or with ONLINE_CHECK_PURE_PYTHON=1.
 
-`python -m npu_agent.compiled --build` (scripts/setup.sh runs it) compiles them all with the C compiler Python was
-built with, a few seconds. A binary's name carries a hash of its source, so a changed source is never run from a
-stale binary: the module is then missing until rebuilt, and its Python path runs.
+`python -m npu_agent.compiled --build` (scripts/setup.sh runs it) compiles them all, a few seconds.
 """
 from __future__ import annotations
 
-import argparse
-import hashlib
-import importlib.util
-import logging
-import os
-import shlex
-import subprocess
 import sys
-import sysconfig
 from pathlib import Path
-from types import ModuleType
 
-log = logging.getLogger("npu_agent")
+from protos.compiled import PURE_PYTHON_ENV as PURE_PYTHON_ENV
+from protos.compiled import Compiled
+from protos.compiled import main as _main
 
-PURE_PYTHON_ENV = "ONLINE_CHECK_PURE_PYTHON"
 HERE = Path(__file__).parent
-
-
-class Compiled:
-    """One compiled module: `stem` names its source (`<stem>.c` here); `python_path` says, for the log, what runs
-    without it ("skipped calls are answered in Python")."""
-
-    def __init__(self, stem: str, python_path: str) -> None:
-        self.stem = stem
-        self.source = HERE / f"{stem}.c"
-        self.python_path = python_path
-        self.loaded: list[ModuleType | None] = []   # [] until the first load; then [the module] or [None]
-
-    def binary_path(self) -> Path:
-        """Where the build puts the module for this source and this interpreter."""
-        digest = hashlib.sha256(self.source.read_bytes()).hexdigest()[:16]
-        return self.source.with_name(f"{self.stem}-{digest}{sysconfig.get_config_var('EXT_SUFFIX')}")
-
-    def build(self, quiet: bool = False) -> Path:
-        """Compile the module for this interpreter; returns its path. Raises CalledProcessError with the compiler's
-        message, or OSError when there is no compiler."""
-        out = self.binary_path()
-        cc = shlex.split(sysconfig.get_config_var("CC") or "cc")
-        include = sysconfig.get_paths()["include"]
-        tmp = out.with_name(out.name + f".{os.getpid()}.tmp")
-        cmd = [*cc, "-O2", "-shared", "-fPIC", "-Wall", "-Werror", f"-I{include}", str(self.source), "-o", str(tmp)]
-        try:
-            subprocess.run(cmd, check=True, capture_output=quiet)
-            os.replace(tmp, out)   # a process loading it meanwhile sees the old file or the whole new one
-        finally:
-            tmp.unlink(missing_ok=True)
-        suffix = sysconfig.get_config_var("EXT_SUFFIX")
-        for old in self.source.parent.glob(f"{self.stem}-*{suffix}"):   # this interpreter's binaries of earlier
-            if old != out:                                              # sources (another interpreter's are its own)
-                old.unlink(missing_ok=True)
-        return out
-
-    def load(self) -> ModuleType | None:
-        """The compiled module, or None (not built for this source, ONLINE_CHECK_PURE_PYTHON=1, or it failed to
-        load: said once, at info level, with the command that builds it)."""
-        if self.loaded:
-            return self.loaded[0]
-        module = None
-        if os.environ.get(PURE_PYTHON_ENV, "") not in ("", "0"):
-            log.info("online check: %s is set, %s", PURE_PYTHON_ENV, self.python_path)
-        else:
-            try:
-                path = self.binary_path()
-                if path.exists():
-                    spec = importlib.util.spec_from_file_location(f"npu_agent.{self.stem}", path)
-                    assert spec is not None and spec.loader is not None
-                    module = importlib.util.module_from_spec(spec)
-                    spec.loader.exec_module(module)
-                else:
-                    log.info("online check: %s is not built (python -m npu_agent.compiled --build); %s",
-                             self.source.name, self.python_path)
-            except Exception as exc:  # noqa: BLE001 - the Python path runs instead
-                log.info("online check: %s did not load (%s); %s", self.source.name, exc, self.python_path)
-                module = None
-        self.loaded.append(module)
-        return module
-
-
-SKIP = Compiled("_fastskip", "skipped calls are answered in Python")
-ENCODE = Compiled("_fastencode", "records are encoded in Python")
-LOCATE = Compiled("_fastlocate", "module paths are read off the frames in Python")
+SKIP = Compiled("_fastskip", "skipped calls are answered in Python", HERE, "npu_agent")
+ENCODE = Compiled("_fastencode", "records are encoded in Python", HERE, "npu_agent")
+LOCATE = Compiled("_fastlocate", "module paths are read off the frames in Python", HERE, "npu_agent")
 ALL = (SKIP, ENCODE, LOCATE)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m npu_agent.compiled", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--build", action="store_true", help="compile the modules for this interpreter")
-    ns = ap.parse_args(argv)
-    failed = 0
-    for module in ALL:
-        if not ns.build:
-            path = module.binary_path()
-            print(f"{path}: {'built' if path.exists() else 'not built'}")
-            continue
-        try:
-            print(f"built {module.build()}")
-        except (OSError, subprocess.CalledProcessError) as exc:
-            failed += 1
-            print(f"npu_agent.compiled: could not compile {module.source.name} ({exc}); {module.python_path}, with "
-                  "the same records", file=sys.stderr)
-    return 1 if failed else 0
+    return _main(ALL, argv, "python -m npu_agent.compiled", "Build the agent's compiled modules.")
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ _DTYPES: dict[str, torch.dtype] = {
                  "float8_e4m3fnuz", "float8_e5m2fnuz")
     if isinstance(getattr(torch, name, None), torch.dtype)
 }
+DTYPES = _DTYPES   # the dtypes a record may name, by name (gpu_server/_fastdecode.c looks them up here too)
 _DTYPE_NAMES = {dt: name for name, dt in _DTYPES.items()}
 _MEMORY_FORMATS = {name: getattr(torch, name) for name in ("contiguous_format", "channels_last", "channels_last_3d",
                                                            "preserve_format")}
@@ -110,7 +111,11 @@ class RecordDecoder:
     are read-only to the server (every replay works on its own copies).
     """
 
-    def __init__(self, record: pb.Record, payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS):
+    def __init__(self, record: pb.Record, payload: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS,
+                 keys: Sequence[bytes] | None = None, payload_bytes: int | None = None):
+        """`keys`, `payload_bytes`: each tensor meta's bytes and the payload size, where the caller read them off
+        the record's bytes already (gpu_server/_fastdecode.c): a meta's bytes are the key it is checked under, and
+        only a meta not seen before is read from `record`."""
         self.limits = limits
         self.record = record
         self.payload = payload
@@ -118,20 +123,21 @@ class RecordDecoder:
         self._whole: dict[torch.dtype, torch.Tensor] = {}   # the payload as one tensor of each dtype read so far
         self._count = 0
         self._max_values, self._max_depth = limits.max_values, limits.max_depth
-        if len(payload) != record.payload_bytes:
-            raise WireError(f"payload is {len(payload)} bytes but the record announces {record.payload_bytes}")
+        announced = record.payload_bytes if payload_bytes is None else payload_bytes
+        if len(payload) != announced:
+            raise WireError(f"payload is {len(payload)} bytes but the record announces {announced}")
         metas = record.tensors
-        self._n = len(metas)
+        self._n = len(metas) if keys is None else len(keys)
         if self._n > limits.max_tensors:
             raise WireError(f"{self._n} tensors in one record exceed the limit of {limits.max_tensors}")
         # each tensor's layout as validated, read off its meta once (_Layout)
         self._layouts: list[_Layout] = []
         self.requires_grad: list[int] = []   # indices of the tensors whose meta says requires_grad
         seen = _seen_metas(limits)
-        for i, meta in enumerate(metas):
-            key = meta.SerializeToString()
+        for i, key in enumerate(keys if keys is not None else (meta.SerializeToString() for meta in metas)):
             known = seen.get(key)
             if known is None:
+                meta = metas[i]
                 known = seen.remember(key, (self._check_meta(i, meta), meta.requires_grad))
             else:   # a meta seen before: only its place is checked against this record's payload
                 self._inside(i, known[0][3], known[0][4])

@@ -15,6 +15,9 @@ fi
 # record's values; npu_agent/_fastlocate.c: the modules on a call's stack; plain C, a few seconds). Where they
 # cannot be compiled the agent does that work in Python, with the same records: setup goes on.
 .venv/bin/python -m npu_agent.compiled --build || true
+# The server's (gpu_server/_fastdecode.c: a record's header and values read off its bytes), likewise: without it the
+# server decodes records in Python, with the same jobs.
+.venv/bin/python -m gpu_server.compiled --build || true
 # The project's own bytecode, written once: an editable install leaves it to the first import, and where
 # PYTHONDONTWRITEBYTECODE=1 is set (as on this project's CI machines) every server, replay worker and training
 # process would compile the sources again (0.15-0.3 s of each start, measured here). Python checks each file's

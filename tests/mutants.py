@@ -129,6 +129,23 @@ MUTATIONS = (
           "    if (0 && rg && (put_key(&e, 6, 0) < 0 || put_byte(&e, 1) < 0))\n"),),
         ("tests/test_fastencode.py",)),
     Mutation(
+        "fastdecode-one-level-deeper",
+        "the compiled decoder takes a value one level deeper than --max-depth allows, which Python refuses",
+        (("gpu_server/_fastdecode.c", "    if (++x->count > x->max_values || depth > x->max_depth)\n",
+          "    if (++x->count > x->max_values || depth > x->max_depth + 1)\n"),),
+        ("tests/test_fastdecode.py",)),
+    Mutation(
+        "fastdecode-kwargs-at-depth-0",
+        "the compiled decoder reads keyword arguments' values at depth 0, not 1 as RecordDecoder.mapping does",
+        (("gpu_server/_fastdecode.c", ": i == 1 ? mapping(&x, c, 0, &out[i])",
+          ": i == 1 ? mapping(&x, c, -1, &out[i])"),),
+        ("tests/test_fastdecode.py",)),
+    Mutation(
+        "fastdecode-int-not-zigzag",
+        "the compiled decoder reads Value.i (a sint64) as a plain varint",
+        (("gpu_server/_fastdecode.c", "(long long)((v >> 1) ^ (~(v & 1) + 1))", "(long long)v"),),
+        ("tests/test_fastdecode.py",)),
+    Mutation(
         "fastencode-int-not-zigzag",
         "the compiled walk writes a negative int as a plain varint instead of zigzag (Value.i is a sint64)",
         (("npu_agent/_fastencode.c", "    uint64_t zigzag = ((uint64_t)v << 1) ^ (uint64_t)(v >> 63);\n",

@@ -128,7 +128,8 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     ("the shared vocabulary", ("gpu_server.config", "gpu_server.job", "gpu_server.decode", "gpu_server.statuses",
                                "gpu_server.columns", "gpu_server.collective_info", "gpu_server.seqset",
                                "gpu_server.atomic_file", "gpu_server.safe_open", "gpu_server.disk",
-                               "gpu_server.memcopy", "gpu_server.malloc_policy", "gpu_server.omp_wait")),
+                               "gpu_server.memcopy", "gpu_server.malloc_policy", "gpu_server.omp_wait",
+                               "gpu_server.compiled")),
 ]
 ROOM_PACKAGES = {"gpu_server", "gpu_server.intake", "gpu_server.spool", "gpu_server.checking", "gpu_server.replay",
                  "gpu_server.judging", "gpu_server.reports", "gpu_server.tools"}   # their __init__ is a docstring

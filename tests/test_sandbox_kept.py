@@ -66,7 +66,7 @@ def _worker(tmp_path) -> sandbox_worker.Worker:
 
 
 def _request(job) -> tuple[dict, memoryview]:
-    record, payload = job.wire
+    record, payload, _ = job.wire
     header = record.SerializeToString()
     arena = memoryview(bytes(header) + bytes(payload))
     ref = {"record": [0, len(header)], "payload": [len(header), len(payload)]}

@@ -176,7 +176,9 @@ class Intake:
         status, reason, job = self._classify(record, payload, reserved)
         if job is None:
             return Ticket(h.seq, status, reason)
-        ticket = self.spool.append(record, payload) if self.spool is not None else None
+        ticket = None
+        if self.spool is not None:   # (the Record's bytes, where the decoder read them)
+            ticket = self.spool.append(record, payload, job.wire[2] if job.wire else None)
         if ticket is not None and self.budget is not None and reserved:
             self._spool_hold(ticket, len(payload))
         self.dispatch(job)

@@ -266,8 +266,8 @@ class ProcessReplayer:
     def _ref(self, job: Job, parts: list[bytes | memoryview]) -> dict:
         if job.wire is None:
             raise ReplayError("internal: this job carries no record to replay")
-        record, payload = job.wire
-        header = record.SerializeToString()
+        record, payload, raw = job.wire
+        header = raw if raw is not None else record.SerializeToString()
         parts.extend((header, payload))
         return {"record": len(parts) - 2, "payload": len(parts) - 1}
 

@@ -92,8 +92,9 @@ class Worker:
         for off, n in ((ro, rn), (po, pn)):
             if not (isinstance(off, int) and isinstance(n, int) and 0 <= off and 0 <= n and off + n <= len(arena)):
                 raise ChannelClosed("a record reference outside the arena")
-        record = pb.Record.FromString(bytes(arena[ro:ro + rn]))
-        return decode_job(record, bytearray(arena[po:po + pn]) if own else arena[po:po + pn], self.limits)
+        raw = bytes(arena[ro:ro + rn])
+        record = pb.Record.FromString(raw)
+        return decode_job(record, bytearray(arena[po:po + pn]) if own else arena[po:po + pn], self.limits, raw=raw)
 
     def keep(self, graph: KeptForward | None, job: Job) -> int | None:
         if graph is None:

@@ -201,11 +201,13 @@ class Spool:
         return read_entry(self.dir, entry, payload)
 
     # -- accepting (transport threads) -------------------------------------------------------------------------
-    def append(self, record: pb.Record, payload: bytearray | memoryview) -> Ticket:
-        """Queue `record` for the next group commit; the ticket is set ACCEPTED once it is durable."""
+    def append(self, record: pb.Record, payload: bytearray | memoryview, raw: bytes | None = None) -> Ticket:
+        """Queue `record` for the next group commit (`raw`: its bytes, where the caller has them); the ticket is set
+        ACCEPTED once it is durable."""
         h = record.header
         try:
-            return self.commits.append((h.run_id, h.rank, h.seq), record.SerializeToString(), payload)
+            raw = raw if raw is not None else record.SerializeToString()
+            return self.commits.append((h.run_id, h.rank, h.seq), raw, payload)
         except RuntimeError as exc:
             raise SpoolError(str(exc)) from None
 
