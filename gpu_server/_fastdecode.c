@@ -2,26 +2,32 @@
  *
  * gpu_server.decode.decode_job turns a Record into a Job. In Python most of a small record's decoding is reading
  * protobuf fields one at a time (each a wrapper object: 20-30 us for a record of one 4 KiB tensor on the test VMs,
- * bench/intake.py). The two functions here read the same fields straight from the record's bytes, as
+ * bench/intake.py). The functions here read the same fields straight from the record's bytes, as
  * Record.SerializeToString() gives them:
  *   head(raw)    the header's fields, each tensor meta's bytes (the key protos.codec.RecordDecoder checks a meta
  *                under), the payload size, the scalar fields and where the five values (args, kwargs, output,
  *                grad_output, grad_input) lie in `raw`;
  *   values(raw, spans, tensor, dtypes, max_values, max_depth, max_string_len)
  *                those values rebuilt as RecordDecoder.value and .mapping rebuild them, in the same order and
- *                under the same limits, `tensor(i)` called for each tensor index (RecordDecoder.tensor).
+ *                under the same limits, `tensor(i)` called for each tensor index (RecordDecoder.tensor);
+ *   peak(raw, base, factors, header_factor)
+ *                the record's estimated checking peak, as gpu_server.intake.budget.check_peak gives it (the
+ *                intake reserves it before the record is decoded).
  *
  * Only the common cases are read here: a record without a Random or a Collective field, values that are None,
  * bool, int, float, str, a tensor, a tuple, list or named tuple of values, a str-keyed dict, or a dtype named in
  * `dtypes`. Anything else (another kind of value, a field this file does not know, a field given twice, a value
- * beyond a limit, a string that is not UTF-8, a `tensor` call that raises) makes the function return None, and the
- * whole record is decoded in Python, which accepts or refuses it with its own message: so the two paths cannot differ
- * by design, and tests/test_fastdecode.py checks that they give the same jobs.
+ * beyond a limit, a string that is not UTF-8, a `tensor` call that raises; for `peak`, a field it does not know, a
+ * tree of a million values, an estimate beyond 64 bits) makes the function return None, and the whole record is
+ * decoded (or estimated) in Python, which accepts or refuses it with its own message: so the two paths cannot differ
+ * by design, and tests/test_fastdecode.py checks that they give the same jobs and estimates.
  *
  * Build: `python -m gpu_server.compiled --build` (scripts/setup.sh runs it). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <limits.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define OK 0
@@ -556,9 +562,234 @@ fd_values(PyObject *self, PyObject *args)
     return result;
 }
 
+/* ------------------------------------------------------------------------------------------------ peak */
+
+/* Skips one field of wire type `wire`. */
+static int
+skip_field(Cur *c, int wire)
+{
+    uint64_t v;
+    Cur s;
+    switch (wire) {
+    case 0:
+        return varint(c, &v);
+    case 1: case 5: {
+        Py_ssize_t n = wire == 1 ? 8 : 4;
+        if (c->end - c->p < n)
+            return BAIL;
+        c->p += n;
+        return OK;
+    }
+    case 2:
+        return span(c, &s);
+    default:
+        return BAIL;
+    }
+}
+
+#define MAX_WALKED 1000000   /* values budget.check_peak walks at most */
+
+typedef struct {
+    uint32_t *items;
+    Py_ssize_t n, cap;
+    long long walked;
+} Indices;
+
+/* The tensor indices of a Value tree into `ix`, as budget._compared_tensors collects them (tensors in tuples,
+ * lists, sizes, named tuples and dict values; other kinds hold none). */
+static int
+tensor_indices(Cur c, Indices *ix, int depth)
+{
+    if (++ix->walked >= MAX_WALKED || depth > 200)   /* Python's walk stops there: let it */
+        return BAIL;
+    if (c.p == c.end)
+        return OK;
+    uint32_t f;
+    int w;
+    if (tag(&c, &f, &w) != OK)
+        return BAIL;
+    if (f == 6) {
+        uint64_t v;
+        if (w != 0 || varint(&c, &v) != OK || c.p != c.end)
+            return BAIL;
+        if (ix->n == ix->cap) {
+            Py_ssize_t cap = ix->cap ? 2 * ix->cap : 16;
+            uint32_t *grown = PyMem_Realloc(ix->items, cap * sizeof(uint32_t));
+            if (grown == NULL) {
+                PyErr_NoMemory();
+                return FAIL;
+            }
+            ix->items = grown;
+            ix->cap = cap;
+        }
+        ix->items[ix->n++] = (uint32_t)v;
+        return OK;
+    }
+    if (f == 7 || f == 8 || f == 9 || f == 14 || f == 19) {   /* tuple, list, dict, size, named tuple */
+        Cur s;
+        if (w != 2 || span(&c, &s) != OK || c.p != c.end)
+            return BAIL;
+        while (s.p < s.end) {
+            uint32_t g;
+            int gw, rc;
+            Cur item;
+            if (tag(&s, &g, &gw) != OK || gw != 2 || span(&s, &item) != OK)
+                return BAIL;
+            if (f == 9 && g == 1)   /* a dict's key: no tensor */
+                continue;
+            if (g != (f == 9 ? 2u : 1u))   /* a dict's values, a sequence's items: nothing else */
+                return BAIL;
+            if ((rc = tensor_indices(item, ix, depth + 1)) != OK)
+                return rc;
+        }
+        return OK;
+    }
+    if (f > 19)
+        return BAIL;
+    if (skip_field(&c, w) != OK || c.p != c.end)   /* a scalar, a string, a slice, a complex: no tensor */
+        return BAIL;
+    return OK;
+}
+
+static int
+compare_u32(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Whether `i` is among the indices (sorted). */
+static int
+in_indices(const Indices *ix, uint32_t i)
+{
+    return ix->n && bsearch(&i, ix->items, ix->n, sizeof(uint32_t), compare_u32) != NULL;
+}
+
+/* budget.check_peak(record, base) off the record's bytes: peak(raw, base, factors, header_factor) -> int or None.
+ * `factors`: dtype name -> (factor of a compared tensor, factor of any other), budget.PEAK_FACTORS. */
+static PyObject *
+fd_peak(PyObject *self, PyObject *args)
+{
+    PyObject *raw, *factors;
+    long long base, header_factor;
+    if (!PyArg_ParseTuple(args, "OLO!L", &raw, &base, &PyDict_Type, &factors, &header_factor))
+        return NULL;
+    Py_buffer buf;
+    if (PyObject_GetBuffer(raw, &buf, PyBUF_SIMPLE) < 0)
+        return NULL;
+    Cur c = {(const uint8_t *)buf.buf, (const uint8_t *)buf.buf + buf.len};
+    Cur metas_at = c;
+    uint64_t payload = 0;
+    int seen_payload = 0, seen_output = 0, seen_grad = 0, rc = OK;
+    Indices ix = {NULL, 0, 0, 0};
+    PyObject *result = NULL;
+    /* first pass: the payload size and the compared tensors (output, grad_input) */
+    while (c.p < c.end && rc == OK) {
+        uint32_t f;
+        int w;
+        if (tag(&c, &f, &w) != OK || f > 17) {
+            rc = BAIL;
+            break;
+        }
+        if (f == 3) {
+            if (w != 0 || seen_payload++ || varint(&c, &payload) != OK)
+                rc = BAIL;
+        } else if (f == 6 || f == 12) {
+            Cur s;
+            if (w != 2 || (f == 6 ? seen_output++ : seen_grad++) || span(&c, &s) != OK)
+                rc = BAIL;
+            else
+                rc = tensor_indices(s, &ix, 0);
+        } else {
+            rc = skip_field(&c, w);
+        }
+    }
+    __int128 total = 0;   /* (as Python's int: no overflow on a hostile record's claims) */
+    if (rc == OK) {
+        if (ix.n > 1)
+            qsort(ix.items, ix.n, sizeof(uint32_t), compare_u32);
+        total = (__int128)base;
+        if (base > (long long)payload)
+            total += ((__int128)base - (__int128)payload) * (header_factor - 1);
+    }
+    /* second pass: each tensor meta's dtype and size */
+    c = metas_at;
+    Py_ssize_t i = 0;
+    while (rc == OK && c.p < c.end) {
+        uint32_t f;
+        int w;
+        Cur m;
+        if (tag(&c, &f, &w) != OK) {
+            rc = BAIL;
+            break;
+        }
+        if (f != 2) {
+            rc = skip_field(&c, w);
+            continue;
+        }
+        if (w != 2 || span(&c, &m) != OK) {
+            rc = BAIL;
+            break;
+        }
+        Cur dtype = {NULL, NULL};
+        uint64_t nbytes = 0;
+        int seen_dtype = 0, seen_nbytes = 0;
+        while (rc == OK && m.p < m.end) {
+            uint32_t g;
+            int gw;
+            if (tag(&m, &g, &gw) != OK || g > 7) {
+                rc = BAIL;
+            } else if (g == 1) {
+                rc = gw != 2 || seen_dtype++ ? BAIL : span(&m, &dtype);
+            } else if (g == 5) {
+                rc = gw != 0 || seen_nbytes++ ? BAIL : varint(&m, &nbytes);
+            } else {
+                rc = skip_field(&m, gw);
+            }
+        }
+        if (rc != OK)
+            break;
+        PyObject *name = dtype.p == NULL ? PyUnicode_FromStringAndSize("", 0) : text(dtype), *pair;
+        if (name == NULL) {
+            rc = PyErr_Occurred() ? FAIL : BAIL;
+            break;
+        }
+        pair = PyDict_GetItemWithError(factors, name);
+        Py_DECREF(name);
+        if (pair == NULL) {
+            if (PyErr_Occurred())
+                rc = FAIL;
+            i++;
+            continue;   /* a dtype without factors adds nothing, as in Python */
+        }
+        long long f0, f1;
+        if (!PyArg_ParseTuple(pair, "LL", &f0, &f1)) {
+            rc = FAIL;
+            break;
+        }
+        uint64_t counted = nbytes < payload ? nbytes : payload;
+        total += (__int128)counted * ((in_indices(&ix, (uint32_t)i) ? f0 : f1) - 1);
+        i++;
+    }
+    if (rc == OK) {
+        if (total > (__int128)LLONG_MAX || total < (__int128)LLONG_MIN)
+            rc = BAIL;   /* beyond 64 bits: Python's int says it */
+        else
+            result = PyLong_FromLongLong((long long)total);
+    }
+    PyMem_Free(ix.items);
+    PyBuffer_Release(&buf);
+    if (rc == FAIL)
+        return NULL;
+    if (rc == BAIL)
+        Py_RETURN_NONE;
+    return result;
+}
+
 static PyMethodDef fd_methods[] = {
     {"head", fd_head, METH_O, "A record's header, tensor meta bytes, scalars and value spans, or None."},
     {"values", fd_values, METH_VARARGS, "A record's five values, or None."},
+    {"peak", fd_peak, METH_VARARGS, "budget.check_peak of a record's bytes, or None."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -14,6 +14,8 @@ from google.protobuf.message import DecodeError
 
 from gpu_server import compiled, decode
 from gpu_server.decode import decode_job
+from gpu_server.intake import budget
+from gpu_server.intake.budget import check_peak
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
@@ -85,20 +87,37 @@ def _outcome(record: pb.Record, payload: bytes, module, limits=DEFAULT_LIMITS):
 
 
 def _same(record: pb.Record, payload: bytes, fast, limits=DEFAULT_LIMITS):
+    """Both paths' job or error, and both estimates of the record's checking peak (budget.check_peak), the same."""
     python = _outcome(record, payload, None, limits)
     assert _outcome(record, payload, fast, limits) == python, str(record)[:400]
+    raw = record.SerializeToString()
+    for base in (len(payload) + len(raw), 0):
+        assert _peak(record, base, raw, fast) == _peak(record, base, raw, None), str(record)[:400]
     return python
 
 
+def _peak(record: pb.Record, base: int, raw: bytes, module) -> int:
+    saved = compiled.DECODE.loaded[:]
+    compiled.DECODE.loaded[:] = [module]
+    try:
+        return check_peak(record, base, raw)
+    finally:
+        compiled.DECODE.loaded[:] = saved
+
+
 def _read_in_c(fast, record: pb.Record, payload: bytes, limits=DEFAULT_LIMITS) -> bool:
-    """Whether the compiled path reads this record itself (else it hands it to Python)."""
+    """Whether the compiled path reads this record itself (else it hands it to Python); one it reads, it estimates
+    too (budget.check_peak)."""
     raw = record.SerializeToString()
     head = fast.head(raw)
     if head is None:
         return False
     dec = RecordDecoder(record, payload, limits, head[8], head[9])
-    return fast.values(raw, head[17], dec.tensor, DTYPES, limits.max_values, limits.max_depth,
-                       limits.max_string_len) is not None
+    if fast.values(raw, head[17], dec.tensor, DTYPES, limits.max_values, limits.max_depth,
+                   limits.max_string_len) is None:
+        return False
+    assert fast.peak(raw, len(raw) + len(payload), budget.PEAK_FACTORS, budget.HEADER_FACTOR) is not None
+    return True
 
 
 def _backward_records() -> list[PendingRecord]:
@@ -133,11 +152,17 @@ def test_both_paths_give_the_same_job_for_every_kind_of_value(fast):
 def test_every_record_of_a_training_step_is_read_in_c_and_gives_the_same_job(fast):
     recs = _training_records(1)
     assert len(recs) > 20
+    compared = 0
     for rec in recs:
         record, payload = _wire(rec)
         assert isinstance(_same(record, payload, fast), dict)
         if not record.HasField("random"):
             assert _read_in_c(fast, record, payload), rec.name
+        raw = record.SerializeToString()
+        peak = fast.peak(raw, len(raw) + len(payload), budget.PEAK_FACTORS, budget.HEADER_FACTOR)
+        assert peak is not None, rec.name   # estimated in C too
+        compared += peak > 16 * len(raw) + 11 * len(payload)   # an output's tensors count at their larger factor
+    assert compared > 5, compared
 
 
 def test_each_tensor_meta_is_keyed_by_its_own_bytes(fast):

@@ -135,14 +135,15 @@ class Intake:
         return self.submit(record, payload, reserved, origin).wait()
 
     def submit(self, record: pb.Record, payload: bytes | bytearray | memoryview, reserved: int = 0,
-               origin: str = "") -> Ticket:
+               origin: str = "", raw: bytes | None = None) -> Ticket:
         """Take one complete record; the returned ticket holds the acknowledgement once the record is durable.
 
         The record is validated completely (header, name, tensor table, every value decoded) before it is spooled:
         a record that would fail to decode is answered REJECTED at once with the reason, gets its SKIP row, and is
         never spooled (so a restart never meets it). `reserved`: bytes of `self.budget` the record holds (its
         estimated peak, `check_peak`: released here, or by the workers once they checked it). `origin`: the
-        connection or certificate it came over (`end_backed`). A rank at or above --world-size, or a (run, rank)
+        connection or certificate it came over (`end_backed`). `raw`: the record's bytes, where the transport made
+        them already (the decoder and the spool take them). A rank at or above --world-size, or a (run, rank)
         beyond --max-run-ranks, is answered REJECTED and never reported (no report files for it).
         """
         h = record.header
@@ -173,7 +174,7 @@ class Intake:
             earlier = self.spool.pending((h.run_id, h.rank, h.seq)) if self.spool is not None else None
             # The first copy may not be durable yet: answer once it is.
             return Ticket(h.seq, DUPLICATE, after=earlier if earlier is not None and not earlier.ready() else None)
-        status, reason, job = self._classify(record, payload, reserved)
+        status, reason, job = self._classify(record, payload, reserved, raw)
         if job is None:
             return Ticket(h.seq, status, reason)
         ticket = None
@@ -185,7 +186,7 @@ class Intake:
         return ticket if ticket is not None else Ticket(h.seq, ACCEPTED)
 
     def _classify(self, record: pb.Record, payload: bytes | bytearray | memoryview,
-                  reserved: int) -> tuple[int, str, Job | None]:
+                  reserved: int, raw: bytes | None = None) -> tuple[int, str, Job | None]:
         """The rank and API filters, then `validate`, once per record (its call name checked once): (ACCEPTED, '',
         job) for a record to check (holding `reserved`); (ACCEPTED, '', None) for one the filters leave out (counted
         `filtered`), (REJECTED, why, None) once its SKIP row is dispatched: `reserved` released."""
@@ -195,7 +196,7 @@ class Intake:
             self.filtered += 1
             self._release(reserved)
             return ACCEPTED, "", None
-        job, reason = self.validate(record, payload, match)
+        job, reason = self.validate(record, payload, match, raw)
         if reason:
             self._reject_row(h, h.name if match else f"invalid.record.{h.seq}", match, reason, job, reserved)
             return REJECTED, reason, None
@@ -204,7 +205,7 @@ class Intake:
         return ACCEPTED, "", job
 
     def validate(self, record: pb.Record, payload: bytes | bytearray | memoryview,
-                 match: re.Match[str] | None) -> tuple[Job | None, str]:
+                 match: re.Match[str] | None, raw: bytes | None = None) -> tuple[Job | None, str]:
         """(the decoded job, "") for a valid record; else (the job when it decoded, or None, why it is rejected).
         `match`: `valid_call_name` of its name.
 
@@ -218,7 +219,7 @@ class Intake:
             self.rejected += 1
             return None, f"{h.name}: direction {h.direction} is neither forward nor backward"
         try:
-            job = decode_job(record, payload, self.limits, self._max_ranks(), match)
+            job = decode_job(record, payload, self.limits, self._max_ranks(), match, raw)
         except CollectiveError as exc:
             self.rejected += 1
             return None, f"{h.name}: malformed collective: {exc}"

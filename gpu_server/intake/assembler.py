@@ -17,6 +17,9 @@ from protos.codec import WireError
 from protos.framing import split_batch
 from protos.limits import DEFAULT_LIMITS, Limits, MiB
 
+# a record of a Batch frame: (record, payload, its peak, why it is refused or "", the record's bytes)
+Part = tuple[pb.Record, bytes | memoryview, int, str, bytes]
+
 
 class FrameAssembler:
     """One stream's frames -> complete records, every byte counted in the memory budget as it arrives.
@@ -297,27 +300,28 @@ class FrameAssembler:
         self._reserved_recv = 0
         return n
 
-    def batch(self, frame: pb.Frame, data: bytes | memoryview) -> list[tuple[pb.Record, bytes | memoryview, int, str]]:
-        """The records of a Batch frame, each as (record, payload view, its peak, '') or (record, view, 0, why it
-        is refused). Raises WireError (nothing more is held) when the frame breaks the contract. Reserve the sum of
-        the peaks, `granted` it, then `unbatch`."""
+    def batch(self, frame: pb.Frame, data: bytes | memoryview) -> list[Part]:
+        """The records of a Batch frame, each as (record, payload view, its peak, '', its bytes) or (record, view,
+        0, why it is refused, its bytes). Raises WireError (nothing more is held) when the frame breaks the
+        contract. Reserve the sum of the peaks, `granted` it, then `unbatch`. A record's bytes (its header: what
+        the spool keeps) are made here once, for the estimate and the decoder alike."""
         out = []
         for rec, payload in split_batch(frame, self.limits, data):
-            need = check_peak(rec, len(payload) + rec.ByteSize())
+            raw = rec.SerializeToString()
+            need = check_peak(rec, len(payload) + len(raw), raw)
             try:
                 self._check_need(rec, need)
             except WireError as exc:
-                out.append((rec, payload, 0, str(exc)))
+                out.append((rec, payload, 0, str(exc), raw))
                 continue
-            out.append((rec, payload, need, ""))
+            out.append((rec, payload, need, "", raw))
         self.refused_seq = None
         return out
 
-    def unbatch(self, parts: list[tuple[pb.Record, bytes | memoryview, int, str]]
-                ) -> list[tuple[pb.Record, bytes, int, str]]:
+    def unbatch(self, parts: list[Part]) -> list[Part]:
         """Each record of a batch with its own copy of its payload and its peak reserved; the message (its bytes
         were granted beforehand as the sum of the peaks) is given back, so no record keeps the others' bytes."""
-        out = [(rec, bytes(payload) if not why else b"", need, why) for rec, payload, need, why in parts]
+        out = [(rec, bytes(payload) if not why else b"", need, why, raw) for rec, payload, need, why, raw in parts]
         self.extra = 0      # the records' peaks go with them
         self.drop_loose()   # the message itself
         return out

@@ -9,6 +9,7 @@ import threading
 import time
 from typing import Callable
 
+from gpu_server.compiled import DECODE
 from protos import online_check_pb2 as pb
 
 # What checking a record costs, per byte of each tensor it carries, by dtype: (tensors the check compares: the
@@ -31,14 +32,22 @@ PEAK_FACTORS: dict[str, tuple[int, int]] = {
 HEADER_FACTOR = 16   # a record's header (names, shapes, argument values) parsed and decoded into objects
 
 
-def check_peak(record: pb.Record, base: int) -> int:
+def check_peak(record: pb.Record, base: int, raw: bytes | None = None) -> int:
     """Bytes of the memory budget a complete record holds until it is checked (its estimated peak).
 
     `base`: the bytes it holds as it arrived (its header and payload), counted as they came. Added: each tensor's
     bytes times its factor from `PEAK_FACTORS` (minus the one already in `base`), and the header's bytes times
     `HEADER_FACTOR`. Sizes are the client's claims, each cut to the payload (a record whose table does not match its
-    payload is rejected when it is decoded), so the estimate never exceeds what they could cost.
+    payload is rejected when it is decoded), so the estimate never exceeds what they could cost. `raw`: the record's
+    bytes, where the caller has them: read in C where gpu_server/_fastdecode.c is built (the same estimate; a record
+    it does not read is estimated here).
     """
+    if raw is not None:
+        fast = DECODE.load()
+        if fast is not None:
+            peak: int | None = fast.peak(raw, base, PEAK_FACTORS, HEADER_FACTOR)
+            if peak is not None:
+                return peak
     payload = record.payload_bytes
     compared = _compared_tensors(record)
     total = base + max(0, base - payload) * (HEADER_FACTOR - 1)

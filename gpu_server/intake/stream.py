@@ -70,11 +70,13 @@ class Call(NamedTuple):
 
 
 class Arrival(NamedTuple):
-    """A complete record with the budget bytes it holds (its estimated peak), or why it is refused."""
+    """A complete record with the budget bytes it holds (its estimated peak), or why it is refused; `raw`: the
+    record's bytes, where they were made already (a Batch frame's records)."""
     record: pb.Record
     payload: bytes | memoryview
     reserved: int
     why: str
+    raw: bytes | None = None
 
 
 Steps = Generator["Reserve | Call", Any, Any]
@@ -86,7 +88,8 @@ class Stopped(Exception):
 
 def heavy(arrivals: list[Arrival]) -> bool:
     """Whether validating these records (completed by one message) is worth a thread (INLINE_RECORDS)."""
-    if len(arrivals) > INLINE_RECORDS or sum(a.record.ByteSize() for a in arrivals) > INLINE_HEADER_BYTES:
+    if len(arrivals) > INLINE_RECORDS or sum(len(a.raw) if a.raw is not None else a.record.ByteSize()
+                                             for a in arrivals) > INLINE_HEADER_BYTES:
         return True
     return (sum(len(a.payload) for a in arrivals) > INLINE_BYTES
             and any(meta.stride for a in arrivals for meta in a.record.tensors))
@@ -171,14 +174,14 @@ class RecordStream:
         except WireError as exc:
             seqs = [r.header.seq for r in frame.batch.records[:self.max_batch_records]] or [0]
             return [pb.Ack(seq=seq, status=pb.Ack.REJECTED, reason=str(exc)) for seq in seqs]
-        check([rec for rec, _, _, _ in parts])
+        check([part[0] for part in parts])
         del frame, data
-        total = sum(need for _, _, need, _ in parts)
+        total = sum(part[2] for part in parts)
         if self.budget is not None and total:
             yield Reserve(total, None)   # a stream waiting here reads nothing
             asm.granted(total)
-        return [Arrival(rec, payload, need if self.budget is not None else 0, why)
-                for rec, payload, need, why in asm.unbatch(parts)]
+        return [Arrival(rec, payload, need if self.budget is not None else 0, why, raw)
+                for rec, payload, need, why, raw in asm.unbatch(parts)]
 
     def end(self, end: pb.End) -> Steps:
         """The answer to an end message; it counts (`on_end`, durable before END_ACCEPTED) only when
@@ -198,7 +201,7 @@ class RecordStream:
         """The answer to one item of `records`: a refused record counted `rejected`, a complete one handed to the
         intake (its ticket)."""
         if isinstance(item, Arrival) and not item.why:
-            return self.intake.submit(item.record, item.payload, item.reserved, self.origin)
+            return self.intake.submit(item.record, item.payload, item.reserved, self.origin, item.raw)
         self.intake.rejected += 1
         if isinstance(item, Arrival):
             return pb.Ack(seq=item.record.header.seq, status=pb.Ack.REJECTED, reason=item.why)
