@@ -159,30 +159,25 @@ autocast(Cur c, int *enabled, PyObject **dtype, PyObject **device)
     return OK;
 }
 
+/* Record.grad_input_positions (repeated uint32): one varint (wire type 0) or a packed run of them (2). */
 static int
 add_positions(PyObject *positions, Cur *c, int wire)
 {
-    uint64_t v;
-    if (wire == 0) {
-        if (varint(c, &v) != OK)
-            return BAIL;
-        PyObject *n = PyLong_FromUnsignedLong((uint32_t)v);
-        int bad = n == NULL || PyList_Append(positions, n) < 0;
-        Py_XDECREF(n);
-        return bad ? FAIL : OK;
-    }
-    Cur packed;
-    if (wire != 2 || span(c, &packed) != OK)
+    Cur run = *c;
+    if (wire == 2 ? span(c, &run) != OK : wire != 0)
         return BAIL;
-    while (packed.p < packed.end) {
-        if (varint(&packed, &v) != OK)
+    do {
+        uint64_t v;
+        if (varint(&run, &v) != OK)
             return BAIL;
         PyObject *n = PyLong_FromUnsignedLong((uint32_t)v);
         int bad = n == NULL || PyList_Append(positions, n) < 0;
         Py_XDECREF(n);
         if (bad)
             return FAIL;
-    }
+    } while (wire == 2 && run.p < run.end);
+    if (wire == 0)
+        c->p = run.p;
     return OK;
 }
 
