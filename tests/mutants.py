@@ -129,25 +129,6 @@ MUTATIONS = (
           "    if (0 && rg && (put_key(&e, 6, 0) < 0 || put_byte(&e, 1) < 0))\n"),),
         ("tests/test_fastencode.py",)),
     Mutation(
-        "replay-ahead-never-sent",
-        "the next forward job is never sent ahead: each replay waits for the comparison before it",
-        (("gpu_server/replay/sandbox.py", "            if self._ahead is not None or self._closed or not self._hello",
-          "            if True or self._ahead is not None or self._closed or not self._hello"),),
-        ("tests/test_replay_ahead.py",)),
-    Mutation(
-        "replay-ahead-any-job",
-        "the answer sent ahead is given to whatever forward is asked next, its own job or not",
-        (("gpu_server/replay/sandbox.py",
-          '        if op == "forward" and jobs.get("job") is ahead.job and fields == ahead.fields:',
-          '        if op == "forward":'),),
-        ("tests/test_replay_ahead.py",)),
-    Mutation(
-        "replay-ahead-limit-from-asking",
-        "a replay sent ahead gets a whole --replay-timeout-s again when it is asked for",
-        (("gpu_server/replay/sandbox.py", "                ahead.reply = self._answer(ahead.since, ahead.generation)",
-          "                ahead.reply = self._answer(time.monotonic(), ahead.generation)"),),
-        ("tests/test_replay_ahead.py",)),
-    Mutation(
         "fastdecode-one-level-deeper",
         "the compiled decoder takes a value one level deeper than --max-depth allows, which Python refuses",
         (("gpu_server/_fastdecode.c", "    if (++x->count > x->max_values || depth > x->max_depth)\n",

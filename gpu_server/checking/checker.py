@@ -120,9 +120,6 @@ class Checker:
         self.match_threads = True     # CPU same-dtype runs take the training's thread count (one CPU worker only)
         self.replayer = replayer if replayer is not None else InlineReplayer(device)
         self.on_lost = on_lost or (lambda job, why: None)   # a replay that killed its worker: quarantine the record
-        # the forward job this checker is given next, with its `keep`, when it is known
-        # (gpu_server/checking/workers.py): its replay starts while this one's outputs are compared
-        self.upcoming: Callable[[], tuple[Job, bool] | None] = lambda: None
 
     # -- forward -----------------------------------------------------------------------------------------------
     def forward(self, job: Job, keep: bool) -> Forward:
@@ -147,7 +144,6 @@ class Checker:
             return self._skip_rows(out, job, "forward", self._failed(job, exc))
         if runs.kept is not None:
             fwd.graphs = Graphs(runs.kept, runs.nbytes, self.replayer)
-        self._next_ahead()
         device, bench, same = flatten_outputs(job.output), runs.bench, runs.same
         if extensions.has_postprocess(job.category, job.api):   # only the meaningful part of each run is compared
             device, bench, same = extensions.postprocess(job.category, job.api, job.args, job.kwargs,
@@ -199,12 +195,6 @@ class Checker:
             graphs.drop()
         return bwd
 
-    def _next_ahead(self) -> None:
-        """The next forward job's replay, started now (gpu_server/replay/sandbox.py `prefetch`)."""
-        upcoming = self.upcoming()
-        if upcoming is not None:
-            self.replayer.prefetch(upcoming[0], upcoming[1], self.match_threads)
-
     def _failed(self, job: Job, exc: Exception) -> str:
         """The SKIP reason of a replay that failed; one that cost its worker process quarantines the record."""
         why = str(exc)
@@ -219,7 +209,6 @@ class Checker:
             runs = self.replayer.backward(fwd, bwd, graphs.kept if graphs else None, self.match_threads)
         except (ReplayError, WorkerLost) as exc:
             return self._skip_rows(out, bwd, "backward", self._failed(bwd, exc))
-        self._next_ahead()
         bench, same, same_error = runs.bench, runs.same, runs.same_error
         device = list(bwd.grad_input) if isinstance(bwd.grad_input, (list, tuple)) else [bwd.grad_input]
         keep = [i for i, g in enumerate(device) if g is not None]

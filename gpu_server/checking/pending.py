@@ -119,7 +119,7 @@ class PendingCalls:
             waiting = self.take(job)
             write(checker.backward(job, waiting))
             return self.backward_done(job, waiting)
-        keep = self.keeps(job)
+        keep = job.backward_expected and self.graph_budget > 0
         with self._lock:
             restored = record_key(job) in self._restored
             self._restored.discard(record_key(job))
@@ -138,10 +138,6 @@ class PendingCalls:
         done = self._wait(job, forward, checker, write)
         done.half.append(record_key(job))
         return done
-
-    def keeps(self, job) -> bool:
-        """Whether the forward replays of `job` keep their graphs for its backward record."""
-        return bool(job.backward_expected) and self.graph_budget > 0
 
     def _restore(self, job, keep: bool, checker, write: Write) -> Completion:
         """A forward record journaled `h` before a restart: its detail rows exist, so the rows checked now are not

@@ -20,7 +20,6 @@ journals the record done.
 """
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import os
@@ -40,7 +39,6 @@ from gpu_server.replay.sandbox import SandboxLimits, make_replayer
 from gpu_server.reports.error_data import Evidence
 from gpu_server.reports.rank_reports import Reports, ReportWriteError, header_size
 from gpu_server.reports.summary import Summary
-from protos import online_check_pb2 as pb
 
 log = logging.getLogger("gpu_server")
 _STOP = object()
@@ -174,8 +172,6 @@ class WorkerPool:
         if cpu_workers > 1:
             for worker in self.workers:
                 worker.checker.match_threads = False
-        for i, worker in enumerate(self.workers):
-            worker.checker.upcoming = functools.partial(self._upcoming, i)
         # one matcher for every worker: the records of one collective come from ranks routed to different workers
         self.matcher = Matcher(collective_budget)
         self._jobs: dict[tuple[str, int], str] = {}   # (run, rank) -> the training (Collective.job) it belongs to
@@ -223,20 +219,6 @@ class WorkerPool:
         """A spooled record this server reports nothing for (its rank or API is not wanted now): journaled done."""
         completion = self.pending.not_reported(run_id, rank, seq)
         self.on_complete(completion.done, completion.half, {})
-
-    def _upcoming(self, i: int) -> tuple[Job, bool] | None:
-        """The forward job worker `i` takes next, with its `keep` (PendingCalls.keeps), when the checker replays it as
-        it comes: its replay can start while the worker compares the outputs it has. Only this worker's thread takes
-        from its queue, so the item seen first is the next one it handles."""
-        q = self.queues[i]
-        with q.mutex:
-            item = q.queue[0] if q.queue else None
-        if not isinstance(item, tuple) or item[0] != "job":
-            return None
-        job = item[1]
-        if job.direction == pb.BACKWARD or job.skip_reason or job.collective is not None:
-            return None
-        return job, self.pending.keeps(job)
 
     def _run(self, i: int) -> None:
         worker, q = self.workers[i], self.queues[i]

@@ -147,26 +147,8 @@ class InlineReplayer:
     def drop(self, kept: Any) -> None:
         pass
 
-    def prefetch(self, job: Job, keep: bool, match: bool) -> None:
-        """Nothing runs ahead: each replay runs in the thread that asks for it."""
-
     def close(self) -> None:
         pass
-
-
-_SPREAD = ("spread_forward", "spread_backward")
-
-
-@dataclasses.dataclass
-class _Ahead:
-    """A forward request sent before the worker thread asked for it (`ProcessReplayer.prefetch`)."""
-    job: Job
-    fields: dict[str, Any]         # its keep and match
-    since: float                   # when it was sent: its time limit counts from then
-    generation: int                # the worker process it went to
-    answered: bool = False
-    reply: dict | None = None      # its answer, once read
-    error: Exception | None = None   # or what reading it raised
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +183,6 @@ class ProcessReplayer:
         self._how = ""   # started ahead, or forked (gpu_server/replay/prestart.py), or started when it was needed
         self._lock = threading.Lock()
         self._closed = False
-        self._ahead: _Ahead | None = None   # a forward request sent ahead (`prefetch`)
         self._spawn()
 
     # -- the child ---------------------------------------------------------------------------------------------
@@ -292,132 +273,69 @@ class ProcessReplayer:
 
     def _request(self, op: str, jobs: dict[str, Job | None], **fields: Any) -> dict:
         with self._lock:
-            ahead = self._take_ahead(op, jobs, fields)
-            if ahead is not None:
-                if ahead.error is not None:
-                    raise ahead.error
-                assert ahead.reply is not None
-                return ahead.reply
-            return self._answer(*self._send(op, jobs, fields))
-
-    def _send(self, op: str, jobs: dict[str, Job | None], fields: dict[str, Any]) -> tuple[float, int]:
-        """Write a request for the worker process (started first when none runs); returns when it was sent and the
-        generation of the process it went to. Called with the lock held, never while another request is answered."""
-        if self._closed:
-            raise WorkerLost("the server is stopping")
-        if self._proc is not None and self._hello and not self._alive():
-            # it ended after its last answer (killed, or a crash a replay left behind): not by this request
-            how = self._kill()
-            log.warning("%s: worker process %d ended between two requests (%s); starting another (the forward "
-                        "graphs it kept are gone: their backward records replay their forward again)", self.name,
-                        self.generation, how)
-        for attempt in (1, 2):   # a start that fails is tried once more, then this request is lost
-            if self._proc is None:
-                self.replaced += 1
-                self._spawn()
+            if self._closed:
+                raise WorkerLost("the server is stopping")
+            if self._proc is not None and self._hello and not self._alive():
+                # it ended after its last answer (killed, or a crash a replay left behind): not by this request
+                how = self._kill()
+                log.warning("%s: worker process %d ended between two requests (%s); starting another (the forward "
+                            "graphs it kept are gone: their backward records replay their forward again)", self.name,
+                            self.generation, how)
+            for attempt in (1, 2):   # a start that fails is tried once more, then this request is lost
+                if self._proc is None:
+                    self.replaced += 1
+                    self._spawn()
+                try:
+                    self.ready()
+                    break
+                except RuntimeError as exc:   # the next request tries a new one
+                    if attempt == 2:
+                        raise WorkerLost(f"not replayed: {exc}") from None
+                    log.warning("%s: %s; starting another", self.name, exc)
+            parts: list[bytes | memoryview] = []
+            refs = {k: (self._ref(j, parts) if j is not None else None) for k, j in jobs.items()}
             try:
-                self.ready()
-                break
-            except RuntimeError as exc:   # the next request tries a new one
-                if attempt == 2:
-                    raise WorkerLost(f"not replayed: {exc}") from None
-                log.warning("%s: %s; starting another", self.name, exc)
-        parts: list[bytes | memoryview] = []
-        refs = {k: (self._ref(j, parts) if j is not None else None) for k, j in jobs.items()}
-        try:
-            view = self.inbox.reserve(sum(len(p) for p in parts))
-        except ArenaFull as exc:   # no room for the record in the arenas' folder: this call is SKIP
-            raise ReplayError(f"not replayed: {exc}") from None
-        spans, off = [], 0
-        for p in parts:
-            n = copy_into(view, off, p)   # a record's payload without the interpreter lock (gpu_server/memcopy.py)
-            spans.append([off, n])
-            off += n
-        del view
-        req = {"op": op, "arena": self.inbox.name, "drop": self._drops[:], "free": self.outbox.take_free(),
-               **fields}
-        for k, r in refs.items():
-            req[k] = None if r is None else {"record": spans[r["record"]], "payload": spans[r["payload"]]}
-        self._drops.clear()
-        since = time.monotonic()
-        try:
-            send(self._w, req)
-        except (ChannelClosed, OSError) as exc:
-            raise self._crashed(exc) from None
-        return since, self.generation
-
-    def _answer(self, since: float, generation: int) -> dict:
-        """The answer to the request sent at `since`, within --replay-timeout-s of it (at least a second from now,
-        or the limit if shorter: an answer waiting in the pipe is taken); its `generation` is the process's that
-        replayed it."""
-        limit = self.limits.timeout_s
-        try:
-            reply = receive(self._r, max(min(1.0, limit), limit - (time.monotonic() - since)))
-        except ChannelTimeout:
-            how = self._kill()
-            raise WorkerLost(f"not replayable within --replay-timeout-s {limit:g}: the replay was stopped after "
-                             f"{time.monotonic() - since:.0f} s (its worker process {how}, then replaced); the record "
-                             "is quarantined; raise --replay-timeout-s if such calls are legitimate") from None
-        except (ChannelClosed, OSError) as exc:
-            raise self._crashed(exc) from None
-        if "replay_error" in reply:
-            raise ReplayError(str(reply["replay_error"])[:2000])
-        if "internal_error" in reply:
-            raise RuntimeError(f"in the replay worker: {str(reply['internal_error'])[:500]}")
-        if "runs" in reply:
+                view = self.inbox.reserve(sum(len(p) for p in parts))
+            except ArenaFull as exc:   # no room for the record in the arenas' folder: this call is SKIP
+                raise ReplayError(f"not replayed: {exc}") from None
+            spans, off = [], 0
+            for p in parts:
+                n = copy_into(view, off, p)   # a record's payload without the interpreter lock (gpu_server/memcopy.py)
+                spans.append([off, n])
+                off += n
+            del view
+            req = {"op": op, "arena": self.inbox.name, "drop": self._drops[:], "free": self.outbox.take_free(),
+                   **fields}
+            for k, r in refs.items():
+                req[k] = None if r is None else {"record": spans[r["record"]], "payload": spans[r["payload"]]}
+            self._drops.clear()
+            since = time.monotonic()
             try:
-                reply["runs"] = self._read_answer(reply)
+                send(self._w, req)
+                reply = receive(self._r, self.limits.timeout_s)
+            except ChannelTimeout:
+                how = self._kill()
+                raise WorkerLost(f"not replayable within --replay-timeout-s {self.limits.timeout_s:g}: the replay was "
+                                 f"stopped after {time.monotonic() - since:.0f} s (its worker process {how}, then "
+                                 "replaced); the record is quarantined; raise --replay-timeout-s if such calls are "
+                                 "legitimate") from None
             except (ChannelClosed, OSError) as exc:
                 how = self._kill()
-                raise WorkerLost(f"the replay worker answered what it should not ({exc}); it was stopped ({how}) "
-                                 "and replaced; the record is quarantined") from None
-        reply["generation"] = generation   # (whatever the worker wrote there)
-        return reply
-
-    def _crashed(self, exc: BaseException) -> WorkerLost:
-        how = self._kill()
-        return WorkerLost(f"the replay killed its worker process ({how}: a native crash or the memory cap, "
-                          f"--replay-memory-mb {self.limits.memory_bytes >> 20}); the record is quarantined "
-                          f"(never replayed again) and the worker replaced ({exc})")
-
-    # -- one forward ahead -------------------------------------------------------------------------------------
-    def prefetch(self, job: Job, keep: bool, match: bool) -> None:
-        """Send the forward request of the call the worker thread checks next, so that the worker process replays
-        it while the thread compares the outputs it has (docs/design.md §6.8, "One replay ahead"). The thread's own
-        `forward(job, keep, match)` then takes its answer. One request at most is ever outstanding: the spread runs
-        of the call being compared first read this answer and keep it; any other request reads it and lets it go
-        (its kept graphs dropped). Nothing is sent when no worker process is running and ready: the thread's own
-        request starts one."""
-        with self._lock:
-            if self._ahead is not None or self._closed or not self._hello or not self._alive():
-                return
-            fields = {"keep": keep, "match": match}
-            try:
-                since, generation = self._send("forward", {"job": job}, fields)
-            except (ReplayError, WorkerLost):
-                return   # sent again, the same way, when the thread asks for it
-            self._ahead = _Ahead(job, fields, since, generation)
-
-    def _take_ahead(self, op: str, jobs: dict[str, Job | None], fields: dict[str, Any]) -> _Ahead | None:
-        """The request sent ahead, answered now, when it is this one; else None (kept for the spread runs of the call
-        being compared, otherwise let go)."""
-        ahead = self._ahead
-        if ahead is None:
-            return None
-        if not ahead.answered:
-            ahead.answered = True
-            try:
-                ahead.reply = self._answer(ahead.since, ahead.generation)
-            except (ReplayError, WorkerLost, RuntimeError) as exc:
-                ahead.error = exc
-        if op in _SPREAD:
-            return None
-        self._ahead = None
-        if op == "forward" and jobs.get("job") is ahead.job and fields == ahead.fields:
-            return ahead
-        if ahead.reply is not None:
-            self.drop(self._handles(ahead.reply))
-        return None
+                raise WorkerLost(f"the replay killed its worker process ({how}: a native crash or the memory cap, "
+                                 f"--replay-memory-mb {self.limits.memory_bytes >> 20}); the record is quarantined "
+                                 f"(never replayed again) and the worker replaced ({exc})") from None
+            if "replay_error" in reply:
+                raise ReplayError(str(reply["replay_error"])[:2000])
+            if "internal_error" in reply:
+                raise RuntimeError(f"in the replay worker: {str(reply['internal_error'])[:500]}")
+            if "runs" in reply:
+                try:
+                    reply["runs"] = self._read_answer(reply)
+                except (ChannelClosed, OSError) as exc:
+                    how = self._kill()
+                    raise WorkerLost(f"the replay worker answered what it should not ({exc}); it was stopped ({how}) "
+                                     "and replaced; the record is quarantined") from None
+            return reply
 
     def _read_answer(self, reply: dict) -> list[list]:
         """The answer's runs: its tensors views of the worker's arena while the server holds few of them, else
@@ -432,11 +350,10 @@ class ProcessReplayer:
             if not in_place:
                 self.outbox.done(name)
 
-    @staticmethod
-    def _handles(reply: dict) -> _Handles | None:
+    def _handles(self, reply: dict) -> _Handles | None:
         kept = reply.get("kept") or [None, None]
         hb, hs = (h if isinstance(h, int) and not isinstance(h, bool) else None for h in kept[:2])
-        return _Handles(reply["generation"], hb, hs) if hb is not None or hs is not None else None
+        return _Handles(self.generation, hb, hs) if hb is not None or hs is not None else None
 
     # -- the replayer ------------------------------------------------------------------------------------------
     def forward(self, job: Job, keep: bool, match: bool) -> ForwardRuns:
