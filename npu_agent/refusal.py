@@ -48,6 +48,13 @@ def _server_cert_refusal(detail: str, tls_dir: str, host: str) -> Refusal:
                    f"and gpu-server must use certificates of one CA, made with {MAKE_CERTS})")
 
 
+def _plaintext_server(detail: str, tls_dir: str) -> Refusal:
+    return Refusal(f"it does not use TLS, and this agent does (tensor.tls_path={tls_dir!r}); the handshake got a "
+                   f"plaintext answer ({detail})",
+                   "start gpu-server with run_ut.tls_path (mutual TLS), or, on a trusted network only, leave "
+                   "tensor.tls_path empty")
+
+
 def classify(code: grpc.StatusCode | None, detail: str, tls_dir: str, host: str, stream: bool) -> Refusal | None:
     """A Refusal when a failed health check (`stream` False) or a broken stream (`stream` True) can never succeed
     on retry; None for what may pass (the server is down, restarting, overloaded)."""
@@ -66,10 +73,7 @@ def classify(code: grpc.StatusCode | None, detail: str, tls_dir: str, host: str,
     if not tls_dir:
         return None   # a plaintext agent that cannot connect: see `plaintext_refusal`
     if _has(detail, _PLAINTEXT_SERVER):
-        return Refusal(f"it does not use TLS, and this agent does (tensor.tls_path={tls_dir!r}); the handshake got a "
-                       f"plaintext answer ({detail})",
-                       "start gpu-server with run_ut.tls_path (mutual TLS), or, on a trusted network only, leave "
-                       "tensor.tls_path empty")
+        return _plaintext_server(detail, tls_dir)
     if _has(detail, _SERVER_CERT):
         return _server_cert_refusal(detail, tls_dir, host)
     if _has(detail, _CLIENT_CERT_ALERTS):
@@ -131,8 +135,8 @@ _H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x
 
 
 def _closed_after_handshake(ctx: ssl.SSLContext, addr: str, port: int, timeout: float) -> str | None:
-    """One TLS handshake and the HTTP/2 preface: why the server dropped us (a TLS alert, or closing without a
-    word), or None when it answered or could not be reached."""
+    """One TLS handshake and the HTTP/2 preface: why the server dropped us (a TLS alert, a plaintext answer to the
+    handshake, or closing without a word), or None when it answered or could not be reached."""
     try:
         with socket.create_connection((addr, port), timeout=timeout) as sock:
             with ctx.wrap_socket(sock) as tls:
@@ -142,7 +146,7 @@ def _closed_after_handshake(ctx: ssl.SSLContext, addr: str, port: int, timeout: 
                 return "the server closed the connection right after the TLS handshake, without an answer"
     except ssl.SSLError as exc:
         reason = str(exc.reason or exc)
-        return reason if "ALERT" in reason.upper() else None
+        return reason if "ALERT" in reason.upper() or _has(reason, _PLAINTEXT_SERVER) else None
     except OSError:
         return None
 
@@ -151,8 +155,10 @@ def client_certificate_refusal(host: str, port: int, tls_dir: str, timeout: floa
     """A TLS agent whose connection was closed before any answer: a handshake of our own with the agent's client
     certificate, then the HTTP/2 preface. gpu-server answers the preface of a client it accepts; one whose
     certificate it refuses gets a TLS alert, or (TLS 1.3) a closed connection. Twice in a row is a refusal; an
-    answer, or no connection at all, is not (the server may be restarting). The server's own certificate is not
-    checked here (gRPC checks it), and nothing but the preface is sent."""
+    answer, or no connection at all, is not (the server may be restarting). A plaintext answer to the handshake is a
+    server without TLS, at once: gRPC's own handshake may have failed before the server's answer came ("Handshake
+    write failed", when the server closed first). The server's own certificate is not checked here (gRPC checks it),
+    and nothing but the preface is sent."""
     folder = tls_dir.rstrip("/")
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False
@@ -170,6 +176,8 @@ def client_certificate_refusal(host: str, port: int, tls_dir: str, timeout: floa
         why = _closed_after_handshake(ctx, addr, port, min(timeout, 5.0))
         if why is None:
             return None
+        if _has(why, _PLAINTEXT_SERVER):
+            return _plaintext_server(why, tls_dir)
     return Refusal(f"it refused this agent's client certificate {folder}/client.crt ({why})",
                    "use a client certificate issued by the CA in gpu-server's run_ut.tls_path/ca.crt, current and "
                    f"not revoked ({MAKE_CERTS} --client NAME with that CA)")

@@ -365,6 +365,13 @@ MUTATIONS = (
         (("npu_agent/freed_memory.py", "trim = min(int(memory_bytes) + 2 * malloc.MMAP_THRESHOLD",
           "trim = min(2 * malloc.MMAP_THRESHOLD"),),
         ("tests/test_malloc_policy.py",)),
+    Mutation(
+        "plaintext-answer-not-a-refusal",
+        "a TLS agent's own handshake that gets a plaintext server's answer takes it for an outage (an UNAVAILABLE "
+        "warning first, the refusal only on the next try)",
+        (("npu_agent/refusal.py",
+          "        if _has(why, _PLAINTEXT_SERVER):\n            return _plaintext_server(why, tls_dir)\n", ""),),
+        ("tests/test_agent_refusal.py",)),
 )
 
 

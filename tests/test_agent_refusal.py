@@ -207,6 +207,22 @@ def test_each_permanent_refusal_ends_capture_with_one_error(pki, tmp_path):
         assert "Traceback" not in proc.stderr, f"{name}:\n{proc.stderr[-3000:]}"
 
 
+def test_a_plaintext_server_is_known_by_the_agents_own_handshake(pki, tmp_path):
+    """A TLS agent's health check against a plaintext gpu-server may fail before the server's answer arrives
+    (gRPC's "Handshake write failed": the server closed first, under load), so that its text names no plaintext
+    answer. The handshake of the agent's own that follows (`client_certificate_refusal`) gets the server's plaintext
+    answer and says so at once: one refusal, never an outage warning first."""
+    from npu_agent.refusal import client_certificate_refusal
+
+    server = support.Server(str(tmp_path)).start()
+    try:
+        refusal = client_certificate_refusal("127.0.0.1", server.port, str(pki["good"]), 10.0)
+    finally:
+        server.stop()
+    assert refusal is not None and "does not use TLS" in refusal.cause, refusal
+    assert "WRONG_VERSION_NUMBER" in refusal.cause or "record layer" in refusal.cause.lower(), refusal.cause
+
+
 def test_transient_outages_lose_nothing_and_are_no_refusal(tmp_path):
     """No server at first, then a server, then the server restarted mid-training: every record is checked once."""
     port = support.free_port()
