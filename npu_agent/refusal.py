@@ -3,8 +3,8 @@
 A server that is down, restarting or unreachable is a transient outage: the agent keeps its records and retries.
 A server that answers but can never accept this agent is a refusal: retrying would only hold the training (or its
 exit) for nothing. gRPC reports TLS failures as text inside UNAVAILABLE errors, so they are recognised here by the
-TLS library's own error names; the one ambiguous case (a plaintext agent whose connection the server closes) is
-confirmed by a TLS handshake of our own before it counts as a refusal.
+TLS library's own error names. Where gRPC's text names no cause (a connection the server closed before any answer,
+with or without TLS on the agent's side), a TLS handshake of our own tells a refusal from an outage.
 """
 from __future__ import annotations
 
