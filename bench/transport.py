@@ -33,6 +33,10 @@ any row, so that every row sends with them.
 
 Each row runs `--repeat` times (default 3), the rows (and the baseline's) taking turns, and its fastest run is
 printed: a row takes well under a second at 64 KiB, and one run of raw gRPC read 9,426 records/s, the next 15,259.
+Where the fastest row of a size took under a quarter of a second, a note under the rows names the `--mib` that makes
+them last longer. On a fast day of the AMD EPYC VM (2026-12-07) a row of 256 MiB of 1 MiB records took 0.07-0.14 s,
+and five runs of `--sizes 1m,16m --rows ours,raw --repeat 1` gave ours/raw gRPC 0.82, 0.58, 0.82, 1.08 and 0.68 at
+1 MiB; with `--mib 1024` (rows of 0.31-0.41 s) four runs gave 0.67, 0.68, 0.71 and 0.69.
 It prints MB/s, records/s and the CPU time per record of the sending and the receiving process (the receiver's
 from /proc, in clock ticks) of that run, under them the CPU a record of each of the agent's threads in the sending
 process for our rows (bench/measuring.py `thread_cpu`: the sender, the stream's reader, gRPC's Python threads and
@@ -72,6 +76,7 @@ from measuring import (  # noqa: E402  (bench/measuring.py, beside this file)
 MiB = 1 << 20
 RAW_METHOD = "/bench.Raw/Push"
 RAW_CHUNK = 4 * MiB
+SHORT_ROW_S = 0.25   # a size whose fastest row is shorter than this gets a note: raise --mib (module docstring)
 SMALL = 4096          # small records: a 1024-float tensor each, counted in records/s
 SIZES = (SMALL, 64 * 1024, MiB, 16 * MiB)
 
@@ -471,7 +476,21 @@ def main(argv=None) -> int:
                         print(f"{'':>8} {label}: the sending process's threads, CPU a record: "
                               f"{agent_threads_line(seconds, best[label][0])}", flush=True)
                 _print_ratios({label: row[1] for label, row in best.items()})
+                short = min(row[1] for row in best.values())
+                if short < SHORT_ROW_S and size > SMALL:   # (small records: a fixed count, whatever --mib)
+                    print(f"{'':>8} (a row took {short:.2f} s: rows this short vary from run to run more than the "
+                          f"goal's margin; --mib {_steadier_mib(n * size, short):g} makes them last "
+                          f"{SHORT_ROW_S:g} s or more)", flush=True)
     return 0
+
+
+def _steadier_mib(moved: int, seconds: float) -> float:
+    """The --mib (a power of two) whose rows would last SHORT_ROW_S or more at the pace of a row that moved `moved`
+    bytes in `seconds`."""
+    mib = 1.0
+    while mib * MiB < moved * SHORT_ROW_S / max(seconds, 1e-9):
+        mib *= 2
+    return mib
 
 
 def _keep(best: dict, label: str, row: tuple[int, float, float, float]) -> bool:

@@ -3,6 +3,7 @@
 when the counting intake's return changed under it."""
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -21,6 +22,12 @@ def test_every_row_of_the_wire_bench_runs(tmp_path):
     for label in ROWS.values():   # each row once: its fastest of the two runs
         assert sum(line.strip().startswith("64 KiB " + label) for line in lines) == 1, (label, run.stdout)
     assert any("ours/raw gRPC" in line and "folder/ours" in line for line in lines), run.stdout
+    # 2 MiB a row lasts a small fraction of a second: the note under the rows names a --mib (a power of two) that
+    # would make them last a quarter of a second, more than the 2 MiB asked for
+    notes = [line for line in lines if "rows this short vary" in line]
+    assert len(notes) == 1, run.stdout
+    mib = float(notes[0].split("--mib ", 1)[1].split()[0])
+    assert mib > 2 and mib == 2 ** round(math.log2(mib)), notes[0]
     # under the rows, the sending process's threads for each of ours (bench/measuring.py thread_cpu): the sender is
     # busy in every one, gRPC's threads only where the records go over gRPC, none for the bare streams
     threads = {line.split(":")[0].strip(): line for line in lines if "the sending process's threads" in line}
