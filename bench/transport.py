@@ -23,7 +23,13 @@ connection and TLS handshake are not timed):
                  raw chunks of at most 4 MiB (the best case of reference/limits.md);
 * raw mTLS:      the same bare stream over mutual TLS with the same certificates: the reference for ours (mTLS),
                  since encryption costs the same whoever sends;
-* raw TCP:       the same bytes over a plain socket (sendall / recv_into).
+* raw TCP:       the same bytes over a plain socket (sendall / recv_into);
+* raw bidi:      what our protocol costs gRPC, without our code: a bidirectional stream on a `grpc.aio` server (as
+                 ours), each record's bytes copied afresh from its tensor for every message (a snapshot sent through
+                 Python gRPC needs that one copy: gRPC takes bytes), in messages of at most 4 MiB, and one small answer
+                 back for each (the bytes received so far: ours acknowledges every record). Not a goal: it splits
+                 ours / raw gRPC into what gRPC's stream with answers costs (raw bidi / raw gRPC) and what our
+                 sender, framing, intake and acknowledgements cost above it (ours / raw bidi).
 
 Every receiving child runs with gpu-server's malloc thresholds (gpu_server/malloc_policy.py), as gpu-server does,
 the bare streams' children too, so that ours and its floor keep freed memory alike: with them, bare gRPC moved
@@ -41,8 +47,8 @@ It prints MB/s, records/s and the CPU time per record of the sending and the rec
 from /proc, in clock ticks) of that run, under them the CPU a record of each of the agent's threads in the sending
 process for our rows (bench/measuring.py `thread_cpu`: the sender, the stream's reader, gRPC's Python threads and
 its C core; the submitting thread's is the rest), then the ratios of the fastest runs: ours / raw gRPC (the goal:
->= 0.9), ours (mTLS) / raw mTLS (the same goal), mTLS / raw gRPC (what encryption costs), ours / raw TCP, batched /
-one a message, folder / ours.
+>= 0.9), ours (mTLS) / raw mTLS (the same goal), mTLS / raw gRPC (what encryption costs), ours / raw TCP, ours / raw
+bidi and raw bidi / raw gRPC (the two parts of the goal's ratio), batched / one a message, folder / ours.
 
 With `--rtt-ms R` every row but the folder's sends through a relay on loopback that holds each byte R/2 ms each way
 (bench/delay_relay.py), as a network between the training's host and the server's would: what the receiver's
@@ -75,6 +81,7 @@ from measuring import (  # noqa: E402  (bench/measuring.py, beside this file)
 
 MiB = 1 << 20
 RAW_METHOD = "/bench.Raw/Push"
+BIDI_METHOD = "/bench.Raw/Bidi"
 RAW_CHUNK = 4 * MiB
 SHORT_ROW_S = 0.25   # a size whose fastest row is shorter than this gets a note: raise --mib (module docstring)
 SMALL = 4096          # small records: a 1024-float tensor each, counted in records/s
@@ -123,6 +130,8 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
         else:
             port = server.add_insecure_port("127.0.0.1:0")
         server.start()
+    elif mode == "rawbidi":
+        port = _serve_bidi()
     elif mode == "tcp":
         lsock = socket.socket()
         lsock.bind(("127.0.0.1", 0))
@@ -156,6 +165,38 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
         port = 0
     print(f"PORT {port}", flush=True)
     sys.stdin.read()
+
+
+def _serve_bidi() -> int:
+    """The raw bidi row's receiver: a grpc.aio server on its own event-loop thread, answering every message with the
+    bytes received so far on its stream (8 bytes, little-endian). Returns its port."""
+    import asyncio
+
+    import grpc
+
+    ready: list[int] = []
+    started = threading.Event()
+
+    async def bidi(request_iterator, context):
+        n = 0
+        async for msg in request_iterator:
+            n += len(msg)
+            yield n.to_bytes(8, "little")
+
+    async def run() -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", -1),
+                                          ("grpc.max_send_message_length", -1)])
+        handler = grpc.stream_stream_rpc_method_handler(bidi, request_deserializer=None, response_serializer=None)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Raw", {"Bidi": handler}),))
+        ready.append(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        started.set()
+        await server.wait_for_termination()
+
+    threading.Thread(target=asyncio.run, args=(run(),), daemon=True).start()
+    if not started.wait(60):
+        raise RuntimeError("the raw bidi server did not start")
+    return ready[0]
 
 
 SENDER_BUDGET = 256 * MiB   # the senders' memory budget (tensor.online_memory_mb)
@@ -331,6 +372,40 @@ def bench_raw_grpc(size: int, n: int, client_tls: str = "", server_tls: str = ""
         child.close()
 
 
+def bench_raw_bidi(size: int, n: int) -> float:
+    """The bare bidirectional stream (module docstring): a fresh copy of the tensor's bytes for each message, every
+    answer read by the calling thread (ours reads its acknowledgements on a thread of its own too)."""
+    import grpc
+
+    child = Child("rawbidi")
+    data = _payload(size)
+    cuts = [(i, min(size, i + RAW_CHUNK)) for i in range(0, size, RAW_CHUNK)]
+    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+    def messages(records: int):
+        for _ in range(records):
+            for a, b in cuts:
+                yield bytes(data[a:b])   # copied now, from the tensor's memory
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{child.port}", options=options) as ch:
+            grpc.channel_ready_future(ch).result(timeout=30)
+            call = ch.stream_stream(BIDI_METHOD, request_serializer=None, response_deserializer=None)
+            for _ in call(messages(1)):   # warm-up, as for ours
+                pass
+            _start()
+            answers, last = 0, b""
+            for answer in call(messages(n)):
+                answers, last = answers + 1, answer
+            dt = _stop()
+        if answers != n * len(cuts) or int.from_bytes(last, "little") != size * n:
+            raise RuntimeError(f"raw bidi: {answers} answers, the last for {int.from_bytes(last, 'little')} bytes, "
+                               f"of {n * len(cuts)} messages and {size * n} bytes")
+        return dt
+    finally:
+        child.close()
+
+
 def bench_raw_tcp(size: int, n: int) -> float:
     child = Child("tcp")
     data = _payload(size)
@@ -363,6 +438,7 @@ ROWS = {   # --rows key -> (label, function, needs the certificates)
     "raw": ("raw gRPC", "bench_raw_grpc", False),
     "rawtls": ("raw mTLS", "bench_raw_grpc", True),
     "tcp": ("raw TCP", "bench_raw_tcp", False),
+    "bidi": ("raw bidi", "bench_raw_bidi", False),
 }
 BASELINE_ROWS = ("ours", "tls")   # what --baseline measures with the other checkout
 
@@ -509,6 +585,7 @@ def _print_ratios(rows: dict) -> None:
              ("before (mTLS)/raw mTLS", "before (mTLS)", "raw mTLS"),
              ("after/before", "ours (gRPC)", "before (gRPC)"), ("after/before (mTLS)", "ours (mTLS)", "before (mTLS)"),
              ("mTLS/raw gRPC", "ours (mTLS)", "raw gRPC"), ("ours/raw TCP", "ours (gRPC)", "raw TCP"),
+             ("ours/raw bidi", "ours (gRPC)", "raw bidi"), ("raw bidi/raw gRPC", "raw bidi", "raw gRPC"),
              ("batched/one a message", "ours (gRPC)", "one a message"), ("folder/ours", "ours (folder)", "ours (gRPC)")]
     parts = [f"{label} {rows[other] / rows[mine]:.2f}" for label, mine, other in pairs
              if mine in rows and other in rows]

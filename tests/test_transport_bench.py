@@ -10,7 +10,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS = {"ours": "ours (gRPC)", "one": "one a message", "tls": "ours (mTLS)", "folder": "ours (folder)",
-        "raw": "raw gRPC", "rawtls": "raw mTLS", "tcp": "raw TCP"}
+        "raw": "raw gRPC", "rawtls": "raw mTLS", "tcp": "raw TCP", "bidi": "raw bidi"}
 
 
 def test_every_row_of_the_wire_bench_runs(tmp_path):
@@ -22,6 +22,12 @@ def test_every_row_of_the_wire_bench_runs(tmp_path):
     for label in ROWS.values():   # each row once: its fastest of the two runs
         assert sum(line.strip().startswith("64 KiB " + label) for line in lines) == 1, (label, run.stdout)
     assert any("ours/raw gRPC" in line and "folder/ours" in line for line in lines), run.stdout
+    # the goal's ratio split in two at the bare bidirectional stream: their product is the goal's ratio, within what
+    # printing each with two decimals leaves
+    ratios = {label: float(value) for line in lines if "ratios: " in line
+              for label, value in (part.rsplit(" ", 1) for part in line.split("ratios: ")[1].split(", "))}
+    a, b = ratios["ours/raw bidi"], ratios["raw bidi/raw gRPC"]
+    assert abs(a * b - ratios["ours/raw gRPC"]) <= 0.005 * (a + b + 1) + 1e-4, ratios
     # 2 MiB a row lasts a small fraction of a second: the note under the rows names a --mib (a power of two) that
     # would make them last a quarter of a second, more than the 2 MiB asked for
     notes = [line for line in lines if "rows this short vary" in line]
