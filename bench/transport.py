@@ -83,6 +83,7 @@ MiB = 1 << 20
 RAW_METHOD = "/bench.Raw/Push"
 BIDI_METHOD = "/bench.Raw/Bidi"
 RAW_CHUNK = 4 * MiB
+UNLIMITED = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]   # bare streams' options
 SHORT_ROW_S = 0.25   # a size whose fastest row is shorter than this gets a note: raise --mib (module docstring)
 SMALL = 4096          # small records: a 1024-float tensor each, counted in records/s
 SIZES = (SMALL, 64 * 1024, MiB, 16 * MiB)
@@ -119,8 +120,7 @@ def serve(mode: str, tls_dir: str, nfs: str) -> None:
                 n += len(msg)
             return n.to_bytes(8, "little")
 
-        server = grpc.server(futures.ThreadPoolExecutor(4), options=[("grpc.max_receive_message_length", -1),
-                                                                     ("grpc.max_send_message_length", -1)])
+        server = grpc.server(futures.ThreadPoolExecutor(4), options=UNLIMITED)
         handler = grpc.stream_unary_rpc_method_handler(push, request_deserializer=None, response_serializer=None)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Raw", {"Push": handler}),))
         if mode == "rawtls":
@@ -184,8 +184,7 @@ def _serve_bidi() -> int:
             yield n.to_bytes(8, "little")
 
     async def run() -> None:
-        server = grpc.aio.server(options=[("grpc.max_receive_message_length", -1),
-                                          ("grpc.max_send_message_length", -1)])
+        server = grpc.aio.server(options=UNLIMITED)
         handler = grpc.stream_stream_rpc_method_handler(bidi, request_deserializer=None, response_serializer=None)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("bench.Raw", {"Bidi": handler}),))
         ready.append(server.add_insecure_port("127.0.0.1:0"))
@@ -343,6 +342,18 @@ def _payload(size: int):
     return memoryview(torch.randn(size // 4, dtype=torch.float32).view(torch.uint8).numpy()).cast("B")
 
 
+def _raw_channel(port: int, client_tls: str = ""):
+    """A channel to a bare stream's receiving child on loopback, without message size limits; over mutual TLS with
+    the client's certificate folder `client_tls` when given."""
+    import grpc
+
+    if client_tls:
+        from protos import tls
+
+        return grpc.secure_channel(f"127.0.0.1:{port}", tls.client_credentials(client_tls), options=UNLIMITED)
+    return grpc.insecure_channel(f"127.0.0.1:{port}", options=UNLIMITED)
+
+
 def bench_raw_grpc(size: int, n: int, client_tls: str = "", server_tls: str = "") -> float:
     """The bare stream; over mutual TLS when given the client's and the server's certificate folders."""
     import grpc
@@ -350,13 +361,7 @@ def bench_raw_grpc(size: int, n: int, client_tls: str = "", server_tls: str = ""
     child = Child("rawtls" if client_tls else "rawgrpc", tls_dir=server_tls)
     data = _payload(size)
     pieces = [bytes(data[i:i + RAW_CHUNK]) for i in range(0, size, RAW_CHUNK)]
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
-    if client_tls:
-        from protos import tls
-
-        channel = grpc.secure_channel(f"127.0.0.1:{child.port}", tls.client_credentials(client_tls), options=options)
-    else:
-        channel = grpc.insecure_channel(f"127.0.0.1:{child.port}", options=options)
+    channel = _raw_channel(child.port, client_tls)
     try:
         with channel as ch:
             grpc.channel_ready_future(ch).result(timeout=30)
@@ -380,7 +385,6 @@ def bench_raw_bidi(size: int, n: int) -> float:
     child = Child("rawbidi")
     data = _payload(size)
     cuts = [(i, min(size, i + RAW_CHUNK)) for i in range(0, size, RAW_CHUNK)]
-    options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
     def messages(records: int):
         for _ in range(records):
@@ -388,7 +392,7 @@ def bench_raw_bidi(size: int, n: int) -> float:
                 yield bytes(data[a:b])   # copied now, from the tensor's memory
 
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{child.port}", options=options) as ch:
+        with _raw_channel(child.port) as ch:
             grpc.channel_ready_future(ch).result(timeout=30)
             call = ch.stream_stream(BIDI_METHOD, request_serializer=None, response_deserializer=None)
             for _ in call(messages(1)):   # warm-up, as for ours
