@@ -8,6 +8,7 @@ transport at once, with one ERROR that names the cause and the fix.
 """
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -40,6 +41,63 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 _ACK_STATUS = {v.number: v.name for v in pb.Ack.Status.DESCRIPTOR.values}
 _CLOSE = b""   # never a real frame (a serialized Frame is never empty): ends a stream's request iterator
+_QUEUED_FRAMES = 8   # frames queued for gRPC's request thread, at most
+
+
+class FrameQueue:
+    """The frames the sender thread hands to gRPC's request thread: a bounded queue (`queue.Queue`'s `put`, `get`
+    and `put_nowait`, raising `queue.Full` the same way) whose sender, once blocked on a full queue, is woken when
+    the queue has drained to `low` frames, not at every frame taken. gRPC sends more slowly than the sender encodes
+    large records, so the queue is full most of the time; `queue.Queue` woke the sender for each frame gRPC took, a
+    thread hand-off per message that cost the sending process 35-120 us a 1 MiB message (docs/performance.md, "The
+    wire's gap, split")."""
+
+    def __init__(self, maxsize: int = _QUEUED_FRAMES, low: int | None = None):
+        self.maxsize = maxsize
+        self.low = maxsize // 2 if low is None else low
+        self._frames: collections.deque[bytes] = collections.deque()
+        lock = threading.Lock()
+        self._not_empty = threading.Condition(lock)
+        self._room = threading.Condition(lock)
+        self._getting = self._putting = 0   # threads waiting in get / put
+
+    def put(self, frame: bytes, timeout: float | None = None) -> None:
+        with self._room:
+            if len(self._frames) >= self.maxsize:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                while len(self._frames) >= self.maxsize:
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise queue.Full
+                    self._putting += 1
+                    try:
+                        self._room.wait(left)
+                    finally:
+                        self._putting -= 1
+            self._frames.append(frame)
+            if self._getting:
+                self._not_empty.notify()
+
+    def put_nowait(self, frame: bytes) -> None:
+        with self._room:
+            if len(self._frames) >= self.maxsize:
+                raise queue.Full
+            self._frames.append(frame)
+            if self._getting:
+                self._not_empty.notify()
+
+    def get(self) -> bytes:
+        with self._not_empty:
+            while not self._frames:
+                self._getting += 1
+                try:
+                    self._not_empty.wait()
+                finally:
+                    self._getting -= 1
+            frame = self._frames.popleft()
+            if self._putting and len(self._frames) <= self.low:
+                self._room.notify()
+            return frame
 
 
 class GrpcTransport:
@@ -57,7 +115,7 @@ class GrpcTransport:
         self.chunk_bytes = chunk_bytes
         self._events: TransportEvents | None = None
         self._lock = threading.Condition()
-        self._outq: queue.Queue[bytes] | None = None
+        self._outq: FrameQueue | None = None
         self._generation = 0
         self._closed = False
         self._end_acked = threading.Event()
@@ -160,7 +218,7 @@ class GrpcTransport:
     def _serve(self) -> None:
         """One stream, from open to broken: re-send notice, then acknowledgements until it ends."""
         assert self._channel is not None and self._events is not None
-        q: queue.Queue[bytes] = queue.Queue(maxsize=8)
+        q = FrameQueue()
         stub: grpc.StreamStreamMultiCallable[bytes, AckView | pb.Ack] = self._channel.stream_stream(
             METHOD, request_serializer=None, response_deserializer=parse_ack)
         with self._lock:
@@ -201,7 +259,7 @@ class GrpcTransport:
         if refusal is not None:
             self._refuse(refusal)
 
-    def _requests(self, q: queue.Queue[bytes]) -> Iterator[bytes]:
+    def _requests(self, q: FrameQueue) -> Iterator[bytes]:
         who = self.identity
         hello = pb.Frame(hello=pb.Hello(run_id=who.run_id, rank=who.rank, world_size=who.world_size,
                                         agent_version="0.1.0"))
