@@ -50,7 +50,7 @@ class FrameQueue:
     the queue has drained to `low` frames, not at every frame taken. gRPC sends more slowly than the sender encodes
     large records, so the queue is full most of the time; `queue.Queue` woke the sender for each frame gRPC took, a
     thread hand-off per message that cost the sending process 35-120 us a 1 MiB message (docs/performance.md, "The
-    wire's gap, split")."""
+    hand-off to gRPC's request thread")."""
 
     def __init__(self, maxsize: int = _QUEUED_FRAMES, low: int | None = None):
         self.maxsize = maxsize
@@ -74,17 +74,19 @@ class FrameQueue:
                         self._room.wait(left)
                     finally:
                         self._putting -= 1
-            self._frames.append(frame)
-            if self._getting:
-                self._not_empty.notify()
+            self._append(frame)
 
     def put_nowait(self, frame: bytes) -> None:
         with self._room:
             if len(self._frames) >= self.maxsize:
                 raise queue.Full
-            self._frames.append(frame)
-            if self._getting:
-                self._not_empty.notify()
+            self._append(frame)
+
+    def _append(self, frame: bytes) -> None:
+        """(Under the lock.) Queue `frame`; wake gRPC's request thread if it waits for one."""
+        self._frames.append(frame)
+        if self._getting:
+            self._not_empty.notify()
 
     def get(self) -> bytes:
         with self._not_empty:
