@@ -49,7 +49,7 @@ class FrameQueue:
     and `put_nowait`, raising `queue.Full` the same way) whose sender, once blocked on a full queue, is woken when
     the queue has drained to `low` frames, not at every frame taken. gRPC sends more slowly than the sender encodes
     large records, so the queue is full most of the time; `queue.Queue` woke the sender for each frame gRPC took, a
-    thread hand-off per message that cost the sending process 35-120 us a 1 MiB message (docs/performance.md, "The
+    thread hand-off per message that cost the sending process 30-120 us a 1 MiB message (docs/performance.md, "The
     hand-off to gRPC's request thread")."""
 
     def __init__(self, maxsize: int = _QUEUED_FRAMES, low: int | None = None):
