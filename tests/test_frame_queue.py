@@ -81,13 +81,17 @@ def test_a_timed_put_still_goes_on_when_the_queue_has_room_above_its_low_mark() 
 
     def run() -> None:
         try:
-            q.put(b"c", timeout=0.3)
+            q.put(b"c", timeout=1.0)
             result.append(None)
         except queue.Full as exc:
             result.append(exc)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
+    deadline = time.monotonic() + WAIT_S
+    while q._putting == 0 and time.monotonic() < deadline:   # the sender waits on the full queue (its timer runs)
+        time.sleep(0.001)
+    assert q._putting == 1
     assert q.get() == b"a"   # one left, above the low mark 0: the waiting sender is not woken ...
     thread.join(WAIT_S)
     assert result == [None]  # ... yet its put succeeds once its wait ends and it finds room
