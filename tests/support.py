@@ -105,15 +105,33 @@ class Server:
         self.workdir = workdir
         self.fresh = fresh or session   # a fresh interpreter (the `gpu-server` command) even where others are forked
         self.session = session   # in a session (and process group) of its own, as a shell's foreground job is
-        self.port = free_port() if port is None else port
         self.out = out or os.path.join(workdir, "out")
-        self.config = server_config(os.path.join(workdir, f"server_{self.port}.json"), self.port, **config)
-        self.log_path = os.path.join(workdir, f"server_{self.port}.log")
+        self._config_keys = config
+        self._port_picked = port is None   # picked here: another may bind it before the server does (start retries)
+        self._use_port(free_port() if port is None else port)
         self.args = list(args)
         self.proc: subprocess.Popen | Any | None = None   # a Popen or a zygote.Forked
         self.nfs = bool(config.get("nfs_path"))
 
+    def _use_port(self, port: int) -> None:
+        self.port = port
+        self.config = server_config(os.path.join(self.workdir, f"server_{port}.json"), port, **self._config_keys)
+        self.log_path = os.path.join(self.workdir, f"server_{port}.log")
+
     def start(self, wait: float = 60) -> "Server":
+        """Start the server and wait until it serves. A port picked by `free_port` is free only when picked: should
+        another process bind it before the server does (it then exits: "cannot bind"), the server starts again on
+        another port, at most three times."""
+        for attempt in range(3):
+            try:
+                return self._start(wait)
+            except _PortTaken as taken:
+                if attempt == 2:
+                    raise RuntimeError(f"gpu-server found the port taken three times: {self.log()}") from taken
+                self._use_port(free_port())
+        raise AssertionError("unreachable")
+
+    def _start(self, wait: float) -> "Server":
         from tests import zygote
 
         self._log = open(self.log_path, "a")
@@ -129,6 +147,9 @@ class Server:
         deadline = time.time() + wait
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                self._log.close()
+                if self._port_picked and not self.nfs and "cannot bind" in self._log_since(since):
+                    raise _PortTaken(self.port)
                 raise RuntimeError(f"gpu-server exited with {self.proc.returncode}: {self.log()}")
             # the line the server logs once started (spool resumed, port open): a SIGTERM before it kills the
             # process instead of draining it (gpu_server/cli.py installs its handlers after app.start())
@@ -178,6 +199,10 @@ class Server:
     def __exit__(self, *exc) -> None:
         if self.proc and self.proc.poll() is None:
             self.stop()
+
+
+class _PortTaken(Exception):
+    """The port `free_port` picked for a server was bound by another process before the server bound it."""
 
 
 def run_training(script: str, *args: str, env: dict | None = None, timeout: float = 300,

@@ -173,7 +173,9 @@ def _rank_main(rank: int, init_file: str, result_dir: str) -> None:
         sample_counts = cap2.sampler.report()
 
         # the error path: rank 0's all_reduce on a group with a short timeout that rank 1 never joins
-        slow = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=2))
+        # (made right after a barrier: the group's own rendezvous is held to that timeout too)
+        dist.barrier()
+        slow = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=5))
         failed: list[dict] = []
         raised = ""
         if rank == 0:

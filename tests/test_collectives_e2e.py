@@ -187,7 +187,7 @@ def test_a_corrupted_recv_is_flagged_on_that_recv_only(tmp_path):
 
 
 def test_a_rank_calling_another_collective_is_named_as_the_mismatch(tmp_path):
-    outs, procs = checked(str(tmp_path), fault="mismatch", fault_rank=3, gloo_timeout_s=6)
+    outs, procs = checked(str(tmp_path), fault="mismatch", fault_rank=3, gloo_timeout_s=12)
     assert all(printed(p, "FAILED") for p in procs), "gloo did not time out: the test proves nothing"
     collective = rows_of(outs, COLLECTIVE)
     mismatches = [r for rs in collective.values() for r in rs if r["Finding"] == "mismatch"]

@@ -59,9 +59,9 @@ def test_a_blocked_sender_goes_on_only_once_the_queue_drained_to_its_low_mark() 
     frames = [bytes([i]) * 4 for i in range(9)]
     thread, put, done = _blocked_sender(q, frames)
     deadline = time.monotonic() + WAIT_S
-    while len(put) < 8 and time.monotonic() < deadline:   # the first eight fill the queue
+    while q._putting < 1 and time.monotonic() < deadline:   # the first eight fill the queue; the ninth waits
         time.sleep(0.001)
-    assert len(put) == 8
+    assert len(put) == 8 and q._putting == 1
     taken = [q.get() for _ in range(3)]   # 5 left: above the low mark, the sender is not woken
     assert taken == frames[:3]
     assert not done.wait(0.2)

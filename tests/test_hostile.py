@@ -296,14 +296,15 @@ def test_the_budget_grants_in_order_without_starving_and_a_cancelled_wait_holds_
 
     async def scenario():
         budget = ByteBudget(100)
-        budget.AGING_S = 0.2
+        budget.AGING_S = 30.0   # no request ages by itself while the test runs, however slowly
         await budget.acquire_async(60)
         big = asyncio.ensure_future(budget.acquire_async(80))
         await asyncio.sleep(0.01)
         small = asyncio.ensure_future(budget.acquire_async(30))
         await asyncio.sleep(0.01)
         assert small.done() and not big.done(), "a small request that fits passes a large one that does not"
-        await asyncio.sleep(0.3)
+        for waiter in budget._waiters:   # the large one has now waited past AGING_S
+            waiter.since -= 60
         late = asyncio.ensure_future(budget.acquire_async(5))
         await asyncio.sleep(0.01)
         budget.release(1)   # the large one has waited past AGING_S: nobody passes it any more

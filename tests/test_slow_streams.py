@@ -97,6 +97,11 @@ def test_trickling_streams_are_cut_at_the_rate_limit_while_a_training_keeps_its_
             t.start()
         time.sleep(0.5)
         attacked, counts = _train(cfg)
+        # each cut and come back at least twice (a cut takes about 1.3 s: the 1 s deadline, the trickler's next
+        # byte, a reconnect; a training on an idle machine lasts about two of them, on a busy one maybe not)
+        deadline = time.time() + 30
+        while any(len(t.cuts) < 2 for t in tricklers) and time.time() < deadline:
+            time.sleep(0.1)
         for t in tricklers:
             t.stop.set()
         # then a stream that sends fast enough but never ends its record, beside a connection filling its share
