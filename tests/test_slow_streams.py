@@ -97,8 +97,8 @@ def test_trickling_streams_are_cut_at_the_rate_limit_while_a_training_keeps_its_
             t.start()
         time.sleep(0.5)
         attacked, counts = _train(cfg)
-        # each cut and come back at least twice (a cut takes about 1.3 s: the 1 s deadline, the trickler's next
-        # byte, a reconnect; a training on an idle machine lasts about two of them, on a busy one maybe not)
+        # each trickler cut, and back, at least twice (a cut takes about 1.3 s: the 1 s deadline, the trickler's
+        # next byte, a reconnect; a training on an idle machine lasts about two of them, on a busy one maybe not)
         deadline = time.time() + 30
         while any(len(t.cuts) < 2 for t in tricklers) and time.time() < deadline:
             time.sleep(0.1)

@@ -30,7 +30,7 @@ def test_a_picked_port_taken_before_the_server_binds_it_is_picked_again(tmp_path
                 assert "cannot bind" in fh.read()          # the first start found it taken
             assert f"server_{server.port}.json" in server.config
             with socket.socket() as s:
-                assert s.connect_ex(("127.0.0.1", server.port)) == 0   # the server, not the holder, serves it
+                assert s.connect_ex(("127.0.0.1", server.port)) == 0   # it serves on the port picked again
             assert server.stop() == 0
 
 
