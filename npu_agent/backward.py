@@ -109,6 +109,7 @@ class BackwardTaps:
         # the signatures whose graph was once another (aliases always)
         self.known: dict[tuple[Any, ...], _Tree] = {}
         self.mixed: set[tuple[Any, ...]] = set()
+        self._scan = _scanner()   # a call's flat arguments read (in C where built)
 
     # -- forward side (training thread, inside the capture mode's handler) ---------------------------------
     def tap_inputs(self, ctx: CallContext) -> None:
@@ -130,29 +131,11 @@ class BackwardTaps:
         dimensions and whether it is tapped) made a known tree of nodes before (`known`: one node straight on its
         aliases, or a composite's few) is not given aliases: `tap_outputs` checks that those nodes' edges lead to
         the inputs themselves, and hooks them."""
-        tapped: list[tuple[Any, torch.Tensor, int]] = []   # (argument key, tensor, flattened position)
         signature: list[Any] = [ctx.category, ctx.api, rec.autocast, len(args)]
-        position = -1
         first = args[0] if rec.inplace and args and isinstance(args[0], _Tensor) else None
-        kinds = KIND_OF
-        for key, t in itertools.chain(enumerate(args), kwargs.items()) if kwargs else enumerate(args):
-            tp = type(t)
-            kind = kinds.get(tp)
-            if kind is None:
-                kind = arg_kind(tp)
-            if kind != 1:
-                if kind == NESTED and not without_tensors(t):   # a shape or a list of dims has nothing to tap
-                    return False
-                # the overload and the backend a call takes may depend on these (a Scalar or a Tensor, a dropout
-                # probability of 0): a number by whether it is 0, so that a changing factor (a learning rate) does
-                # not make every call new
-                signature.append(t if tp in _VALUE_KEYS else (t == 0) if tp is float else tp)
-                continue
-            position += 1
-            tap = t.requires_grad and (t.is_floating_point() or t.is_complex())
-            signature.append((key, tap, t.dtype, t.dim()))
-            if tap:
-                tapped.append((key, t, position))
+        tapped = self._scan(args, kwargs, signature)
+        if tapped is None:
+            return False
         if not tapped:
             return True
         entry = _Entry(rec.name, rec.step, [], [], module=rec.module, source=rec.source)
@@ -575,6 +558,50 @@ class _Known:
             if edges or parent < 0:
                 hooks.append((node, edges))
         return hooks
+
+
+# (argument key, tensor, flattened position) of each tapped input
+_Tapped = list[tuple[Any, torch.Tensor, int]]
+
+
+def _scan_py(args: tuple[Any, ...], kwargs: dict[str, Any], signature: list[Any]) -> _Tapped | None:
+    """Read a call's flat arguments (`_tap_flat`: the positional ones, then the keyword ones): append each one's part
+    of the call's signature to `signature`, and return the tensors to tap; None, at a nested argument that may hold
+    tensors. npu_agent/_fasttap.c's `scan` does the same in C (`_scanner`)."""
+    tapped: _Tapped = []
+    position = -1
+    kinds = KIND_OF
+    for key, t in itertools.chain(enumerate(args), kwargs.items()) if kwargs else enumerate(args):
+        tp = type(t)
+        kind = kinds.get(tp)
+        if kind is None:
+            kind = arg_kind(tp)
+        if kind != 1:
+            if kind == NESTED and not without_tensors(t):   # a shape or a list of dims has nothing to tap
+                return None
+            # the overload and the backend a call takes may depend on these (a Scalar or a Tensor, a dropout
+            # probability of 0): a number by whether it is 0, so that a changing factor (a learning rate) does
+            # not make every call new
+            signature.append(t if tp in _VALUE_KEYS else (t == 0) if tp is float else tp)
+            continue
+        position += 1
+        tap = t.requires_grad and (t.is_floating_point() or t.is_complex())
+        signature.append((key, tap, t.dtype, t.dim()))
+        if tap:
+            tapped.append((key, t, position))
+    return tapped
+
+
+def _scanner() -> Callable[[tuple[Any, ...], dict[str, Any], list[Any]], _Tapped | None]:
+    """`_scan_py`, in C where npu_agent/_fasttap.c is built (npu_agent.compiled); else the Python path."""
+    from npu_agent.compiled import TAP
+
+    module = TAP.load()
+    if module is None:
+        return _scan_py
+    module.configure(KIND_OF, arg_kind, without_tensors, _VALUE_KEYS)   # the Python path's own tables, in place
+    scan: Callable[[tuple[Any, ...], dict[str, Any], list[Any]], _Tapped | None] = module.scan
+    return scan
 
 
 def _direct_edges(fn: Any, alias_nodes: list[tuple[Any, int]], slots: int) -> list[tuple[int, int]] | None:

@@ -3,7 +3,8 @@ encoded in C"), built and loaded by protos/compiled.py.
 
 `_fastskip.c` answers the calls the sampling skips (npu_agent.fastskip), `_fastencode.c` writes a record's values
 and tensor table (npu_agent.records), `_fastlocate.c` finds the modules on a captured call's stack
-(npu_agent.location). Each has a pure-Python path that gives the same records; that path runs where the module is
+(npu_agent.location), `_fasttap.c` reads a captured call's flat arguments before its inputs are tapped
+(npu_agent.backward). Each has a pure-Python path that gives the same records; that path runs where the module is
 not built, where it fails to load, or with ONLINE_CHECK_PURE_PYTHON=1.
 
 `python -m npu_agent.compiled --build` (scripts/setup.sh runs it) compiles them all, a few seconds.
@@ -21,7 +22,8 @@ HERE = Path(__file__).parent
 SKIP = Compiled("_fastskip", "skipped calls are answered in Python", HERE, "npu_agent")
 ENCODE = Compiled("_fastencode", "records are encoded in Python", HERE, "npu_agent")
 LOCATE = Compiled("_fastlocate", "module paths are read off the frames in Python", HERE, "npu_agent")
-ALL = (SKIP, ENCODE, LOCATE)
+TAP = Compiled("_fasttap", "a captured call's arguments are read in Python", HERE, "npu_agent")
+ALL = (SKIP, ENCODE, LOCATE, TAP)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -214,6 +214,21 @@ MUTATIONS = (
           "        if (0) {"),),
         ("tests/test_location.py",)),
     Mutation(
+        "fasttap-zero-is-not-zero",
+        "the compiled argument read gives a float argument's signature part as 'not 0' instead of 'is 0'",
+        (("npu_agent/_fasttap.c", "PyFloat_AS_DOUBLE(value) == 0.0)", "PyFloat_AS_DOUBLE(value) != 0.0)"),),
+        ("tests/test_fasttap.py",)),
+    Mutation(
+        "fasttap-a-list-of-tensors-passes",
+        "the compiled argument read takes a list holding tensors for a shape: it neither ends the read nor taps them",
+        (("npu_agent/_fasttap.c", "            if (!truth)\n                return 1;\n", ""),),
+        ("tests/test_fasttap.py",)),
+    Mutation(
+        "fasttap-positions-stand-still",
+        "the compiled argument read gives every tapped tensor the same flattened position",
+        (("npu_agent/_fasttap.c", "    *position += 1;\n", ""),),
+        ("tests/test_fasttap.py",)),
+    Mutation(
         "a-shape-may-hold-tensors",
         "a tuple or list whose items include tensors passes for a shape: the flat walks neither hold nor tap them",
         (("npu_agent/snapshot.py", "            kind = arg_kind(type(v))\n        if kind:\n            return False\n",
