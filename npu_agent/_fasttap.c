@@ -1,4 +1,5 @@
-/* A captured call's flat arguments read in C (npu_agent.backward, docs/design.md §4, "The call's signature in C").
+/* A captured call's flat arguments read in C (npu_agent.backward and npu_agent.snapshot, docs/design.md §4, "A
+ * captured call's arguments read in C").
  *
  * Before it taps a call's inputs for their gradients, the capture reads each flat argument once: a tensor gives its
  * (key, tapped, dtype, dimensions) to the call's signature, and is tapped when it requires grad and is floating or
@@ -6,48 +7,83 @@
  * it is 0 (a float), or its type; a nested argument that may hold tensors ends the read (the call's tree is walked in
  * Python instead). In Python that loop is 1.5-3 us a call (more in a training, with its caches cold).
  * `scan(args, kwargs, signature)` appends exactly what backward._scan_py appends to `signature` and returns the same
- * [(key, tensor, flattened position)] of the tapped tensors, or None where it returns None. backward._scan_py stays
- * the path where this module is not built. `configure(kinds, arg_kind, without_tensors, value_keys)` gives it the
- * Python path's own tables and functions first (snapshot.KIND_OF, snapshot.arg_kind, snapshot.without_tensors,
- * backward._VALUE_KEYS): the table is read in place, never copied, so both paths see the same entries.
+ * [(key, tensor, flattened position)] of the tapped tensors, or None where it returns None.
+ *
+ * The same call's inputs are held by reference for its record (snapshot.snapshot_call): `hold(args, kwargs, held,
+ * grads)` fills `held` and `grads` exactly as snapshot._hold_flat does (id -> [tensor, its _version, None, None];
+ * the ids of those that require grad) and returns the bytes held, or None where that returns None (a nested
+ * argument other than a plain tuple without tensors: the tree walk holds it).
+ *
+ * The Python functions stay the path where this module is not built. Each function here reads the names its Python
+ * twin reads (KIND_OF, arg_kind, without_tensors; VALUE_KEYS for scan) from that twin's module, at each call, as
+ * Python looks up its globals: `bind(name, namespace)` gives "scan" npu_agent.backward's and "hold"
+ * npu_agent.snapshot's (snapshot.compiled_reader). So the kind table is the same dict, read in place, and a name
+ * replaced in the module (a test's monkeypatch) is replaced for the C path too.
  * Build: `python -m npu_agent.compiled --build` (scripts/setup.sh runs it). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-static PyObject *kinds = NULL;            /* dict: type -> 1 (a tensor), 2 (nested), 0 (anything else) */
-static PyObject *arg_kind = NULL;         /* arg_kind(type) -> its kind, remembered in `kinds` */
-static PyObject *without_tensors = NULL;  /* without_tensors(value) -> true when a nested value holds no tensor */
-static PyObject *value_keys = NULL;       /* frozenset of the types whose values go into the signature */
-static PyObject *s_requires_grad, *s_is_floating_point, *s_is_complex, *s_dtype, *s_dim;
+/* The namespaces (module dicts) whose names scan and hold read at each call (`bind`); in them:
+ *   KIND_OF: dict, type -> 1 (a tensor), 2 (nested), 0 (anything else);
+ *   arg_kind(type) -> its kind, remembered in KIND_OF;
+ *   without_tensors(value) -> true when a nested value holds no tensor;
+ *   VALUE_KEYS (scan's only): the types whose values go into the signature. */
+static PyObject *scan_names = NULL, *hold_names = NULL;
+static PyObject *s_requires_grad, *s_is_floating_point, *s_is_complex, *s_dtype, *s_dim, *s_version, *s_numel,
+                *s_element_size, *s_KIND_OF, *s_arg_kind, *s_without_tensors, *s_VALUE_KEYS;
 
 #define TENSOR 1
 #define NESTED 2
 
 static PyObject *
-configure(PyObject *unused, PyObject *const *args, Py_ssize_t nargs)
+bind(PyObject *unused, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4 || !PyDict_CheckExact(args[0]) || !PyCallable_Check(args[1]) || !PyCallable_Check(args[2])
-            || !PyFrozenSet_CheckExact(args[3])) {
-        PyErr_SetString(PyExc_TypeError, "configure(kinds: dict, arg_kind, without_tensors, value_keys: frozenset)");
+    if (nargs != 2 || !PyUnicode_Check(args[0]) || !PyDict_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError, "bind(name: str, namespace: dict)");
         return NULL;
     }
-    Py_XSETREF(kinds, Py_NewRef(args[0]));
-    Py_XSETREF(arg_kind, Py_NewRef(args[1]));
-    Py_XSETREF(without_tensors, Py_NewRef(args[2]));
-    Py_XSETREF(value_keys, Py_NewRef(args[3]));
+    if (PyUnicode_CompareWithASCIIString(args[0], "scan") == 0)
+        Py_XSETREF(scan_names, Py_NewRef(args[1]));
+    else if (PyUnicode_CompareWithASCIIString(args[0], "hold") == 0)
+        Py_XSETREF(hold_names, Py_NewRef(args[1]));
+    else {
+        PyErr_SetString(PyExc_ValueError, "bind: the name is 'scan' or 'hold'");
+        return NULL;
+    }
     Py_RETURN_NONE;
 }
 
-/* The kind of `tp`: kinds.get(tp), else arg_kind(tp); -1 with an exception set. */
-static long
-kind_of(PyObject *tp)
+/* `ns[name]`, a new reference; NULL with an exception set (NameError where it is missing). */
+static PyObject *
+name_in(PyObject *ns, PyObject *name)
 {
-    PyObject *kind = PyDict_GetItemWithError(kinds, tp);   /* borrowed */
+    PyObject *v = PyDict_GetItemWithError(ns, name);
+    if (v != NULL)
+        return Py_NewRef(v);
+    if (!PyErr_Occurred())
+        PyErr_Format(PyExc_NameError, "name '%U' is not defined", name);
+    return NULL;
+}
+
+/* What one call reads: its namespace, and the kind table (and VALUE_KEYS for scan) taken from it at the start. */
+typedef struct {
+    PyObject *ns;
+    PyObject *kinds;
+    PyObject *value_keys;
+} Names;
+
+/* The kind of `tp`: KIND_OF.get(tp), else arg_kind(tp); -1 with an exception set. */
+static long
+kind_of(Names *n, PyObject *tp)
+{
+    PyObject *kind = PyDict_GetItemWithError(n->kinds, tp);   /* borrowed */
     if (kind != NULL)
         return PyLong_AsLong(kind);
     if (PyErr_Occurred())
         return -1;
-    PyObject *computed = PyObject_CallOneArg(arg_kind, tp);
+    PyObject *fn = name_in(n->ns, s_arg_kind);
+    PyObject *computed = fn == NULL ? NULL : PyObject_CallOneArg(fn, tp);
+    Py_XDECREF(fn);
     if (computed == NULL)
         return -1;
     long k = PyLong_AsLong(computed);
@@ -55,12 +91,63 @@ kind_of(PyObject *tp)
     return k;
 }
 
+/* `without_tensors(value)`: 1, 0, or -1 with an exception set. */
+static int
+holds_no_tensor(Names *n, PyObject *value)
+{
+    PyObject *fn = name_in(n->ns, s_without_tensors);
+    PyObject *r = fn == NULL ? NULL : PyObject_CallOneArg(fn, value);
+    Py_XDECREF(fn);
+    if (r == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return truth;
+}
+
+/* Names for one call from `ns`: 0, or -1 with an exception set; `release_names` after. */
+static int
+names_for(Names *n, PyObject *ns, int with_value_keys)
+{
+    n->ns = ns;
+    n->value_keys = NULL;
+    if (ns == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "npu_agent._fasttap: called before bind()");
+        return -1;
+    }
+    Py_INCREF(ns);
+    n->kinds = name_in(ns, s_KIND_OF);
+    if (n->kinds != NULL && !PyDict_Check(n->kinds)) {
+        PyErr_SetString(PyExc_TypeError, "KIND_OF is not a dict");
+        Py_CLEAR(n->kinds);
+    }
+    if (n->kinds != NULL && with_value_keys && (n->value_keys = name_in(ns, s_VALUE_KEYS)) != NULL
+            && !PyAnySet_Check(n->value_keys)) {
+        PyErr_SetString(PyExc_TypeError, "VALUE_KEYS is not a set");
+        Py_CLEAR(n->value_keys);
+    }
+    if (n->kinds == NULL || (with_value_keys && n->value_keys == NULL)) {
+        Py_XDECREF(n->kinds);
+        Py_DECREF(ns);
+        return -1;
+    }
+    return 0;
+}
+
+static void
+release_names(Names *n)
+{
+    Py_XDECREF(n->value_keys);
+    Py_DECREF(n->kinds);
+    Py_DECREF(n->ns);
+}
+
 /* What an argument that is not a tensor gives the signature: its value for the types in `value_keys`, whether it is
  * 0 for a float, else its type (a new reference; NULL with an exception set). */
 static PyObject *
-value_key(PyObject *value, PyObject *tp)
+value_key(Names *n, PyObject *value, PyObject *tp)
 {
-    int keyed = PySet_Contains(value_keys, tp);
+    int keyed = PySet_Contains(n->value_keys, tp);
     if (keyed < 0)
         return NULL;
     if (keyed)
@@ -94,25 +181,21 @@ tapped_flag(PyObject *t)
 
 /* One argument (`key`, `value`): 0, 1 when it ends the read (nested, may hold tensors), -1 with an exception set. */
 static int
-scan_one(PyObject *key, PyObject *value, PyObject *signature, PyObject *tapped, Py_ssize_t *position)
+scan_one(Names *n, PyObject *key, PyObject *value, PyObject *signature, PyObject *tapped, Py_ssize_t *position)
 {
     PyObject *tp = (PyObject *)Py_TYPE(value);
-    long kind = kind_of(tp);
+    long kind = kind_of(n, tp);
     if (kind == -1 && PyErr_Occurred())
         return -1;
     if (kind != TENSOR) {
         if (kind == NESTED) {
-            PyObject *none = PyObject_CallOneArg(without_tensors, value);
-            if (none == NULL)
-                return -1;
-            int truth = PyObject_IsTrue(none);
-            Py_DECREF(none);
+            int truth = holds_no_tensor(n, value);
             if (truth < 0)
                 return -1;
             if (!truth)
                 return 1;
         }
-        PyObject *item = value_key(value, tp);
+        PyObject *item = value_key(n, value, tp);
         if (item == NULL)
             return -1;
         int failed = PyList_Append(signature, item);
@@ -152,21 +235,22 @@ scan(PyObject *unused, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "scan(args: tuple, kwargs: dict, signature: list)");
         return NULL;
     }
-    if (kinds == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "scan() before configure()");
+    Names n;
+    if (names_for(&n, scan_names, 1) < 0)
         return NULL;
-    }
     PyObject *call_args = args[0], *kwargs = args[1], *signature = args[2];
     PyObject *tapped = PyList_New(0);
-    if (tapped == NULL)
+    if (tapped == NULL) {
+        release_names(&n);
         return NULL;
+    }
     Py_ssize_t position = -1;
     int done = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(call_args) && !done; i++) {
         PyObject *key = PyLong_FromSsize_t(i);
         if (key == NULL)
             goto error;
-        done = scan_one(key, PyTuple_GET_ITEM(call_args, i), signature, tapped, &position);
+        done = scan_one(&n, key, PyTuple_GET_ITEM(call_args, i), signature, tapped, &position);
         Py_DECREF(key);
         if (done < 0)
             goto error;
@@ -176,27 +260,126 @@ scan(PyObject *unused, PyObject *const *args, Py_ssize_t nargs)
     while (!done && PyDict_Next(kwargs, &at, &key, &value)) {
         Py_INCREF(key);   /* held while Python code runs (arg_kind, a tensor's attributes) */
         Py_INCREF(value);
-        done = scan_one(key, value, signature, tapped, &position);
+        done = scan_one(&n, key, value, signature, tapped, &position);
         Py_DECREF(key);
         Py_DECREF(value);
         if (done < 0)
             goto error;
     }
+    release_names(&n);
     if (done) {
         Py_DECREF(tapped);
         Py_RETURN_NONE;
     }
     return tapped;
 error:
+    release_names(&n);
     Py_DECREF(tapped);
     return NULL;
 }
 
+/* `call()`'s integer result (`numel()`, `element_size()`); -1 with an exception set. */
+static long long
+int_method(PyObject *t, PyObject *name)
+{
+    PyObject *r = PyObject_CallMethodNoArgs(t, name);
+    if (r == NULL)
+        return -1;
+    long long v = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    return v;
+}
+
+/* One argument of `hold`: 0, 1 when the tree walk must hold the call, -1 with an exception set. */
+static int
+hold_one(Names *n, PyObject *v, PyObject *held, PyObject *grads, long long *nbytes)
+{
+    PyObject *tp = (PyObject *)Py_TYPE(v);
+    long kind = kind_of(n, tp);
+    if (kind == -1 && PyErr_Occurred())
+        return -1;
+    if (kind == NESTED) {
+        if (tp != (PyObject *)&PyTuple_Type)
+            return 1;
+        int truth = holds_no_tensor(n, v);
+        return truth < 0 ? -1 : !truth;
+    }
+    if (kind != TENSOR)
+        return 0;
+    PyObject *tid = PyLong_FromVoidPtr(v);   /* id(v) */
+    if (tid == NULL)
+        return -1;
+    int known = PyDict_Contains(held, tid);
+    if (known != 0) {
+        Py_DECREF(tid);
+        return known < 0 ? -1 : 0;
+    }
+    int failed = 1;
+    PyObject *version = PyObject_GetAttr(v, s_version);
+    PyObject *entry = version == NULL ? NULL : PyList_New(4);
+    if (entry != NULL) {
+        PyList_SET_ITEM(entry, 0, Py_NewRef(v));
+        PyList_SET_ITEM(entry, 1, Py_NewRef(version));
+        PyList_SET_ITEM(entry, 2, Py_NewRef(Py_None));
+        PyList_SET_ITEM(entry, 3, Py_NewRef(Py_None));
+        if (PyDict_SetItem(held, tid, entry) == 0) {
+            PyObject *rg = PyObject_GetAttr(v, s_requires_grad);
+            int truth = rg == NULL ? -1 : PyObject_IsTrue(rg);
+            Py_XDECREF(rg);
+            if (truth >= 0 && (truth == 0 || PySet_Add(grads, tid) == 0)) {
+                long long numel = int_method(v, s_numel);
+                long long size = numel == -1 && PyErr_Occurred() ? -1 : int_method(v, s_element_size);
+                if (!(size == -1 && PyErr_Occurred())) {
+                    *nbytes += numel * size;
+                    failed = 0;
+                }
+            }
+        }
+    }
+    Py_XDECREF(entry);
+    Py_XDECREF(version);
+    Py_DECREF(tid);
+    return failed ? -1 : 0;
+}
+
+static PyObject *
+hold(PyObject *unused, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyTuple_Check(args[0]) || !PyDict_Check(args[1]) || !PyDict_CheckExact(args[2])
+            || !PySet_CheckExact(args[3])) {
+        PyErr_SetString(PyExc_TypeError, "hold(args: tuple, kwargs: dict, held: dict, grads: set)");
+        return NULL;
+    }
+    Names n;
+    if (names_for(&n, hold_names, 0) < 0)
+        return NULL;
+    PyObject *call_args = args[0], *kwargs = args[1], *held = args[2], *grads = args[3];
+    long long nbytes = 0;
+    int done = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(call_args) && !done; i++)
+        done = hold_one(&n, PyTuple_GET_ITEM(call_args, i), held, grads, &nbytes);
+    Py_ssize_t at = 0;
+    PyObject *key, *value;
+    while (done == 0 && PyDict_Next(kwargs, &at, &key, &value)) {
+        Py_INCREF(value);   /* held while Python code runs (arg_kind, a tensor's attributes) */
+        done = hold_one(&n, value, held, grads, &nbytes);
+        Py_DECREF(value);
+    }
+    release_names(&n);
+    if (done < 0)
+        return NULL;
+    if (done)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(nbytes);
+}
+
 static PyMethodDef tap_methods[] = {
-    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
-     "configure(kinds, arg_kind, without_tensors, value_keys): the Python path's tables, read in place by scan."},
+    {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
+     "bind(name, namespace): 'scan' or 'hold' reads KIND_OF, arg_kind, without_tensors (and VALUE_KEYS) from it."},
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
      "scan(args, kwargs, signature) -> [(key, tensor, position)] or None: backward._scan_py in C."},
+    {"hold", (PyCFunction)(void (*)(void))hold, METH_FASTCALL,
+     "hold(args, kwargs, held, grads) -> bytes held or None: snapshot._hold_flat in C."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -211,7 +394,14 @@ PyInit__fasttap(void)
             || (s_is_floating_point = PyUnicode_InternFromString("is_floating_point")) == NULL
             || (s_is_complex = PyUnicode_InternFromString("is_complex")) == NULL
             || (s_dtype = PyUnicode_InternFromString("dtype")) == NULL
-            || (s_dim = PyUnicode_InternFromString("dim")) == NULL)
+            || (s_dim = PyUnicode_InternFromString("dim")) == NULL
+            || (s_version = PyUnicode_InternFromString("_version")) == NULL
+            || (s_numel = PyUnicode_InternFromString("numel")) == NULL
+            || (s_element_size = PyUnicode_InternFromString("element_size")) == NULL
+            || (s_KIND_OF = PyUnicode_InternFromString("KIND_OF")) == NULL
+            || (s_arg_kind = PyUnicode_InternFromString("arg_kind")) == NULL
+            || (s_without_tensors = PyUnicode_InternFromString("without_tensors")) == NULL
+            || (s_VALUE_KEYS = PyUnicode_InternFromString("VALUE_KEYS")) == NULL)
         return NULL;
     return PyModule_Create(&fasttap_module);
 }

@@ -38,8 +38,10 @@ from npu_agent.records import BACKWARD, PendingRecord
 from npu_agent.snapshot import (
     KIND_OF,
     NESTED,
+    VALUE_KEYS,
     Snapshot,
     arg_kind,
+    compiled_reader,
     grads_snapshot,
     iter_tensors,
     map_tensors,
@@ -476,7 +478,6 @@ class BackwardTaps:
 # nodes form a small tree down to its aliases is learned the same way (`_tree_of`).
 ALIAS_FREE = True          # False: every call takes aliases (tests compare both)
 _KNOWN_LIMIT = 4096   # signatures remembered (BackwardTaps.known) before they are forgotten at once
-_VALUE_KEYS = frozenset({bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 
 # What a signature's calls make (`_tree_of`): their nodes, the output's first, then breadth first, each as (the index
@@ -582,7 +583,7 @@ def _scan_py(args: tuple[Any, ...], kwargs: dict[str, Any], signature: list[Any]
             # the overload and the backend a call takes may depend on these (a Scalar or a Tensor, a dropout
             # probability of 0): a number by whether it is 0, so that a changing factor (a learning rate) does
             # not make every call new
-            signature.append(t if tp in _VALUE_KEYS else (t == 0) if tp is float else tp)
+            signature.append(t if tp in VALUE_KEYS else (t == 0) if tp is float else tp)
             continue
         position += 1
         tap = t.requires_grad and (t.is_floating_point() or t.is_complex())
@@ -593,13 +594,12 @@ def _scan_py(args: tuple[Any, ...], kwargs: dict[str, Any], signature: list[Any]
 
 
 def _scanner() -> Callable[[tuple[Any, ...], dict[str, Any], list[Any]], _Tapped | None]:
-    """`_scan_py`, in C where npu_agent/_fasttap.c is built (npu_agent.compiled); else the Python path."""
-    from npu_agent.compiled import TAP
-
-    module = TAP.load()
+    """`_scan_py`, in C where npu_agent/_fasttap.c is built (snapshot.compiled_reader); else the Python path. The C
+    `scan` reads this module's KIND_OF, arg_kind, without_tensors and VALUE_KEYS at each call, as `_scan_py` does."""
+    module = compiled_reader()
     if module is None:
         return _scan_py
-    module.configure(KIND_OF, arg_kind, without_tensors, _VALUE_KEYS)   # the Python path's own tables, in place
+    module.bind("scan", globals())
     scan: Callable[[tuple[Any, ...], dict[str, Any], list[Any]], _Tapped | None] = module.scan
     return scan
 

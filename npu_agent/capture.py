@@ -27,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from npu_agent import collectives, location, naming
 from npu_agent.records import PendingRecord
-from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot, snapshot_call
+from npu_agent.snapshot import HELD, iter_tensors, map_tensors, snapshot, snapshot_call, use_compiled
 from npu_agent.snapshot import install as snapshot_install
 from protos import apis
 from protos.codec import dtype_name
@@ -384,6 +384,7 @@ class Capturer:
         from npu_agent import fastskip  # here: `python -m npu_agent.compiled` imports the package first
 
         self.skip = fastskip.skipper(self)
+        use_compiled()   # a recorded call's arguments held (snapshot_call), in C where built
 
     # -- step boundary -------------------------------------------------------------------------------------
     def next_step(self, step: int) -> None:

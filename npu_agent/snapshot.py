@@ -291,6 +291,29 @@ def without_tensors(seq: Any) -> bool:
 
 
 _FLAT_SEQUENCES = (tuple, list, torch.Size)
+# The types whose values a call's signature keeps as they are (npu_agent/backward.py's argument read; a float by
+# whether it is 0, any other type by itself).
+VALUE_KEYS = frozenset({bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
+
+
+def compiled_reader() -> Any | None:
+    """npu_agent/_fasttap.c, or None where it is not built or not wanted (npu_agent.compiled): the flat argument
+    reads of `snapshot_call` (`_hold_flat`, its `hold`, which reads this module's KIND_OF, arg_kind and
+    without_tensors at each call, as `_hold_flat` does) and of the backward taps (backward._scan_py, its `scan`)."""
+    from npu_agent.compiled import TAP
+
+    module = TAP.load()
+    if module is not None:
+        module.bind("hold", globals())
+    return module
+
+
+def use_compiled() -> None:
+    """`snapshot_call` reads its arguments in C from now on where npu_agent/_fasttap.c is built, else in Python
+    (a Capturer calls it when it is made)."""
+    global _read_flat
+    module = compiled_reader()
+    _read_flat = module.hold if module is not None else _hold_flat
 
 
 def snapshot_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:
@@ -302,6 +325,19 @@ def snapshot_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:
         return snapshot((args, kwargs))
     held: dict[int, list[Any]] = {}
     grads: set[int] = set()
+    nbytes = _read_flat(args, kwargs, held, grads)
+    if nbytes is None:
+        return snapshot((args, kwargs))
+    snap = Snapshot((args, dict(kwargs)), nbytes, grads, held)
+    HELD.add(snap)
+    return snap
+
+
+def _hold_flat(args: tuple[Any, ...], kwargs: dict[str, Any], held: dict[int, list[Any]], grads: set[int]
+               ) -> int | None:
+    """`snapshot_call`'s read of the arguments: each tensor into `held` (id -> [tensor, its version, None, None]) and,
+    if it requires grad, its id into `grads`; returns the bytes held, or None at a nested argument other than a plain
+    tuple without tensors (`snapshot`'s walk holds it). npu_agent/_fasttap.c's `hold` does the same in C."""
     kinds = KIND_OF
     nbytes = 0
     for values in (args, kwargs.values()) if kwargs else (args,):
@@ -317,10 +353,12 @@ def snapshot_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:
                         grads.add(tid)
                     nbytes += v.numel() * v.element_size()
             elif kind == NESTED and (type(v) is not tuple or not without_tensors(v)):
-                return snapshot((args, kwargs))
-    snap = Snapshot((args, dict(kwargs)), nbytes, grads, held)
-    HELD.add(snap)
-    return snap
+                return None
+    return nbytes
+
+
+# snapshot_call's read of the arguments: `_hold_flat`, or npu_agent/_fasttap.c's `hold` once `use_compiled()` found it
+_read_flat: Callable[[tuple[Any, ...], dict[str, Any], dict[int, list[Any]], set[int]], int | None] = _hold_flat
 
 
 def grads_snapshot(values: list[torch.Tensor | None]) -> Snapshot:

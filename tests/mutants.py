@@ -229,6 +229,11 @@ MUTATIONS = (
         (("npu_agent/_fasttap.c", "    *position += 1;\n", ""),),
         ("tests/test_fasttap.py",)),
     Mutation(
+        "fasttap-hold-counts-a-tensor-twice",
+        "the compiled read of a recorded call's inputs holds a tensor passed twice twice (its bytes counted twice)",
+        (("npu_agent/_fasttap.c", "    if (known != 0) {", "    if (known < 0) {"),),
+        ("tests/test_fasttap.py",)),
+    Mutation(
         "a-shape-may-hold-tensors",
         "a tuple or list whose items include tensors passes for a shape: the flat walks neither hold nor tap them",
         (("npu_agent/snapshot.py", "            kind = arg_kind(type(v))\n        if kind:\n            return False\n",

@@ -1,7 +1,8 @@
 """A captured call's flat arguments read in C (npu_agent/_fasttap.c, issue 25 goal 2): `scan` appends exactly what
-the Python path (backward._scan_py) appends to the call's signature and returns the same tensors to tap, or None
-where it does, for every kind of argument; a training captured with it makes the same records, forward and backward,
-as one captured with the Python path; and the Python path runs where the module is not built or not wanted."""
+the Python path (backward._scan_py) appends to the call's signature and returns the same tensors to tap, and `hold`
+holds exactly the tensors snapshot._hold_flat holds, or None where they do, for every kind of argument; a training
+captured with them makes the same records, forward and backward, as one captured with the Python paths; and the
+Python paths run where the module is not built or not wanted."""
 from __future__ import annotations
 
 import math
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from npu_agent import PrecisionDebugger
 from npu_agent import backward as B
+from npu_agent import snapshot as S
 from npu_agent.compiled import PURE_PYTHON_ENV, TAP
 from npu_agent.snapshot import KIND_OF, iter_tensors
 from tests.support import ListSink, agent_config
@@ -28,6 +30,13 @@ def scan():
     found = B._scanner()
     assert found is not B._scan_py, "npu_agent/_fasttap.c did not load"
     return found
+
+
+@pytest.fixture(scope="module")
+def hold(scan):
+    module = S.compiled_reader()
+    assert module is not None
+    return module.hold
 
 
 class Odd:
@@ -65,6 +74,10 @@ CASES = {
     "no arguments": ((), {}),
     "no tensor": ((1, 2.0), {"k": "v"}),
     "a tensor not requiring grad first": ((_X.detach(), _X), {}),
+    "a tensor twice": ((_X, _Y, _X), {"again": _Y}),
+    "a shape as torch.Size": ((_X, torch.Size([3, 4])), {}),
+    "a keyword shape": ((_X,), {"size": (3, 4)}),
+    "a tuple holding a tensor": ((_X, (_Y, 1)), {}),
 }
 
 
@@ -94,6 +107,31 @@ def test_the_same_signature_and_taps_as_the_python_path(scan, case):
         assert _same(py_sig, c_sig), (py_sig, c_sig)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_same_tensors_held_as_the_python_path(hold, case):
+    args, kwargs = CASES[case]
+    py_held, py_grads, c_held, c_grads = {}, set(), {}, set()
+    py = S._hold_flat(args, kwargs, py_held, py_grads)
+    c = hold(args, kwargs, c_held, c_grads)
+    assert py == c and type(py) is type(c), (py, c)
+    assert list(py_held) == list(c_held) and py_grads == c_grads   # the same ids, in the same order
+    for tid, entry in py_held.items():
+        other = c_held[tid]
+        assert len(other) == 4 and other[0] is entry[0] and other[1] == entry[1] and other[2:] == [None, None]
+
+
+def test_what_is_held(hold):
+    x = torch.randn(3, requires_grad=True)   # version 0
+    y = torch.ones(2, 2, dtype=torch.float16)
+    y.mul_(2)   # version 1
+    for read in (S._hold_flat, hold):
+        held, grads = {}, set()
+        assert read((x, 2.0, (1, 2)), {"other": y, "again": x}, held, grads) == 3 * 4 + 4 * 2
+        assert {k: (e[0] is v, e[1]) for (k, e), v in zip(held.items(), (x, y))} == {id(x): (True, 0),
+                                                                                   id(y): (True, 1)}
+        assert grads == {id(x)}
+
+
 def test_what_each_argument_gives(scan):
     """The signature's parts, spelled out for one call (the Python path is checked against this too)."""
     args, kwargs = (_X, 0.0, 2.5, 3, torch.float16, _Y), {"p": _P, "flag": True}
@@ -114,6 +152,23 @@ def test_a_type_met_first_is_remembered_by_both(scan):
         sig: list = []
         assert read((Fresh(),), {}, sig) == [] and sig == [Fresh]
         assert KIND_OF[Fresh] == 0
+
+
+def test_the_c_reads_look_their_names_up_as_python_does(monkeypatch, scan, hold):
+    """Each C read takes KIND_OF, arg_kind, without_tensors (and VALUE_KEYS) from its Python twin's module at each
+    call, as Python looks up its globals: a name replaced there (a test's monkeypatch) is replaced for both."""
+    assert scan((_X, [1, 2]), {}, []) is not None and hold((_X, (8,)), {}, {}, set()) is not None
+    monkeypatch.setattr(B, "without_tensors", lambda seq: False)
+    monkeypatch.setattr(S, "without_tensors", lambda seq: False)
+    for read in (B._scan_py, scan):
+        assert read((_X, [1, 2]), {}, []) is None
+    for read in (S._hold_flat, hold):
+        assert read((_X, (8,)), {}, {}, set()) is None
+    monkeypatch.setattr(B, "VALUE_KEYS", frozenset())
+    for read in (B._scan_py, scan):
+        sig: list = []
+        read((_X, 3), {}, sig)
+        assert sig[1] is int
 
 
 def test_an_argument_that_fails_fails_the_same(scan):
@@ -138,7 +193,7 @@ class Net(torch.nn.Module):
         return F.cross_entropy(h.reshape(-1, 16), idx.reshape(-1) % 16, reduction="mean")
 
 
-def _train(tmp_path, tag: str, compiled: bool, steps: int = 4) -> list:
+def _train(tmp_path, monkeypatch, tag: str, compiled: bool, steps: int = 4) -> list:
     folder = tmp_path / f"{tag}-folder"
     folder.mkdir()
     cfg = agent_config(os.path.join(str(tmp_path), f"{tag}.json"), nfs_path=str(folder), online_close_timeout_s=1)
@@ -149,7 +204,8 @@ def _train(tmp_path, tag: str, compiled: bool, steps: int = 4) -> list:
     cap.sink = cap.backward.sink = sink.append
     if not compiled:
         cap.backward._scan = B._scan_py
-    assert (cap.backward._scan is B._scan_py) != compiled
+        monkeypatch.setattr(S, "_read_flat", S._hold_flat)
+    assert (cap.backward._scan is B._scan_py) != compiled and (S._read_flat is S._hold_flat) != compiled
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -166,15 +222,18 @@ def _train(tmp_path, tag: str, compiled: bool, steps: int = 4) -> list:
         dbg.close()
     records = []
     for r in sink:
-        grads = [g for snap in (r.grad_input, r.grad_output) if snap is not None for g in iter_tensors(snap.tree)]
+        tensors = [t for snap in (r.inputs, r.output, r.grad_input, r.grad_output) if snap is not None
+                   for t in iter_tensors(snap.tree)]
         records.append((r.step, r.name, r.direction, r.backward_expected, r.module, r.skip_reason,
-                        [(g.shape, g.dtype, g.double().sum().item()) for g in grads]))
+                        [(t.shape, t.dtype, t.double().sum().item()) for t in tensors],
+                        sorted(len(s.held) for s in (r.inputs, r.output) if s is not None)))
     return [records, known]
 
 
-def test_a_training_makes_the_same_records_either_way(tmp_path, scan):
-    fast, slow = _train(tmp_path, "fast", True), _train(tmp_path, "slow", False)
-    assert fast[0] == slow[0]   # names, directions, modules, and every gradient of every backward record
+def test_a_training_makes_the_same_records_either_way(tmp_path, monkeypatch, scan):
+    fast = _train(tmp_path, monkeypatch, "fast", True)
+    slow = _train(tmp_path, monkeypatch, "slow", False)
+    assert fast[0] == slow[0]   # names, directions, modules, every input, output and gradient of every record
     assert fast[1] == slow[1] > 0   # the same calls learned as known trees (the signatures are the same)
     assert any(r[2] == 2 and r[6] for r in fast[0]), "no backward record with gradients: the test proves nothing"
 
@@ -183,6 +242,9 @@ def test_the_python_path_when_asked_or_not_built(monkeypatch, tmp_path, scan):
     monkeypatch.setattr(TAP, "loaded", [])
     monkeypatch.setenv(PURE_PYTHON_ENV, "1")
     assert B._scanner() is B._scan_py
+    monkeypatch.setattr(S, "_read_flat", None)
+    S.use_compiled()
+    assert S._read_flat is S._hold_flat
     monkeypatch.setattr(TAP, "loaded", [])
     monkeypatch.delenv(PURE_PYTHON_ENV)
     monkeypatch.setattr(TAP, "source", tmp_path / "_fasttap.c")   # a changed source: its binary is not built
