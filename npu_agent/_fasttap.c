@@ -14,6 +14,10 @@
  * the ids of those that require grad) and returns the bytes held, or None where that returns None (a nested
  * argument other than a plain tuple without tensors: the tree walk holds it).
  *
+ * After the call, a call given no aliases (its signature made a known tree of autograd nodes before) has its nodes'
+ * edges checked against its own inputs before its hooks go on: `hooks_of(tree, fn, inputs, leaf)` returns exactly
+ * what backward._hooks_of_py returns, [(node, its (edge, slot) pairs)] or None.
+ *
  * The Python functions stay the path where this module is not built. Each function here reads the names its Python
  * twin reads (KIND_OF, arg_kind, without_tensors; VALUE_KEYS for scan) from that twin's module, at each call, as
  * Python looks up its globals: `bind(name, namespace)` gives "scan" npu_agent.backward's and "hold"
@@ -30,7 +34,8 @@
  *   VALUE_KEYS (scan's only): the types whose values go into the signature. */
 static PyObject *scan_names = NULL, *hold_names = NULL;
 static PyObject *s_requires_grad, *s_is_floating_point, *s_is_complex, *s_dtype, *s_dim, *s_version, *s_numel,
-                *s_element_size, *s_KIND_OF, *s_arg_kind, *s_without_tensors, *s_VALUE_KEYS;
+                *s_element_size, *s_KIND_OF, *s_arg_kind, *s_without_tensors, *s_VALUE_KEYS, *s_variable,
+                *s_grad_fn, *s_output_nr, *s_next_functions;
 
 #define TENSOR 1
 #define NESTED 2
@@ -373,7 +378,161 @@ hold(PyObject *unused, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLongLong(nbytes);
 }
 
+/* One tree entry's (edge, slot) pairs against the node's edges `nf`: 1 when each leads to this call's input of its
+ * slot (a leaf's AccumulateGrad node holding that very tensor, else the tensor's own node and output number), 0
+ * when one does not, -1 with an exception set. */
+static int
+edges_lead_to_inputs(PyObject *edges, PyObject *nf, PyObject *inputs, PyObject *leaf)
+{
+    for (Py_ssize_t e = 0; e < PyTuple_GET_SIZE(edges); e++) {
+        PyObject *pair = PyTuple_GET_ITEM(edges, e);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_SetString(PyExc_TypeError, "hooks_of: a tree's edges are (edge, slot) pairs");
+            return -1;
+        }
+        Py_ssize_t i = PyLong_AsSsize_t(PyTuple_GET_ITEM(pair, 0));
+        PyObject *slot = PyTuple_GET_ITEM(pair, 1);
+        if (i == -1 && PyErr_Occurred())
+            return -1;
+        if (i < 0 || i >= PyTuple_GET_SIZE(nf)) {
+            PyErr_SetString(PyExc_IndexError, "hooks_of: an edge past the node's edges");
+            return -1;
+        }
+        PyObject *next = PyTuple_GET_ITEM(nf, i);   /* (node or None, output number) */
+        if (!PyTuple_Check(next) || PyTuple_GET_SIZE(next) != 2) {
+            PyErr_SetString(PyExc_TypeError, "hooks_of: next_functions holds (node, number) pairs");
+            return -1;
+        }
+        PyObject *edge = PyTuple_GET_ITEM(next, 0), *nr = PyTuple_GET_ITEM(next, 1);
+        PyObject *t = PyObject_GetItem(inputs, slot);
+        PyObject *is_leaf = t == NULL ? NULL : PyObject_GetItem(leaf, slot);
+        int truth = is_leaf == NULL ? -1 : PyObject_IsTrue(is_leaf);
+        Py_XDECREF(is_leaf);
+        int same = -1;
+        if (truth > 0) {   /* getattr(edge, "variable", None) is t */
+            PyObject *variable = PyObject_GetAttr(edge, s_variable);
+            if (variable == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+                PyErr_Clear();
+                variable = Py_NewRef(Py_None);
+            }
+            same = variable == NULL ? -1 : variable == t;
+            Py_XDECREF(variable);
+        } else if (truth == 0) {   /* edge is t.grad_fn and nr == t.output_nr */
+            if (edge == Py_None)
+                same = 0;
+            else {
+                PyObject *grad_fn = PyObject_GetAttr(t, s_grad_fn);
+                if (grad_fn != NULL && grad_fn != edge)
+                    same = 0;
+                else if (grad_fn != NULL) {
+                    PyObject *output_nr = PyObject_GetAttr(t, s_output_nr);
+                    same = output_nr == NULL ? -1 : PyObject_RichCompareBool(nr, output_nr, Py_EQ);
+                    Py_XDECREF(output_nr);
+                }
+                Py_XDECREF(grad_fn);
+            }
+        }
+        Py_XDECREF(t);
+        if (same <= 0)
+            return same;
+    }
+    return 1;
+}
+
+static PyObject *
+hooks_of(PyObject *unused, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4 || !PyTuple_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "hooks_of(tree: tuple, fn, inputs, leaf)");
+        return NULL;
+    }
+    PyObject *tree = args[0], *fn = args[1], *inputs = args[2], *leaf = args[3];
+    Py_ssize_t size = PyTuple_GET_SIZE(tree);
+    PyObject *found = PyList_New(0), *hooks = PyList_New(0);   /* each tree node's next_functions; the hooks */
+    if (found == NULL || hooks == NULL)
+        goto error;
+    for (Py_ssize_t k = 0; k < size; k++) {
+        PyObject *entry = PyTuple_GET_ITEM(tree, k);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 5 || !PyTuple_Check(PyTuple_GET_ITEM(entry, 4))) {
+            PyErr_SetString(PyExc_TypeError, "hooks_of: a tree entry is (parent, j, size, count, edges)");
+            goto error;
+        }
+        Py_ssize_t parent = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 0));
+        Py_ssize_t j = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 1));
+        Py_ssize_t want_size = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 2));
+        Py_ssize_t want_count = PyLong_AsSsize_t(PyTuple_GET_ITEM(entry, 3));
+        PyObject *edges = PyTuple_GET_ITEM(entry, 4);
+        if (PyErr_Occurred())
+            goto error;
+        PyObject *node;   /* borrowed */
+        if (parent < 0)
+            node = fn;
+        else {
+            if (parent >= PyList_GET_SIZE(found)) {
+                PyErr_SetString(PyExc_IndexError, "hooks_of: a parent after its child");
+                goto error;
+            }
+            PyObject *pnf = PyList_GET_ITEM(found, parent);
+            if (j < 0 || j >= PyTuple_GET_SIZE(pnf) || !PyTuple_Check(PyTuple_GET_ITEM(pnf, j))
+                    || PyTuple_GET_SIZE(PyTuple_GET_ITEM(pnf, j)) != 2) {
+                PyErr_SetString(PyExc_IndexError, "hooks_of: a child past its parent's edges");
+                goto error;
+            }
+            node = PyTuple_GET_ITEM(PyTuple_GET_ITEM(pnf, j), 0);
+        }
+        if (node == Py_None)
+            goto none;
+        PyObject *nf = PyObject_GetAttr(node, s_next_functions);
+        if (nf == NULL)
+            goto error;
+        if (!PyTuple_Check(nf)) {
+            Py_DECREF(nf);
+            PyErr_SetString(PyExc_TypeError, "hooks_of: next_functions is not a tuple");
+            goto error;
+        }
+        int ok = PyTuple_GET_SIZE(nf) == want_size;
+        Py_ssize_t count = 0;
+        for (Py_ssize_t i = 0; ok && i < want_size; i++) {
+            PyObject *next = PyTuple_GET_ITEM(nf, i);
+            if (!PyTuple_Check(next) || PyTuple_GET_SIZE(next) != 2) {
+                Py_DECREF(nf);
+                PyErr_SetString(PyExc_TypeError, "hooks_of: next_functions holds (node, number) pairs");
+                goto error;
+            }
+            count += PyTuple_GET_ITEM(next, 0) != Py_None;
+        }
+        int lead = ok && count == want_count ? edges_lead_to_inputs(edges, nf, inputs, leaf) : 0;
+        if (lead < 0 || (lead > 0 && PyList_Append(found, nf) < 0)) {
+            Py_DECREF(nf);
+            goto error;
+        }
+        Py_DECREF(nf);
+        if (!lead)
+            goto none;
+        if (PyTuple_GET_SIZE(edges) || parent < 0) {
+            PyObject *hook = PyTuple_Pack(2, node, edges);
+            if (hook == NULL || PyList_Append(hooks, hook) < 0) {
+                Py_XDECREF(hook);
+                goto error;
+            }
+            Py_DECREF(hook);
+        }
+    }
+    Py_DECREF(found);
+    return hooks;
+none:
+    Py_DECREF(found);
+    Py_DECREF(hooks);
+    Py_RETURN_NONE;
+error:
+    Py_XDECREF(found);
+    Py_XDECREF(hooks);
+    return NULL;
+}
+
 static PyMethodDef tap_methods[] = {
+    {"hooks_of", (PyCFunction)(void (*)(void))hooks_of, METH_FASTCALL,
+     "hooks_of(tree, fn, inputs, leaf) -> [(node, edges)] or None: backward._hooks_of_py in C."},
     {"bind", (PyCFunction)(void (*)(void))bind, METH_FASTCALL,
      "bind(name, namespace): 'scan' or 'hold' reads KIND_OF, arg_kind, without_tensors (and VALUE_KEYS) from it."},
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
@@ -401,7 +560,11 @@ PyInit__fasttap(void)
             || (s_KIND_OF = PyUnicode_InternFromString("KIND_OF")) == NULL
             || (s_arg_kind = PyUnicode_InternFromString("arg_kind")) == NULL
             || (s_without_tensors = PyUnicode_InternFromString("without_tensors")) == NULL
-            || (s_VALUE_KEYS = PyUnicode_InternFromString("VALUE_KEYS")) == NULL)
+            || (s_VALUE_KEYS = PyUnicode_InternFromString("VALUE_KEYS")) == NULL
+            || (s_variable = PyUnicode_InternFromString("variable")) == NULL
+            || (s_grad_fn = PyUnicode_InternFromString("grad_fn")) == NULL
+            || (s_output_nr = PyUnicode_InternFromString("output_nr")) == NULL
+            || (s_next_functions = PyUnicode_InternFromString("next_functions")) == NULL)
         return NULL;
     return PyModule_Create(&fasttap_module);
 }

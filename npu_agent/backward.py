@@ -111,7 +111,7 @@ class BackwardTaps:
         # the signatures whose graph was once another (aliases always)
         self.known: dict[tuple[Any, ...], _Tree] = {}
         self.mixed: set[tuple[Any, ...]] = set()
-        self._scan = _scanner()   # a call's flat arguments read (in C where built)
+        use_compiled()   # a call's flat arguments read, its known tree checked: in C where built
 
     # -- forward side (training thread, inside the capture mode's handler) ---------------------------------
     def tap_inputs(self, ctx: CallContext) -> None:
@@ -135,7 +135,7 @@ class BackwardTaps:
         the inputs themselves, and hooks them."""
         signature: list[Any] = [ctx.category, ctx.api, rec.autocast, len(args)]
         first = args[0] if rec.inplace and args and isinstance(args[0], _Tensor) else None
-        tapped = self._scan(args, kwargs, signature)
+        tapped = _scan(args, kwargs, signature)
         if tapped is None:
             return False
         if not tapped:
@@ -533,32 +533,11 @@ class _Known:
         self.tree = tree
         self.inputs = inputs
 
-    def hooks_of(self, fn: Any, leaf: list[bool]) -> list[tuple[Any, tuple[tuple[int, int], ...]]] | None:
+    def hooks_of(self, fn: Any, leaf: list[bool]) -> _Hooks | None:
         """[(node, its (edge, slot) pairs)] for the output's node `fn` and for each inner node with edges to inputs,
         when the nodes from `fn` on are the learned tree and each such edge leads to this call's input of its slot
-        (a leaf's AccumulateGrad node, another tensor's own node and output number); else None."""
-        inputs = self.inputs
-        found: list[Any] = []   # each tree node's next_functions
-        hooks = []
-        for parent, j, size, count, edges in self.tree:
-            node = fn if parent < 0 else found[parent][j][0]
-            if node is None:
-                return None
-            nf = node.next_functions
-            if len(nf) != size or sum(n is not None for n, _ in nf) != count:
-                return None
-            for i, slot in edges:
-                edge, nr = nf[i]
-                t = inputs[slot]
-                if leaf[slot]:
-                    if getattr(edge, "variable", None) is not t:
-                        return None
-                elif edge is None or edge is not t.grad_fn or nr != t.output_nr:
-                    return None
-            found.append(nf)
-            if edges or parent < 0:
-                hooks.append((node, edges))
-        return hooks
+        (a leaf's AccumulateGrad node, another tensor's own node and output number); else None (`_hooks_of`)."""
+        return _hooks_of(self.tree, fn, self.inputs, leaf)
 
 
 # (argument key, tensor, flattened position) of each tapped input
@@ -593,15 +572,51 @@ def _scan_py(args: tuple[Any, ...], kwargs: dict[str, Any], signature: list[Any]
     return tapped
 
 
-def _scanner() -> Callable[[tuple[Any, ...], dict[str, Any], list[Any]], _Tapped | None]:
-    """`_scan_py`, in C where npu_agent/_fasttap.c is built (snapshot.compiled_reader); else the Python path. The C
-    `scan` reads this module's KIND_OF, arg_kind, without_tensors and VALUE_KEYS at each call, as `_scan_py` does."""
+_Hooks = list[tuple[Any, tuple[tuple[int, int], ...]]]
+
+
+def _hooks_of_py(tree: _Tree, fn: Any, inputs: list[torch.Tensor], leaf: list[bool]) -> _Hooks | None:
+    """`_Known.hooks_of` (below). npu_agent/_fasttap.c's `hooks_of` does the same in C."""
+    found: list[Any] = []   # each tree node's next_functions
+    hooks = []
+    for parent, j, size, count, edges in tree:
+        node = fn if parent < 0 else found[parent][j][0]
+        if node is None:
+            return None
+        nf = node.next_functions
+        if len(nf) != size or sum(n is not None for n, _ in nf) != count:
+            return None
+        for i, slot in edges:
+            edge, nr = nf[i]
+            t = inputs[slot]
+            if leaf[slot]:
+                if getattr(edge, "variable", None) is not t:
+                    return None
+            elif edge is None or edge is not t.grad_fn or nr != t.output_nr:
+                return None
+        found.append(nf)
+        if edges or parent < 0:
+            hooks.append((node, edges))
+    return hooks
+
+
+# A call's flat arguments read (`_tap_flat`) and a known tree checked (`_Known.hooks_of`): the Python paths, or
+# npu_agent/_fasttap.c's once `use_compiled()` found it
+_scan: Callable[[tuple[Any, ...], dict[str, Any], list[Any]], _Tapped | None] = _scan_py
+_hooks_of: Callable[[_Tree, Any, list[torch.Tensor], list[bool]], _Hooks | None] = _hooks_of_py
+
+
+def use_compiled() -> None:
+    """`_scan` and `_hooks_of` in C from now on where npu_agent/_fasttap.c is built (snapshot.compiled_reader), else
+    in Python (a BackwardTaps calls it when it is made). The C `scan` reads this module's KIND_OF, arg_kind,
+    without_tensors and VALUE_KEYS at each call, as `_scan_py` does."""
+    global _scan, _hooks_of
     module = compiled_reader()
     if module is None:
-        return _scan_py
+        _scan, _hooks_of = _scan_py, _hooks_of_py
+        return
     module.bind("scan", globals())
-    scan: Callable[[tuple[Any, ...], dict[str, Any], list[Any]], _Tapped | None] = module.scan
-    return scan
+    _scan, _hooks_of = module.scan, module.hooks_of
 
 
 def _direct_edges(fn: Any, alias_nodes: list[tuple[Any, int]], slots: int) -> list[tuple[int, int]] | None:

@@ -1,11 +1,12 @@
-"""The agent's compiled modules (docs/design.md §4, "Skipped calls in C" and "The frame walk in C"; §5, "Values
-encoded in C"), built and loaded by protos/compiled.py.
+"""The agent's compiled modules (docs/design.md §4, "Skipped calls in C", "The frame walk in C" and "A captured
+call's arguments read in C"; §5, "Values encoded in C"), built and loaded by protos/compiled.py.
 
 `_fastskip.c` answers the calls the sampling skips (npu_agent.fastskip), `_fastencode.c` writes a record's values
 and tensor table (npu_agent.records), `_fastlocate.c` finds the modules on a captured call's stack
-(npu_agent.location), `_fasttap.c` reads a captured call's flat arguments before its inputs are tapped
-(npu_agent.backward). Each has a pure-Python path that gives the same records; that path runs where the module is
-not built, where it fails to load, or with ONLINE_CHECK_PURE_PYTHON=1.
+(npu_agent.location), `_fasttap.c` reads a captured call's flat arguments (npu_agent.snapshot, npu_agent.backward)
+and checks a known tree of autograd nodes against its inputs (npu_agent.backward). Each has a pure-Python path that
+gives the same records; that path runs where the module is not built, where it fails to load, or with
+ONLINE_CHECK_PURE_PYTHON=1.
 
 `python -m npu_agent.compiled --build` (scripts/setup.sh runs it) compiles them all, a few seconds.
 """

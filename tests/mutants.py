@@ -234,6 +234,17 @@ MUTATIONS = (
         (("npu_agent/_fasttap.c", "    if (known != 0) {", "    if (known < 0) {"),),
         ("tests/test_fasttap.py",)),
     Mutation(
+        "fasttap-known-tree-ignores-its-edge-count",
+        "the compiled check of a known tree takes a node whose edges that are not None are more or fewer for it",
+        (("npu_agent/_fasttap.c", "ok && count == want_count ?", "ok ?"),),
+        ("tests/test_fasttap.py",)),
+    Mutation(
+        "fasttap-known-tree-trusts-a-leaf",
+        "the compiled check of a known tree takes any leaf's AccumulateGrad node for the tapped parameter's",
+        (("npu_agent/_fasttap.c", "            same = variable == NULL ? -1 : variable == t;",
+          "            same = variable == NULL ? -1 : 1;"),),
+        ("tests/test_fasttap.py",)),
+    Mutation(
         "a-shape-may-hold-tensors",
         "a tuple or list whose items include tensors passes for a shape: the flat walks neither hold nor tap them",
         (("npu_agent/snapshot.py", "            kind = arg_kind(type(v))\n        if kind:\n            return False\n",
@@ -242,14 +253,14 @@ MUTATIONS = (
     Mutation(
         "a-known-graph-trusts-its-leaves",
         "a parameter's edge passes for any tapped leaf: two parameters' gradients may be swapped in the record",
-        (("npu_agent/backward.py", "                    if getattr(edge, \"variable\", None) is not t:\n",
-          "                    if edge is None:\n"),),
+        (("npu_agent/backward.py", "                if getattr(edge, \"variable\", None) is not t:\n",
+          "                if edge is None:\n"),),
         ("tests/test_known_graphs.py",)),
     Mutation(
         "a-known-graph-ignores-other-edges",
         "a node with an input edge the known graph did not have passes for known",
-        (("npu_agent/backward.py", "            if len(nf) != size or sum(n is not None for n, _ in nf) != count:\n",
-          "            if len(nf) != size:\n"),),
+        (("npu_agent/backward.py", "        if len(nf) != size or sum(n is not None for n, _ in nf) != count:\n",
+          "        if len(nf) != size:\n"),),
         ("tests/test_known_graphs.py",)),
     Mutation(
         "a-call-reading-an-input-twice-is-learned",

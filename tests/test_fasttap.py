@@ -1,8 +1,9 @@
 """A captured call's flat arguments read in C (npu_agent/_fasttap.c, issue 25 goal 2): `scan` appends exactly what
 the Python path (backward._scan_py) appends to the call's signature and returns the same tensors to tap, and `hold`
-holds exactly the tensors snapshot._hold_flat holds, or None where they do, for every kind of argument; a training
-captured with them makes the same records, forward and backward, as one captured with the Python paths; and the
-Python paths run where the module is not built or not wanted."""
+holds exactly the tensors snapshot._hold_flat holds, or None where they do, for every kind of argument; `hooks_of`
+finds the same hooks as backward._hooks_of_py for every known tree of a training, and None for the same altered
+ones; a training captured with them makes the same records, forward and backward, as one captured with the Python
+paths; and the Python paths run where the module is not built or not wanted."""
 from __future__ import annotations
 
 import math
@@ -27,9 +28,9 @@ def scan():
     if not TAP.binary_path().exists():
         TAP.build(quiet=True)
     TAP.loaded.clear()
-    found = B._scanner()
-    assert found is not B._scan_py, "npu_agent/_fasttap.c did not load"
-    return found
+    B.use_compiled()
+    assert B._scan is not B._scan_py and B._hooks_of is not B._hooks_of_py, "npu_agent/_fasttap.c did not load"
+    return B._scan
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +194,7 @@ class Net(torch.nn.Module):
         return F.cross_entropy(h.reshape(-1, 16), idx.reshape(-1) % 16, reduction="mean")
 
 
-def _train(tmp_path, monkeypatch, tag: str, compiled: bool, steps: int = 4) -> list:
+def _train(tmp_path, monkeypatch, tag: str, compiled: bool, steps: int = 4, hooks_of=None) -> list:
     folder = tmp_path / f"{tag}-folder"
     folder.mkdir()
     cfg = agent_config(os.path.join(str(tmp_path), f"{tag}.json"), nfs_path=str(folder), online_close_timeout_s=1)
@@ -203,9 +204,13 @@ def _train(tmp_path, monkeypatch, tag: str, compiled: bool, steps: int = 4) -> l
     sink = ListSink()
     cap.sink = cap.backward.sink = sink.append
     if not compiled:
-        cap.backward._scan = B._scan_py
+        monkeypatch.setattr(B, "_scan", B._scan_py)
+        monkeypatch.setattr(B, "_hooks_of", B._hooks_of_py)
         monkeypatch.setattr(S, "_read_flat", S._hold_flat)
-    assert (cap.backward._scan is B._scan_py) != compiled and (S._read_flat is S._hold_flat) != compiled
+    python = (B._scan is B._scan_py, B._hooks_of is B._hooks_of_py, S._read_flat is S._hold_flat)
+    assert python == (not compiled,) * 3, python
+    if hooks_of is not None:
+        monkeypatch.setattr(B, "_hooks_of", hooks_of)
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -239,14 +244,97 @@ def test_a_training_makes_the_same_records_either_way(tmp_path, monkeypatch, sca
 
 
 def test_the_python_path_when_asked_or_not_built(monkeypatch, tmp_path, scan):
+    for module, name in ((B, "_scan"), (B, "_hooks_of"), (S, "_read_flat")):
+        monkeypatch.setattr(module, name, None)   # (restored after the test)
     monkeypatch.setattr(TAP, "loaded", [])
     monkeypatch.setenv(PURE_PYTHON_ENV, "1")
-    assert B._scanner() is B._scan_py
-    monkeypatch.setattr(S, "_read_flat", None)
+    B.use_compiled()
     S.use_compiled()
-    assert S._read_flat is S._hold_flat
+    assert (B._scan, B._hooks_of, S._read_flat) == (B._scan_py, B._hooks_of_py, S._hold_flat)
     monkeypatch.setattr(TAP, "loaded", [])
     monkeypatch.delenv(PURE_PYTHON_ENV)
     monkeypatch.setattr(TAP, "source", tmp_path / "_fasttap.c")   # a changed source: its binary is not built
     (tmp_path / "_fasttap.c").write_text("/* another source */\n")
-    assert B._scanner() is B._scan_py
+    B.use_compiled()
+    S.use_compiled()
+    assert (B._scan, B._hooks_of, S._read_flat) == (B._scan_py, B._hooks_of_py, S._hold_flat)
+
+
+def test_every_known_tree_of_a_training_gets_the_same_hooks_both_ways(tmp_path, monkeypatch, scan):
+    """Each known tree checked in a training (linear on 3-D inputs: a composite's small tree; views, dropout,
+    layer norm, embedding: one node), by both checks, and each again altered: a node's edge count, its edges that are
+    not None, an edge to another slot, a leaf taken for another tensor; the same hooks, or None, either way."""
+    compiled = B._hooks_of
+    seen = {"calls": 0, "found": 0, "altered": 0}
+
+    def both(tree, fn, inputs, leaf):
+        py, c = B._hooks_of_py(tree, fn, inputs, leaf), compiled(tree, fn, inputs, leaf)
+        assert _hooks(py) == _hooks(c), (tree, py, c)
+        seen["calls"] += 1
+        seen["found"] += py is not None
+        for altered in _altered(tree):
+            a, b = B._hooks_of_py(altered, fn, inputs, leaf), compiled(altered, fn, inputs, leaf)
+            assert _hooks(a) == _hooks(b), (altered, a, b)
+            seen["altered"] += 1
+        return c
+
+    records = _train(tmp_path, monkeypatch, "both", True, steps=3, hooks_of=both)[0]
+    assert records and seen["found"] >= 10 and seen["altered"] > 50, seen
+
+
+def _hooks(found):
+    return None if found is None else [(id(node), edges) for node, edges in found]
+
+
+def _altered(tree):
+    """Trees like `tree`, each wrong in one way (an edge to another of its slots where it has several)."""
+    slots = sorted({slot for *_, edges in tree for _, slot in edges})
+    out = []
+    for k, (parent, j, size, count, edges) in enumerate(tree):
+        def one(entry, k=k):
+            return tree[:k] + (entry,) + tree[k + 1:]
+        out.append(one((parent, j, size + 1, count, edges)))
+        out.append(one((parent, j, size, count - 1, edges)))
+        if edges:
+            (i, slot), rest = edges[0], edges[1:]
+            if len(slots) > 1:
+                other = slots[(slots.index(slot) + 1) % len(slots)]
+                out.append(one((parent, j, size, count, ((i, other),) + rest)))
+            out.append(one((parent, j, size, count, ((size - 1 - i, slot),) + rest)))
+    return out
+
+
+def _learned(call, *tensors):
+    """The tree `call` makes over `tensors` (aliases, as a first call has them), and the output's node of the same
+    call made without aliases."""
+    aliases = [t.view_as(t) for t in tensors]
+    tree = B._tree_of(call(*aliases).grad_fn, [(a.grad_fn, k) for k, a in enumerate(aliases)], len(tensors))
+    assert tree is not None
+    return tree, call(*tensors).grad_fn
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "linear on 3-D", "mul"])
+def test_a_known_tree_on_real_nodes_gets_the_same_hooks_both_ways(scan, name):
+    x = torch.randn(2, 3, 16, requires_grad=True) * 1          # not a leaf
+    w, b = torch.nn.Parameter(torch.randn(16, 16)), torch.nn.Parameter(torch.randn(16))
+    g = torch.nn.Parameter(torch.randn(16))
+    if name == "layer_norm":
+        call, tensors = (lambda x, g, b: F.layer_norm(x, (16,), g, b)), (x, g, b)
+    elif name == "linear on 3-D":
+        call, tensors = F.linear, (x, w, b)
+    else:
+        call, tensors = torch.mul, (x, x * 2)
+    tree, fn = _learned(call, *tensors)
+    leaf = [t.is_leaf for t in tensors]
+    inputs = list(tensors)
+    found = B._hooks_of_py(tree, fn, inputs, leaf)
+    assert found is not None and _hooks(B._hooks_of(tree, fn, inputs, leaf)) == _hooks(found)
+    others = [torch.nn.Parameter(torch.randn(16)), torch.randn(2, 3, 16, requires_grad=True) * 1]
+    wrong = [(t, inputs, leaf) for t in _altered(tree)]
+    for k in range(len(inputs)):   # another tensor in a slot, leaf or not; a slot's leaf flag turned
+        for other in others:
+            wrong.append((tree, inputs[:k] + [other] + inputs[k + 1:], leaf))
+        wrong.append((tree, inputs, leaf[:k] + [not leaf[k]] + leaf[k + 1:]))
+    for t, ins, lf in wrong:
+        assert _hooks(B._hooks_of_py(t, fn, ins, lf)) == _hooks(B._hooks_of(t, fn, ins, lf)), (t, lf)
+    assert sum(B._hooks_of_py(t, fn, ins, lf) is None for t, ins, lf in wrong) >= len(wrong) // 2
