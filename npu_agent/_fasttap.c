@@ -77,6 +77,27 @@ typedef struct {
     PyObject *value_keys;
 } Names;
 
+/* `name(arg)`, the function `name` of the call's namespace: a new reference, or NULL with an exception set. */
+static PyObject *
+call_name(Names *n, PyObject *name, PyObject *arg)
+{
+    PyObject *fn = name_in(n->ns, name);
+    PyObject *r = fn == NULL ? NULL : PyObject_CallOneArg(fn, arg);
+    Py_XDECREF(fn);
+    return r;
+}
+
+/* The truth of `r` (a new reference, released here): 1, 0, or -1 with an exception set (also where r is NULL). */
+static int
+truth_of(PyObject *r)
+{
+    if (r == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    return truth;
+}
+
 /* The kind of `tp`: KIND_OF.get(tp), else arg_kind(tp); -1 with an exception set. */
 static long
 kind_of(Names *n, PyObject *tp)
@@ -86,9 +107,7 @@ kind_of(Names *n, PyObject *tp)
         return PyLong_AsLong(kind);
     if (PyErr_Occurred())
         return -1;
-    PyObject *fn = name_in(n->ns, s_arg_kind);
-    PyObject *computed = fn == NULL ? NULL : PyObject_CallOneArg(fn, tp);
-    Py_XDECREF(fn);
+    PyObject *computed = call_name(n, s_arg_kind, tp);
     if (computed == NULL)
         return -1;
     long k = PyLong_AsLong(computed);
@@ -100,14 +119,7 @@ kind_of(Names *n, PyObject *tp)
 static int
 holds_no_tensor(Names *n, PyObject *value)
 {
-    PyObject *fn = name_in(n->ns, s_without_tensors);
-    PyObject *r = fn == NULL ? NULL : PyObject_CallOneArg(fn, value);
-    Py_XDECREF(fn);
-    if (r == NULL)
-        return -1;
-    int truth = PyObject_IsTrue(r);
-    Py_DECREF(r);
-    return truth;
+    return truth_of(call_name(n, s_without_tensors, value));
 }
 
 /* Names for one call from `ns`: 0, or -1 with an exception set; `release_names` after. */
@@ -328,9 +340,7 @@ hold_one(Names *n, PyObject *v, PyObject *held, PyObject *grads, long long *nbyt
         PyList_SET_ITEM(entry, 2, Py_NewRef(Py_None));
         PyList_SET_ITEM(entry, 3, Py_NewRef(Py_None));
         if (PyDict_SetItem(held, tid, entry) == 0) {
-            PyObject *rg = PyObject_GetAttr(v, s_requires_grad);
-            int truth = rg == NULL ? -1 : PyObject_IsTrue(rg);
-            Py_XDECREF(rg);
+            int truth = truth_of(PyObject_GetAttr(v, s_requires_grad));
             if (truth >= 0 && (truth == 0 || PySet_Add(grads, tid) == 0)) {
                 long long numel = int_method(v, s_numel);
                 long long size = numel == -1 && PyErr_Occurred() ? -1 : int_method(v, s_element_size);
@@ -405,9 +415,7 @@ edges_lead_to_inputs(PyObject *edges, PyObject *nf, PyObject *inputs, PyObject *
         }
         PyObject *edge = PyTuple_GET_ITEM(next, 0), *nr = PyTuple_GET_ITEM(next, 1);
         PyObject *t = PyObject_GetItem(inputs, slot);
-        PyObject *is_leaf = t == NULL ? NULL : PyObject_GetItem(leaf, slot);
-        int truth = is_leaf == NULL ? -1 : PyObject_IsTrue(is_leaf);
-        Py_XDECREF(is_leaf);
+        int truth = truth_of(t == NULL ? NULL : PyObject_GetItem(leaf, slot));
         int same = -1;
         if (truth > 0) {   /* getattr(edge, "variable", None) is t */
             PyObject *variable = PyObject_GetAttr(edge, s_variable);
