@@ -18,8 +18,8 @@
  * edges checked against its own inputs before its hooks go on: `hooks_of(tree, fn, inputs, leaf)` returns exactly
  * what backward._hooks_of_py returns, [(node, its (edge, slot) pairs)] or None.
  *
- * The Python functions stay the path where this module is not built. Each function here reads the names its Python
- * twin reads (KIND_OF, arg_kind, without_tensors; VALUE_KEYS for scan) from that twin's module, at each call, as
+ * The Python functions stay the path where this module is not built. `scan` and `hold` read the names their Python
+ * twins read (KIND_OF, arg_kind, without_tensors; VALUE_KEYS for scan) from that twin's module, at each call, as
  * Python looks up its globals: `bind(name, namespace)` gives "scan" npu_agent.backward's and "hold"
  * npu_agent.snapshot's (snapshot.compiled_reader). So the kind table is the same dict, read in place, and a name
  * replaced in the module (a test's monkeypatch) is replaced for the C path too.

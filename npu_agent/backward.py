@@ -547,7 +547,7 @@ _Tapped = list[tuple[Any, torch.Tensor, int]]
 def _scan_py(args: tuple[Any, ...], kwargs: dict[str, Any], signature: list[Any]) -> _Tapped | None:
     """Read a call's flat arguments (`_tap_flat`: the positional ones, then the keyword ones): append each one's part
     of the call's signature to `signature`, and return the tensors to tap; None, at a nested argument that may hold
-    tensors. npu_agent/_fasttap.c's `scan` does the same in C (`_scanner`)."""
+    tensors. npu_agent/_fasttap.c's `scan` does the same in C (`use_compiled`)."""
     tapped: _Tapped = []
     position = -1
     kinds = KIND_OF
