@@ -101,11 +101,9 @@ def test_the_same_signature_and_taps_as_the_python_path(scan, case):
     py = B._scan_py(args, kwargs, py_sig)
     c = scan(args, kwargs, c_sig)
     assert (py is None) == (c is None), (py, c)
+    assert _same(py_sig, c_sig), (py_sig, c_sig)   # (None: the read ended at the same argument)
     if py is not None:
         assert [(k, id(t), pos) for k, t, pos in py] == [(k, id(t), pos) for k, t, pos in c]
-        assert _same(py_sig, c_sig), (py_sig, c_sig)
-    else:   # the read ended at the same argument
-        assert _same(py_sig, c_sig), (py_sig, c_sig)
 
 
 @pytest.mark.parametrize("case", list(CASES))
