@@ -21,7 +21,7 @@
  * The Python functions stay the path where this module is not built. `scan` and `hold` read the names their Python
  * twins read (KIND_OF, arg_kind, without_tensors; VALUE_KEYS for scan) from that twin's module, at each call, as
  * Python looks up its globals: `bind(name, namespace)` gives "scan" npu_agent.backward's and "hold"
- * npu_agent.snapshot's (snapshot.compiled_reader). So the kind table is the same dict, read in place, and a name
+ * npu_agent.snapshot's (each module's use_compiled). So the kind table is the same dict, read in place, and a name
  * replaced in the module (a test's monkeypatch) is replaced for the C path too.
  * Build: `python -m npu_agent.compiled --build` (scripts/setup.sh runs it). */
 #define PY_SSIZE_T_CLEAN
@@ -98,6 +98,17 @@ truth_of(PyObject *r)
     return truth;
 }
 
+/* The integer `r` (a new reference, released here); -1 with an exception set (also where r is NULL). */
+static long long
+integer_of(PyObject *r)
+{
+    if (r == NULL)
+        return -1;
+    long long v = PyLong_AsLongLong(r);
+    Py_DECREF(r);
+    return v;
+}
+
 /* The kind of `tp`: KIND_OF.get(tp), else arg_kind(tp); -1 with an exception set. */
 static long
 kind_of(Names *n, PyObject *tp)
@@ -107,12 +118,7 @@ kind_of(Names *n, PyObject *tp)
         return PyLong_AsLong(kind);
     if (PyErr_Occurred())
         return -1;
-    PyObject *computed = call_name(n, s_arg_kind, tp);
-    if (computed == NULL)
-        return -1;
-    long k = PyLong_AsLong(computed);
-    Py_DECREF(computed);
-    return k;
+    return (long)integer_of(call_name(n, s_arg_kind, tp));
 }
 
 /* `without_tensors(value)`: 1, 0, or -1 with an exception set. */
@@ -126,29 +132,34 @@ holds_no_tensor(Names *n, PyObject *value)
 static int
 names_for(Names *n, PyObject *ns, int with_value_keys)
 {
-    n->ns = ns;
-    n->value_keys = NULL;
     if (ns == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "npu_agent._fasttap: called before bind()");
         return -1;
     }
-    Py_INCREF(ns);
+    n->ns = Py_NewRef(ns);
+    n->value_keys = NULL;
     n->kinds = name_in(ns, s_KIND_OF);
-    if (n->kinds != NULL && !PyDict_Check(n->kinds)) {
+    if (n->kinds == NULL)
+        goto fail;
+    if (!PyDict_Check(n->kinds)) {
         PyErr_SetString(PyExc_TypeError, "KIND_OF is not a dict");
-        Py_CLEAR(n->kinds);
+        goto fail;
     }
-    if (n->kinds != NULL && with_value_keys && (n->value_keys = name_in(ns, s_VALUE_KEYS)) != NULL
-            && !PyAnySet_Check(n->value_keys)) {
+    if (!with_value_keys)
+        return 0;
+    n->value_keys = name_in(ns, s_VALUE_KEYS);
+    if (n->value_keys == NULL)
+        goto fail;
+    if (!PyAnySet_Check(n->value_keys)) {
         PyErr_SetString(PyExc_TypeError, "VALUE_KEYS is not a set");
-        Py_CLEAR(n->value_keys);
-    }
-    if (n->kinds == NULL || (with_value_keys && n->value_keys == NULL)) {
-        Py_XDECREF(n->kinds);
-        Py_DECREF(ns);
-        return -1;
+        goto fail;
     }
     return 0;
+fail:
+    Py_XDECREF(n->value_keys);
+    Py_XDECREF(n->kinds);
+    Py_DECREF(n->ns);
+    return -1;
 }
 
 static void
@@ -295,18 +306,6 @@ error:
     return NULL;
 }
 
-/* `call()`'s integer result (`numel()`, `element_size()`); -1 with an exception set. */
-static long long
-int_method(PyObject *t, PyObject *name)
-{
-    PyObject *r = PyObject_CallMethodNoArgs(t, name);
-    if (r == NULL)
-        return -1;
-    long long v = PyLong_AsLongLong(r);
-    Py_DECREF(r);
-    return v;
-}
-
 /* One argument of `hold`: 0, 1 when the tree walk must hold the call, -1 with an exception set. */
 static int
 hold_one(Names *n, PyObject *v, PyObject *held, PyObject *grads, long long *nbytes)
@@ -342,8 +341,9 @@ hold_one(Names *n, PyObject *v, PyObject *held, PyObject *grads, long long *nbyt
         if (PyDict_SetItem(held, tid, entry) == 0) {
             int truth = truth_of(PyObject_GetAttr(v, s_requires_grad));
             if (truth >= 0 && (truth == 0 || PySet_Add(grads, tid) == 0)) {
-                long long numel = int_method(v, s_numel);
-                long long size = numel == -1 && PyErr_Occurred() ? -1 : int_method(v, s_element_size);
+                long long numel = integer_of(PyObject_CallMethodNoArgs(v, s_numel));
+                long long size = numel == -1 && PyErr_Occurred() ? -1
+                                 : integer_of(PyObject_CallMethodNoArgs(v, s_element_size));
                 if (!(size == -1 && PyErr_Occurred())) {
                     *nbytes += numel * size;
                     failed = 0;

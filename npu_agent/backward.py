@@ -41,7 +41,6 @@ from npu_agent.snapshot import (
     VALUE_KEYS,
     Snapshot,
     arg_kind,
-    compiled_reader,
     grads_snapshot,
     iter_tensors,
     map_tensors,
@@ -607,11 +606,13 @@ _hooks_of: Callable[[_Tree, Any, list[torch.Tensor], list[bool]], _Hooks | None]
 
 
 def use_compiled() -> None:
-    """`_scan` and `_hooks_of` in C from now on where npu_agent/_fasttap.c is built (snapshot.compiled_reader), else
-    in Python (a BackwardTaps calls it when it is made). The C `scan` reads this module's KIND_OF, arg_kind,
+    """`_scan` and `_hooks_of` in C from now on where npu_agent/_fasttap.c is built (npu_agent.compiled), else in
+    Python (a BackwardTaps calls it when it is made). The C `scan` reads this module's KIND_OF, arg_kind,
     without_tensors and VALUE_KEYS at each call, as `_scan_py` does."""
     global _scan, _hooks_of
-    module = compiled_reader()
+    from npu_agent.compiled import TAP
+
+    module = TAP.load()
     if module is None:
         _scan, _hooks_of = _scan_py, _hooks_of_py
         return

@@ -296,24 +296,19 @@ _FLAT_SEQUENCES = (tuple, list, torch.Size)
 VALUE_KEYS = frozenset({bool, int, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 
-def compiled_reader() -> Any | None:
-    """npu_agent/_fasttap.c, or None where it is not built or not wanted (npu_agent.compiled): the flat argument
-    reads of `snapshot_call` (`_hold_flat`, its `hold`, which reads this module's KIND_OF, arg_kind and
-    without_tensors at each call, as `_hold_flat` does) and of the backward taps (backward._scan_py, its `scan`)."""
+def use_compiled() -> None:
+    """`snapshot_call` reads its arguments in C from now on where npu_agent/_fasttap.c is built (npu_agent.compiled),
+    else in Python (a Capturer calls it when it is made). The C `hold` reads this module's KIND_OF, arg_kind and
+    without_tensors at each call, as `_hold_flat` does."""
+    global _read_flat
     from npu_agent.compiled import TAP
 
     module = TAP.load()
-    if module is not None:
-        module.bind("hold", globals())
-    return module
-
-
-def use_compiled() -> None:
-    """`snapshot_call` reads its arguments in C from now on where npu_agent/_fasttap.c is built, else in Python
-    (a Capturer calls it when it is made)."""
-    global _read_flat
-    module = compiled_reader()
-    _read_flat = module.hold if module is not None else _hold_flat
+    if module is None:
+        _read_flat = _hold_flat
+        return
+    module.bind("hold", globals())
+    _read_flat = module.hold
 
 
 def snapshot_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:

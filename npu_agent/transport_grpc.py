@@ -74,19 +74,12 @@ class FrameQueue:
                         self._room.wait(left)
                     finally:
                         self._putting -= 1
-            self._append(frame)
+            self._frames.append(frame)
+            if self._getting:   # wake gRPC's request thread if it waits for one
+                self._not_empty.notify()
 
     def put_nowait(self, frame: bytes) -> None:
-        with self._room:
-            if len(self._frames) >= self.maxsize:
-                raise queue.Full
-            self._append(frame)
-
-    def _append(self, frame: bytes) -> None:
-        """(Under the lock.) Queue `frame`; wake gRPC's request thread if it waits for one."""
-        self._frames.append(frame)
-        if self._getting:
-            self._not_empty.notify()
+        self.put(frame, timeout=0)
 
     def get(self) -> bytes:
         with self._not_empty:

@@ -122,14 +122,15 @@ class Server:
         """Start the server and wait until it serves. A port picked by `free_port` is free only when picked: should
         another process bind it before the server does (it then exits: "cannot bind"), the server starts again on
         another port, at most three times."""
-        for attempt in range(3):
+        for _ in range(2):
             try:
                 return self._start(wait)
-            except _PortTaken as taken:
-                if attempt == 2:
-                    raise RuntimeError(f"gpu-server found the port taken three times: {self.log()}") from taken
+            except _PortTaken:
                 self._use_port(free_port())
-        raise AssertionError("unreachable")
+        try:
+            return self._start(wait)
+        except _PortTaken as taken:
+            raise RuntimeError(f"gpu-server found the port taken three times: {self.log()}") from taken
 
     def _start(self, wait: float) -> "Server":
         from tests import zygote
