@@ -254,7 +254,7 @@ class BackwardTaps:
 
     def _hook_aliases(self, entry: _Entry, nodes: list[tuple[Any, int]]) -> None:
         for node, slot in nodes:
-            node.register_prehook(self._in_hook(entry, slot, True))
+            _pre_hook(node, self._in_hook(entry, slot, True))
         nodes.clear()
 
     def tap_outputs(self, ctx: CallContext, out: Any) -> Any:
@@ -280,11 +280,11 @@ class BackwardTaps:
                 self._learn(entry.signature, _tree_of(fn, alias_nodes, len(entry.positions)))
             edges = _direct_edges(fn, alias_nodes, len(entry.positions))
             if edges is not None:
-                fn.register_hook(self._node_hook(entry, out.output_nr, edges))
+                _post_hook(fn, self._node_hook(entry, out.output_nr, edges))
                 alias_nodes.clear()
             else:
                 self._hook_aliases(entry, alias_nodes)
-                fn.register_prehook(self._out_hook(entry, [(out.output_nr, 0)]))
+                _pre_hook(fn, self._out_hook(entry, [(out.output_nr, 0)]))
             self._expect_backward(ctx, entry)
             return out
         self._hook_aliases(entry, alias_nodes)
@@ -304,7 +304,7 @@ class BackwardTaps:
             if fn is not None and o.requires_grad:
                 nodes.setdefault(id(fn), (fn, []))[1].append((o.output_nr, j))
         for fn, slots in nodes.values():
-            fn.register_prehook(self._out_hook(entry, slots))
+            _pre_hook(fn, self._out_hook(entry, slots))
         if nodes:
             self._expect_backward(ctx, entry)
 
@@ -328,9 +328,9 @@ class BackwardTaps:
             hooks = known.hooks_of(fn, entry.leaf)
             if hooks is not None:
                 entry.grad_out = [None]
-                fn.register_hook(self._node_hook(entry, out.output_nr, hooks[0][1]))
+                _post_hook(fn, self._node_hook(entry, out.output_nr, hooks[0][1]))
                 for node, edges in hooks[1:]:   # a composite's inner nodes with edges to inputs: no grad_output
-                    node.register_hook(self._node_hook(entry, -1, edges))
+                    _post_hook(node, self._node_hook(entry, -1, edges))
                 self._expect_backward(ctx, entry)
                 return out
         self._unlearn(known.signature, f"{ctx.record.name} (step {ctx.record.step})")
@@ -599,25 +599,41 @@ def _hooks_of_py(tree: _Tree, fn: Any, inputs: list[torch.Tensor], leaf: list[bo
     return hooks
 
 
+def _post_hook_py(node: Any, fn: Callable[[tuple[Any, ...], tuple[Any, ...]], None]) -> None:
+    """fn(grad_inputs, grad_outputs) after `node` runs in a backward pass (the handle is not kept: never removed)."""
+    node.register_hook(fn)
+
+
+def _pre_hook_py(node: Any, fn: Callable[[tuple[Any, ...]], None]) -> None:
+    """fn(grad_outputs) before `node` runs in a backward pass (the handle is not kept: never removed)."""
+    node.register_prehook(fn)
+
+
 # A call's flat arguments read (`_tap_flat`) and a known tree checked (`_Known.hooks_of`): the Python paths, or
-# npu_agent/_fasttap.c's once `use_compiled()` found it
+# npu_agent/_fasttap.c's once `use_compiled()` found it; the hooks put on nodes: through torch's Python registration,
+# or npu_agent/_fasthook.cpp's (the same hooks, called the same way, without a handle)
 _scan: Callable[[tuple[Any, ...], dict[str, Any], list[Any]], _Tapped | None] = _scan_py
 _hooks_of: Callable[[_Tree, Any, list[torch.Tensor], list[bool]], _Hooks | None] = _hooks_of_py
+_post_hook: Callable[[Any, Callable[[tuple[Any, ...], tuple[Any, ...]], None]], None] = _post_hook_py
+_pre_hook: Callable[[Any, Callable[[tuple[Any, ...]], None]], None] = _pre_hook_py
 
 
 def use_compiled() -> None:
-    """`_scan` and `_hooks_of` in C from now on where npu_agent/_fasttap.c is built (npu_agent.compiled), else in
-    Python (a BackwardTaps calls it when it is made). The C `scan` reads this module's KIND_OF, arg_kind,
-    without_tensors and VALUE_KEYS at each call, as `_scan_py` does."""
-    global _scan, _hooks_of
-    from npu_agent.compiled import TAP
+    """`_scan` and `_hooks_of` in C from now on where npu_agent/_fasttap.c is built, `_post_hook` and `_pre_hook`
+    in C++ where npu_agent/_fasthook.cpp is built for this torch (npu_agent.compiled), else in Python (a
+    BackwardTaps calls it when it is made). The C `scan` reads this module's KIND_OF, arg_kind, without_tensors and
+    VALUE_KEYS at each call, as `_scan_py` does."""
+    global _scan, _hooks_of, _post_hook, _pre_hook
+    from npu_agent.compiled import HOOK, TAP
 
     module = TAP.load()
     if module is None:
         _scan, _hooks_of = _scan_py, _hooks_of_py
-        return
-    module.bind("scan", globals())
-    _scan, _hooks_of = module.scan, module.hooks_of
+    else:
+        module.bind("scan", globals())
+        _scan, _hooks_of = module.scan, module.hooks_of
+    hooks = HOOK.load()
+    _post_hook, _pre_hook = (hooks.post_hook, hooks.pre_hook) if hooks is not None else (_post_hook_py, _pre_hook_py)
 
 
 def _direct_edges(fn: Any, alias_nodes: list[tuple[Any, int]], slots: int) -> list[tuple[int, int]] | None:

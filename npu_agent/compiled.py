@@ -4,11 +4,12 @@ call's arguments read in C"; §5, "Values encoded in C"), built and loaded by pr
 `_fastskip.c` answers the calls the sampling skips (npu_agent.fastskip), `_fastencode.c` writes a record's values
 and tensor table (npu_agent.records), `_fastlocate.c` finds the modules on a captured call's stack
 (npu_agent.location), `_fasttap.c` reads a captured call's flat arguments (npu_agent.snapshot, npu_agent.backward)
-and checks a known tree of autograd nodes against its inputs (npu_agent.backward). Each has a pure-Python path that
+and checks a known tree of autograd nodes against its inputs (npu_agent.backward), `_fasthook.cpp` (C++ against
+torch) puts the backward taps' hooks on autograd nodes (npu_agent.backward). Each has a pure-Python path that
 gives the same records; that path runs where the module is not built, where it fails to load, or with
 ONLINE_CHECK_PURE_PYTHON=1.
 
-`python -m npu_agent.compiled --build` (scripts/setup.sh runs it) compiles them all, a few seconds.
+`python -m npu_agent.compiled --build` (scripts/setup.sh runs it) compiles them all, about 20 s.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ SKIP = Compiled("_fastskip", "skipped calls are answered in Python", HERE, "npu_
 ENCODE = Compiled("_fastencode", "records are encoded in Python", HERE, "npu_agent")
 LOCATE = Compiled("_fastlocate", "module paths are read off the frames in Python", HERE, "npu_agent")
 TAP = Compiled("_fasttap", "a captured call's arguments are read in Python", HERE, "npu_agent")
-ALL = (SKIP, ENCODE, LOCATE, TAP)
+HOOK = Compiled("_fasthook", "autograd hooks are put on through torch's Python registration", HERE, "npu_agent",
+                torch=True)
+ALL = (SKIP, ENCODE, LOCATE, TAP, HOOK)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -245,6 +245,24 @@ MUTATIONS = (
           "            same = variable == NULL ? -1 : 1;"),),
         ("tests/test_fasttap.py",)),
     Mutation(
+        "fasthook-post-hook-gets-its-inputs-twice",
+        "a post-hook put on in C++ gets the node's grad_inputs where its grad_outputs belong",
+        (("npu_agent/_fasthook.cpp", "            outputs = wrap(grad_outputs);",
+          "            outputs = wrap(grad_inputs);"),),
+        ("tests/test_fasthook.py",)),
+    Mutation(
+        "fasthook-beside-torchs-dict",
+        "a hook put on in C++ on a node that has torch's dict of Python hooks becomes a hook of its own (after them "
+        "all) instead of going into the dict after the hooks put on before it",
+        (("npu_agent/_fasthook.cpp", "    if (dict != nullptr) {", "    if (dict != nullptr && false) {"),),
+        ("tests/test_fasthook.py",)),
+    Mutation(
+        "fasthook-compiled-post-hook-as-pre",
+        "under compiled autograd, a post-hook put on in C++ is handed to the compiler as a pre-hook",
+        (("npu_agent/_fasthook.cpp", "        args.add_post_hook(c10::SafePyObject(",
+          "        args.add_pre_hook(c10::SafePyObject("),),
+        ("tests/test_fasthook.py",)),
+    Mutation(
         "a-shape-may-hold-tensors",
         "a tuple or list whose items include tensors passes for a shape: the flat walks neither hold nor tap them",
         (("npu_agent/snapshot.py", "            kind = arg_kind(type(v))\n        if kind:\n            return False\n",

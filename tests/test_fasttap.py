@@ -17,19 +17,22 @@ import torch.nn.functional as F
 from npu_agent import PrecisionDebugger
 from npu_agent import backward as B
 from npu_agent import snapshot as S
-from npu_agent.compiled import PURE_PYTHON_ENV, TAP
+from npu_agent.compiled import HOOK, PURE_PYTHON_ENV, TAP
 from npu_agent.snapshot import KIND_OF, iter_tensors
 from tests.support import ListSink, agent_config
 
 
 @pytest.fixture(scope="module")
 def scan():
-    """The compiled `scan`, built here if the set-up did not build it (scripts/setup.sh does)."""
-    if not TAP.binary_path().exists():
-        TAP.build(quiet=True)
-    TAP.loaded.clear()
+    """The compiled `scan`, built here if the set-up did not build it (scripts/setup.sh does), and the hooks put on
+    in C++ (npu_agent/_fasthook.cpp, tests/test_fasthook.py), which a training's taps use beside it."""
+    for module in (TAP, HOOK):
+        if not module.binary_path().exists():
+            module.build(quiet=True)
+        module.loaded.clear()
     B.use_compiled()
     assert B._scan is not B._scan_py and B._hooks_of is not B._hooks_of_py, "npu_agent/_fasttap.c did not load"
+    assert B._post_hook is not B._post_hook_py, "npu_agent/_fasthook.cpp did not load"
     return B._scan
 
 
@@ -205,8 +208,11 @@ def _train(tmp_path, monkeypatch, tag: str, compiled: bool, steps: int = 4, hook
         monkeypatch.setattr(B, "_scan", B._scan_py)
         monkeypatch.setattr(B, "_hooks_of", B._hooks_of_py)
         monkeypatch.setattr(S, "_read_flat", S._hold_flat)
-    python = (B._scan is B._scan_py, B._hooks_of is B._hooks_of_py, S._read_flat is S._hold_flat)
-    assert python == (not compiled,) * 3, python
+        monkeypatch.setattr(B, "_post_hook", B._post_hook_py)
+        monkeypatch.setattr(B, "_pre_hook", B._pre_hook_py)
+    python = (B._scan is B._scan_py, B._hooks_of is B._hooks_of_py, S._read_flat is S._hold_flat,
+              B._post_hook is B._post_hook_py, B._pre_hook is B._pre_hook_py)
+    assert python == (not compiled,) * 5, python
     if hooks_of is not None:
         monkeypatch.setattr(B, "_hooks_of", hooks_of)
     torch.manual_seed(0)

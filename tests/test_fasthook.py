@@ -1,0 +1,249 @@
+"""Autograd hooks put on in C++ (npu_agent/_fasthook.cpp, issue 25 goal 2): `post_hook(node, fn)` and
+`pre_hook(node, fn)` call `fn` exactly when, and with exactly what, torch's `node.register_hook(fn)` and
+`node.register_prehook(fn)` do (the same tuples of gradients, None where one is undefined, in the same order among
+the node's other hooks), let an exception out of the backward the same way, hand `fn` to compiled autograd as torch
+does, take torch's registration for a node that is not a C++ node, and let go of `fn` with the node; the backward
+taps use them where built, and the Python registration otherwise (a training gives the same records either way:
+tests/test_fasttap.py)."""
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from npu_agent import backward as B
+from npu_agent.compiled import HOOK, PURE_PYTHON_ENV
+
+
+@pytest.fixture(scope="module")
+def hooks():
+    """The compiled module, built here if the set-up did not build it (scripts/setup.sh does)."""
+    if not HOOK.binary_path().exists():
+        HOOK.build(quiet=True)
+    HOOK.loaded.clear()
+    module = HOOK.load()
+    assert module is not None, "npu_agent/_fasthook.cpp did not load"
+    return module
+
+
+def _what(grads) -> tuple:
+    """The container's type (a tuple; compiled autograd gives lists), each gradient as None or (shape, dtype, the sum
+    of its values)."""
+    return (type(grads).__name__,
+            [None if g is None else (tuple(g.shape), g.dtype, g.double().sum().item()) for g in grads])
+
+
+def _seen(into: list, tag: str):
+    """A post-hook recording what it gets: (tag, what of grad_inputs, what of grad_outputs)."""
+    def hook(grad_inputs, grad_outputs):
+        into.append((tag, _what(grad_inputs), _what(grad_outputs)))
+    return hook
+
+
+def _seen_pre(into: list, tag: str):
+    def hook(grad_outputs):
+        into.append((tag, _what(grad_outputs)))
+    return hook
+
+
+def _graphs():
+    """(name, a function making a fresh graph: (the nodes to hook, the loss)), over nodes of every shape a training
+    meets: a product of two leaves, a node with several outputs, one whose inputs include a tensor without grad and an
+    integer one (None in its grad_inputs), a composite's inner node, an in-place op."""
+    def mm():
+        a = torch.randn(3, 4, requires_grad=True)
+        b = torch.randn(4, 5, requires_grad=True)
+        y = (a @ b).sin()
+        return [y.grad_fn, y.grad_fn.next_functions[0][0]], y.sum()
+
+    def split():
+        x = torch.randn(6, 4, requires_grad=True) * 2
+        a, b, c = torch.split(x, 2)
+        return [a.grad_fn, x.grad_fn], (a * 3 + c).sum()   # b gets no gradient: an undefined grad_output
+
+    def layer_norm():
+        x = torch.randn(2, 8, requires_grad=True)
+        w = torch.randn(8)   # no grad: None among the node's grad_inputs
+        y = F.layer_norm(x, (8,), w, torch.randn(8, requires_grad=True))
+        return [y.grad_fn], (y * y).sum()
+
+    def embedding():
+        w = torch.randn(10, 3, requires_grad=True)
+        y = F.embedding(torch.tensor([[1, 2], [2, 9]]), w)
+        return [y.grad_fn], y.pow(2).sum()
+
+    def inplace():
+        x = torch.randn(5, requires_grad=True) + 0
+        x.mul_(3)
+        return [x.grad_fn], x.exp().sum()
+
+    return [("mm", mm), ("split", split), ("layer_norm", layer_norm), ("embedding", embedding), ("inplace", inplace)]
+
+
+@pytest.mark.parametrize("name,make", _graphs(), ids=[n for n, _ in _graphs()])
+def test_the_hooks_get_what_torchs_registration_gives(hooks, name, make):
+    results = []
+    for compiled in (True, False):
+        got: list = []
+        torch.manual_seed(7)
+        nodes, loss = make()
+        for i, node in enumerate(nodes):
+            if compiled:
+                hooks.post_hook(node, _seen(got, f"post{i}"))
+                hooks.pre_hook(node, _seen_pre(got, f"pre{i}"))
+            else:
+                node.register_hook(_seen(got, f"post{i}"))
+                node.register_prehook(_seen_pre(got, f"pre{i}"))
+        loss.backward()
+        results.append(got)
+    assert results[0] == results[1]
+    assert len(results[0]) == 2 * len(make()[0]), results[0]   # every hook ran once
+    assert all(r[1][0] == "tuple" for r in results[0])
+
+
+def _order(hooks, compiled: bool) -> list[str]:
+    """The order in which one node's hooks run: a user's put on before ours, ours, a user's put on after."""
+    order: list[str] = []
+    a = torch.randn(3, requires_grad=True)
+    y = a.exp()
+    y.grad_fn.register_hook(lambda gi, go: order.append("user before"))
+    y.grad_fn.register_prehook(lambda go: order.append("user pre before"))
+    if compiled:
+        hooks.post_hook(y.grad_fn, lambda gi, go: order.append("ours"))
+        hooks.pre_hook(y.grad_fn, lambda go: order.append("ours pre"))
+    else:
+        y.grad_fn.register_hook(lambda gi, go: order.append("ours"))
+        y.grad_fn.register_prehook(lambda go: order.append("ours pre"))
+    y.grad_fn.register_hook(lambda gi, go: order.append("user after"))
+    y.grad_fn.register_prehook(lambda go: order.append("user pre after"))
+    y.sum().backward()
+    return order
+
+
+def test_the_order_among_the_nodes_other_python_hooks(hooks):
+    """A user's hook put on before ours runs before it, one put on after runs after it, as with torch's own
+    registration (where all of them share one dict)."""
+    assert _order(hooks, True) == _order(hooks, False) == ["user pre before", "ours pre", "user pre after",
+                                                           "user before", "ours", "user after"]
+
+
+def test_an_exception_leaves_the_backward_as_it_would(hooks):
+    def boom(*grads):
+        raise KeyError("from the hook")
+
+    for put in (hooks.post_hook, hooks.pre_hook):
+        y = torch.randn(4, requires_grad=True).sin()
+        put(y.grad_fn, boom)
+        with pytest.raises(KeyError, match="from the hook"):
+            y.sum().backward()
+
+
+def test_what_the_hook_returns_is_ignored(hooks):
+    """The backward taps' hooks return None; a returned tensor does not replace a gradient (torch's Python hooks
+    would take it: documented in the module)."""
+    a = torch.randn(3, requires_grad=True)
+    y = a * 2
+    hooks.post_hook(y.grad_fn, lambda gi, go: (torch.full_like(gi[0], 100.0),))
+    hooks.pre_hook(y.grad_fn, lambda go: (torch.full_like(go[0], 100.0),))
+    y.sum().backward()
+    assert torch.equal(a.grad, torch.full((3,), 2.0))
+
+
+def test_a_custom_functions_node_takes_torchs_registration(hooks):
+    class Twice(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 2
+
+    got: list = []
+    a = torch.randn(3, requires_grad=True)
+    y = Twice.apply(a)
+    hooks.post_hook(y.grad_fn, _seen(got, "post"))
+    hooks.pre_hook(y.grad_fn, _seen_pre(got, "pre"))
+    y.sum().backward()
+    assert [g[0] for g in got] == ["pre", "post"]
+    assert got[1][1] == ("tuple", [((3,), torch.float32, pytest.approx(6.0))])
+
+
+def test_bad_arguments_say_what_is_expected(hooks):
+    y = torch.randn(2, requires_grad=True).exp()
+    with pytest.raises(TypeError, match=r"post_hook\(node, fn\)"):
+        hooks.post_hook(y.grad_fn, "not callable")
+    with pytest.raises(TypeError, match=r"pre_hook\(node, fn\)"):
+        hooks.pre_hook(y.grad_fn)
+    with pytest.raises(AttributeError):   # not a node at all: torch's registration is asked, and it has none
+        hooks.post_hook(object(), lambda gi, go: None)
+
+
+def test_the_hook_is_let_go_with_its_node(hooks):
+    class Hook:
+        def __call__(self, *grads):
+            pass
+
+    for put in (hooks.post_hook, hooks.pre_hook):
+        fn = Hook()
+        ref = weakref.ref(fn)
+        y = torch.randn(3, requires_grad=True).exp()
+        put(y.grad_fn, fn)
+        del fn
+        gc.collect()
+        assert ref() is not None   # held by the node
+        del y
+        gc.collect()
+        assert ref() is None
+
+
+def test_compiled_autograd_calls_the_hooks_as_torchs(hooks):
+    import torch._dynamo.compiled_autograd as ca
+
+    results = []
+    for compiled in (True, False):
+        got: list = []
+        torch.manual_seed(3)
+        a = torch.randn(4, 4, requires_grad=True)
+        b = torch.randn(4, 4, requires_grad=True)
+        y = (a @ b).sin()
+        inner = y.grad_fn.next_functions[0][0]
+        if compiled:
+            hooks.post_hook(inner, _seen(got, "post"))
+            hooks.pre_hook(y.grad_fn, _seen_pre(got, "pre"))
+        else:
+            inner.register_hook(_seen(got, "post"))
+            y.grad_fn.register_prehook(_seen_pre(got, "pre"))
+        with ca._enable(torch.compile(backend="eager")):
+            y.sum().backward()
+        results.append((got, a.grad.clone()))
+    assert results[0][0] == results[1][0] and [g[0] for g in results[0][0]] == ["pre", "post"]
+    assert torch.equal(results[0][1], results[1][1])
+
+
+def test_the_taps_use_them_where_built_and_python_otherwise(monkeypatch, tmp_path, hooks):
+    monkeypatch.setattr(B, "_post_hook", None)   # (restored after the test)
+    monkeypatch.setattr(B, "_pre_hook", None)
+    monkeypatch.setattr(HOOK, "loaded", [])
+    B.use_compiled()
+    assert (B._post_hook, B._pre_hook) == (hooks.post_hook, hooks.pre_hook)
+    monkeypatch.setattr(HOOK, "loaded", [])
+    monkeypatch.setenv(PURE_PYTHON_ENV, "1")
+    B.use_compiled()
+    assert (B._post_hook, B._pre_hook) == (B._post_hook_py, B._pre_hook_py)
+    monkeypatch.setattr(HOOK, "loaded", [])
+    monkeypatch.delenv(PURE_PYTHON_ENV)
+    monkeypatch.setattr(HOOK, "source", tmp_path / "_fasthook.cpp")   # a changed source: its binary is not built
+    (tmp_path / "_fasthook.cpp").write_text("// another source\n")
+    B.use_compiled()
+    assert (B._post_hook, B._pre_hook) == (B._post_hook_py, B._pre_hook_py)
+
+
+def test_another_torch_finds_the_binary_missing(monkeypatch, hooks):
+    """The binary's name carries the torch it was built for: another version (or commit, or ABI) never loads it."""
+    built = HOOK.binary_path()
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
+    assert HOOK.binary_path() != built
