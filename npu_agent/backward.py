@@ -26,6 +26,7 @@ the real graph uses. Non-reentrant checkpointing keeps the taps of the first pas
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import threading
@@ -160,7 +161,7 @@ class BackwardTaps:
         named: dict[str, Any] | None = None
         aliases: dict[int, torch.Tensor] = {}
         nodes: list[tuple[Any, int]] = []   # (alias node, slot): hooked by tap_outputs
-        hooked: list[tuple[torch.Tensor, int]] = []   # in-place `self`: a tensor hook (`_in_hook`)
+        hooked: list[tuple[torch.Tensor, int]] = []   # in-place `self`: a tensor hook (`_in_grad`)
         for key, t, pos in tapped:
             slot = len(entry.positions)
             if first is not None and t is first:
@@ -192,7 +193,7 @@ class BackwardTaps:
                 named[cast(str, key)] = alias
         if entry.positions:
             for t, slot in hooked:
-                t.register_hook(self._in_hook(entry, slot))
+                t.register_hook(functools.partial(self._in_grad, entry, slot, False))
             entry.left = len(entry.positions)
             if items is not None:
                 ctx.args = tuple(items)
@@ -226,7 +227,7 @@ class BackwardTaps:
                 entry.positions.append(position)
                 entry.grad_in.append(None)
                 entry.leaf.append(False)
-                t.register_hook(self._in_hook(entry, slot))
+                t.register_hook(functools.partial(self._in_grad, entry, slot, False))
                 return t
             alias = t.view_as(t)
             node = alias.grad_fn
@@ -254,14 +255,14 @@ class BackwardTaps:
 
     def _hook_aliases(self, entry: _Entry, nodes: list[tuple[Any, int]]) -> None:
         for node, slot in nodes:
-            _pre_hook(node, self._in_hook(entry, slot, True))
+            _pre_hook(node, self._in_grad, entry, slot, True)
         nodes.clear()
 
     def tap_outputs(self, ctx: CallContext, out: Any) -> Any:
         """Hook every differentiable output; give back the original tensor where the API returned our alias.
 
         The common call, one autograd node whose every input edge is one of the call's aliases: one hook after that
-        node (`_node_hook`) takes grad_output and every grad_input at once, the very tensors the pre-hooks on its
+        node (`_node_grads`) takes grad_output and every grad_input at once, the very tensors the pre-hooks on its
         output node and on the aliases' nodes would get, in place of one hook per tensor. Any other call (several
         output nodes, a cast or a composite's inner node between an alias and the output's node, an in-place call's
         tensor hook): a pre-hook on each alias's node and on each output's node."""
@@ -280,11 +281,11 @@ class BackwardTaps:
                 self._learn(entry.signature, _tree_of(fn, alias_nodes, len(entry.positions)))
             edges = _direct_edges(fn, alias_nodes, len(entry.positions))
             if edges is not None:
-                _post_hook(fn, self._node_hook(entry, out.output_nr, edges))
+                _post_hook(fn, self._node_grads, entry, out.output_nr, edges)
                 alias_nodes.clear()
             else:
                 self._hook_aliases(entry, alias_nodes)
-                _pre_hook(fn, self._out_hook(entry, [(out.output_nr, 0)]))
+                _pre_hook(fn, self._out_grads, entry, [(out.output_nr, 0)])
             self._expect_backward(ctx, entry)
             return out
         self._hook_aliases(entry, alias_nodes)
@@ -304,7 +305,7 @@ class BackwardTaps:
             if fn is not None and o.requires_grad:
                 nodes.setdefault(id(fn), (fn, []))[1].append((o.output_nr, j))
         for fn, slots in nodes.values():
-            _pre_hook(fn, self._out_hook(entry, slots))
+            _pre_hook(fn, self._out_grads, entry, slots)
         if nodes:
             self._expect_backward(ctx, entry)
 
@@ -328,9 +329,9 @@ class BackwardTaps:
             hooks = known.hooks_of(fn, entry.leaf)
             if hooks is not None:
                 entry.grad_out = [None]
-                _post_hook(fn, self._node_hook(entry, out.output_nr, hooks[0][1]))
+                _post_hook(fn, self._node_grads, entry, out.output_nr, hooks[0][1])
                 for node, edges in hooks[1:]:   # a composite's inner nodes with edges to inputs: no grad_output
-                    _post_hook(node, self._node_hook(entry, -1, edges))
+                    _post_hook(node, self._node_grads, entry, -1, edges)
                 self._expect_backward(ctx, entry)
                 return out
         self._unlearn(known.signature, f"{ctx.record.name} (step {ctx.record.step})")
@@ -358,54 +359,49 @@ class BackwardTaps:
                         "aliases from now on", name)
 
     # -- backward side (autograd engine threads) ------------------------------------------------------------
-    def _out_hook(self, entry: _Entry, slots: list[tuple[int, int]]) -> Callable[[tuple[Any, ...]], None]:
-        def hook(grads: tuple[Any, ...]) -> None:
-            with self._lock:
-                if not entry.emitted:
-                    for nr, j in slots:
-                        if entry.grad_out[j] is None and nr < len(grads):
-                            entry.grad_out[j] = _hold(grads[nr])
-            return None
-        return hook
+    # Each hook is one of the three methods below with the call's entry (and where the gradients are) bound to it:
+    # `_post_hook(node, self._node_grads, entry, nr, edges)` calls `self._node_grads(entry, nr, edges, grad_inputs,
+    # grad_outputs)` (no closure made a call).
+    def _out_grads(self, entry: _Entry, slots: list[tuple[int, int]], grads: tuple[Any, ...]) -> None:
+        """A pre-hook on an output's node: each (output number on the node, output index)'s grad_output."""
+        with self._lock:
+            if not entry.emitted:
+                for nr, j in slots:
+                    if entry.grad_out[j] is None and nr < len(grads):
+                        entry.grad_out[j] = _hold(grads[nr])
 
-    def _node_hook(self, entry: _Entry, nr: int, edges: Sequence[tuple[int, int]]
-                   ) -> Callable[[tuple[Any, ...], tuple[Any, ...]], None]:
+    def _node_grads(self, entry: _Entry, nr: int, edges: Sequence[tuple[int, int]], grad_inputs: tuple[Any, ...],
+                    grad_outputs: tuple[Any, ...]) -> None:
         """The one hook after the output's node (tap_outputs): grad_output (`nr`: the output's number on the node)
-        as `_out_hook` takes it, then each (edge, slot)'s gradient as the alias's `_in_hook` takes it. With `nr` -1,
+        as `_out_grads` takes it, then each (edge, slot)'s gradient as the alias's `_in_grad` takes it. With `nr` -1,
         a hook after a composite's inner node (`_tap_known`): its edges' gradients only."""
-        def hook(grad_inputs: tuple[Any, ...], grad_outputs: tuple[Any, ...]) -> None:
-            emit = False
-            with self._lock:
-                if entry.emitted:
-                    return None
-                if nr >= 0 and entry.grad_out[0] is None and nr < len(grad_outputs):
-                    entry.grad_out[0] = _hold(grad_outputs[nr])
-                for i, slot in edges:
-                    if entry.grad_in[slot] is not None:
-                        continue   # retain_graph double backward: the first gradient is the record
-                    emit = self._arrived(entry, slot, grad_inputs[i])
-                    if entry.left == 0:
-                        break
-                queue = self._queue_flush()
-            self._after(entry, emit, queue)
-            return None
-        return hook
+        emit = False
+        with self._lock:
+            if entry.emitted:
+                return
+            if nr >= 0 and entry.grad_out[0] is None and nr < len(grad_outputs):
+                entry.grad_out[0] = _hold(grad_outputs[nr])
+            for i, slot in edges:
+                if entry.grad_in[slot] is not None:
+                    continue   # retain_graph double backward: the first gradient is the record
+                emit = self._arrived(entry, slot, grad_inputs[i])
+                if entry.left == 0:
+                    break
+            queue = self._queue_flush()
+        self._after(entry, emit, queue)
 
-    def _in_hook(self, entry: _Entry, slot: int, pre: bool = False) -> Callable[[Any], None]:
+    def _in_grad(self, entry: _Entry, slot: int, pre: bool, grad: Any) -> None:
         """The hook for one tapped input: a tensor hook (grad) or, with `pre`, a pre-hook on the alias's node
         (a tuple holding grad)."""
-        def hook(grad: Any) -> None:
-            if pre:
-                grad = grad[0]
-            emit = False
-            with self._lock:
-                if entry.emitted or entry.grad_in[slot] is not None:
-                    return None  # retain_graph double backward: the first gradient is the record
-                emit = self._arrived(entry, slot, grad)
-                queue = self._queue_flush()
-            self._after(entry, emit, queue)
-            return None
-        return hook
+        if pre:
+            grad = grad[0]
+        emit = False
+        with self._lock:
+            if entry.emitted or entry.grad_in[slot] is not None:
+                return  # retain_graph double backward: the first gradient is the record
+            emit = self._arrived(entry, slot, grad)
+            queue = self._queue_flush()
+        self._after(entry, emit, queue)
 
     def _arrived(self, entry: _Entry, slot: int, grad: Any) -> bool:
         """Under the lock: input `slot`'s gradient arrived; True when this caller must now emit the entry."""
@@ -599,14 +595,15 @@ def _hooks_of_py(tree: _Tree, fn: Any, inputs: list[torch.Tensor], leaf: list[bo
     return hooks
 
 
-def _post_hook_py(node: Any, fn: Callable[[tuple[Any, ...], tuple[Any, ...]], None]) -> None:
-    """fn(grad_inputs, grad_outputs) after `node` runs in a backward pass (the handle is not kept: never removed)."""
-    node.register_hook(fn)
+def _post_hook_py(node: Any, fn: Callable[..., None], *args: Any) -> None:
+    """fn(*args, grad_inputs, grad_outputs) after `node` runs in a backward pass (the handle is not kept: never
+    removed)."""
+    node.register_hook(functools.partial(fn, *args) if args else fn)
 
 
-def _pre_hook_py(node: Any, fn: Callable[[tuple[Any, ...]], None]) -> None:
-    """fn(grad_outputs) before `node` runs in a backward pass (the handle is not kept: never removed)."""
-    node.register_prehook(fn)
+def _pre_hook_py(node: Any, fn: Callable[..., None], *args: Any) -> None:
+    """fn(*args, grad_outputs) before `node` runs in a backward pass (the handle is not kept: never removed)."""
+    node.register_prehook(functools.partial(fn, *args) if args else fn)
 
 
 # A call's flat arguments read (`_tap_flat`) and a known tree checked (`_Known.hooks_of`): the Python paths, or
@@ -614,8 +611,8 @@ def _pre_hook_py(node: Any, fn: Callable[[tuple[Any, ...]], None]) -> None:
 # or npu_agent/_fasthook.cpp's (the same hooks, called the same way, without a handle)
 _scan: Callable[[tuple[Any, ...], dict[str, Any], list[Any]], _Tapped | None] = _scan_py
 _hooks_of: Callable[[_Tree, Any, list[torch.Tensor], list[bool]], _Hooks | None] = _hooks_of_py
-_post_hook: Callable[[Any, Callable[[tuple[Any, ...], tuple[Any, ...]], None]], None] = _post_hook_py
-_pre_hook: Callable[[Any, Callable[[tuple[Any, ...]], None]], None] = _pre_hook_py
+_post_hook: Callable[..., None] = _post_hook_py
+_pre_hook: Callable[..., None] = _pre_hook_py
 
 
 def use_compiled() -> None:

@@ -259,8 +259,8 @@ MUTATIONS = (
     Mutation(
         "fasthook-compiled-post-hook-as-pre",
         "under compiled autograd, a post-hook put on in C++ is handed to the compiler as a pre-hook",
-        (("npu_agent/_fasthook.cpp", "        args.add_post_hook(c10::SafePyObject(",
-          "        args.add_pre_hook(c10::SafePyObject("),),
+        (("npu_agent/_fasthook.cpp", "        args.add_post_hook(held.for_compiler());",
+          "        args.add_pre_hook(held.for_compiler());"),),
         ("tests/test_fasthook.py",)),
     Mutation(
         "a-shape-may-hold-tensors",

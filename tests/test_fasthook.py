@@ -1,12 +1,13 @@
-"""Autograd hooks put on in C++ (npu_agent/_fasthook.cpp, issue 25 goal 2): `post_hook(node, fn)` and
-`pre_hook(node, fn)` call `fn` exactly when, and with exactly what, torch's `node.register_hook(fn)` and
-`node.register_prehook(fn)` do (the same tuples of gradients, None where one is undefined, in the same order among
-the node's other hooks), let an exception out of the backward the same way, hand `fn` to compiled autograd as torch
-does, take torch's registration for a node that is not a C++ node, and let go of `fn` with the node; the backward
-taps use them where built, and the Python registration otherwise (a training gives the same records either way:
-tests/test_fasttap.py)."""
+"""Autograd hooks put on in C++ (npu_agent/_fasthook.cpp, issue 25 goal 2): `post_hook(node, fn, *args)` and
+`pre_hook(node, fn, *args)` call `fn(*args, ...)` exactly when, and with exactly what, torch's
+`node.register_hook(functools.partial(fn, *args))` and `node.register_prehook(...)` do (the same tuples of
+gradients, None where one is undefined, in the same order among the node's other hooks), let an exception out of
+the backward the same way, hand the hook to compiled autograd as torch does, take torch's registration for a node
+that is not a C++ node, and let go of `fn` and its arguments with the node; the backward taps use them where built,
+and the Python registration otherwise (a training gives the same records either way: tests/test_fasttap.py)."""
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 
@@ -36,17 +37,21 @@ def _what(grads) -> tuple:
             [None if g is None else (tuple(g.shape), g.dtype, g.double().sum().item()) for g in grads])
 
 
+def _record(into: list, tag: str, grad_inputs, grad_outputs) -> None:
+    """A post-hook with its list and tag bound: (tag, what of grad_inputs, what of grad_outputs) into the list."""
+    into.append((tag, _what(grad_inputs), _what(grad_outputs)))
+
+
+def _record_pre(into: list, tag: str, grad_outputs) -> None:
+    into.append((tag, _what(grad_outputs)))
+
+
 def _seen(into: list, tag: str):
-    """A post-hook recording what it gets: (tag, what of grad_inputs, what of grad_outputs)."""
-    def hook(grad_inputs, grad_outputs):
-        into.append((tag, _what(grad_inputs), _what(grad_outputs)))
-    return hook
+    return functools.partial(_record, into, tag)
 
 
 def _seen_pre(into: list, tag: str):
-    def hook(grad_outputs):
-        into.append((tag, _what(grad_outputs)))
-    return hook
+    return functools.partial(_record_pre, into, tag)
 
 
 def _graphs():
@@ -91,9 +96,9 @@ def test_the_hooks_get_what_torchs_registration_gives(hooks, name, make):
         torch.manual_seed(7)
         nodes, loss = make()
         for i, node in enumerate(nodes):
-            if compiled:
-                hooks.post_hook(node, _seen(got, f"post{i}"))
-                hooks.pre_hook(node, _seen_pre(got, f"pre{i}"))
+            if compiled:   # the list and the tag bound by post_hook itself
+                hooks.post_hook(node, _record, got, f"post{i}")
+                hooks.pre_hook(node, _record_pre, got, f"pre{i}")
             else:
                 node.register_hook(_seen(got, f"post{i}"))
                 node.register_prehook(_seen_pre(got, f"pre{i}"))
@@ -111,9 +116,9 @@ def _order(hooks, compiled: bool) -> list[str]:
     y = a.exp()
     y.grad_fn.register_hook(lambda gi, go: order.append("user before"))
     y.grad_fn.register_prehook(lambda go: order.append("user pre before"))
-    if compiled:
-        hooks.post_hook(y.grad_fn, lambda gi, go: order.append("ours"))
-        hooks.pre_hook(y.grad_fn, lambda go: order.append("ours pre"))
+    if compiled:   # into torch's dict of the node's Python hooks, with its arguments bound
+        hooks.post_hook(y.grad_fn, lambda what, gi, go: order.append(what), "ours")
+        hooks.pre_hook(y.grad_fn, lambda what, go: order.append(what), "ours pre")
     else:
         y.grad_fn.register_hook(lambda gi, go: order.append("ours"))
         y.grad_fn.register_prehook(lambda go: order.append("ours pre"))
@@ -165,8 +170,8 @@ def test_a_custom_functions_node_takes_torchs_registration(hooks):
     got: list = []
     a = torch.randn(3, requires_grad=True)
     y = Twice.apply(a)
-    hooks.post_hook(y.grad_fn, _seen(got, "post"))
-    hooks.pre_hook(y.grad_fn, _seen_pre(got, "pre"))
+    hooks.post_hook(y.grad_fn, _record, got, "post")
+    hooks.pre_hook(y.grad_fn, _record_pre, got, "pre")
     y.sum().backward()
     assert [g[0] for g in got] == ["pre", "post"]
     assert got[1][1] == ("tuple", [((3,), torch.float32, pytest.approx(6.0))])
@@ -174,9 +179,9 @@ def test_a_custom_functions_node_takes_torchs_registration(hooks):
 
 def test_bad_arguments_say_what_is_expected(hooks):
     y = torch.randn(2, requires_grad=True).exp()
-    with pytest.raises(TypeError, match=r"post_hook\(node, fn\)"):
+    with pytest.raises(TypeError, match=r"post_hook\(node, fn, \*args\)"):
         hooks.post_hook(y.grad_fn, "not callable")
-    with pytest.raises(TypeError, match=r"pre_hook\(node, fn\)"):
+    with pytest.raises(TypeError, match=r"pre_hook\(node, fn, \*args\)"):
         hooks.pre_hook(y.grad_fn)
     with pytest.raises(AttributeError):   # not a node at all: torch's registration is asked, and it has none
         hooks.post_hook(object(), lambda gi, go: None)
@@ -188,16 +193,29 @@ def test_the_hook_is_let_go_with_its_node(hooks):
             pass
 
     for put in (hooks.post_hook, hooks.pre_hook):
-        fn = Hook()
-        ref = weakref.ref(fn)
+        fn, arg = Hook(), Hook()
+        refs = weakref.ref(fn), weakref.ref(arg)
         y = torch.randn(3, requires_grad=True).exp()
-        put(y.grad_fn, fn)
-        del fn
+        put(y.grad_fn, fn, arg)
+        del fn, arg
         gc.collect()
-        assert ref() is not None   # held by the node
+        assert all(r() is not None for r in refs)   # held by the node
         del y
         gc.collect()
-        assert ref() is None
+        assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("count", [0, 1, 6, 7, 9])
+def test_any_number_of_bound_arguments(hooks, count):
+    """Up to six arguments go on the call's stack, more through a tuple: the same call either way."""
+    bound = tuple(f"a{i}" for i in range(count))
+    got: list = []
+    y = torch.randn(2, requires_grad=True).exp()
+    hooks.post_hook(y.grad_fn, lambda *a: got.append(("post", a[:-2], _what(a[-2]), _what(a[-1]))), *bound)
+    hooks.pre_hook(y.grad_fn, lambda *a: got.append(("pre", a[:-1], _what(a[-1]))), *bound)
+    y.sum().backward()
+    assert [g[:2] for g in got] == [("pre", bound), ("post", bound)]
+    assert got[1][2][1][0][0] == (2,) and got[1][3][1] == [((2,), torch.float32, 2.0)]
 
 
 def test_compiled_autograd_calls_the_hooks_as_torchs(hooks):
@@ -212,8 +230,8 @@ def test_compiled_autograd_calls_the_hooks_as_torchs(hooks):
         y = (a @ b).sin()
         inner = y.grad_fn.next_functions[0][0]
         if compiled:
-            hooks.post_hook(inner, _seen(got, "post"))
-            hooks.pre_hook(y.grad_fn, _seen_pre(got, "pre"))
+            hooks.post_hook(inner, _record, got, "post")
+            hooks.pre_hook(y.grad_fn, _record_pre, got, "pre")
         else:
             inner.register_hook(_seen(got, "post"))
             y.grad_fn.register_prehook(_seen_pre(got, "pre"))
