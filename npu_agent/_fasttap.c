@@ -35,7 +35,7 @@
 static PyObject *scan_names = NULL, *hold_names = NULL;
 static PyObject *s_requires_grad, *s_is_floating_point, *s_is_complex, *s_dtype, *s_dim, *s_version, *s_numel,
                 *s_element_size, *s_KIND_OF, *s_arg_kind, *s_without_tensors, *s_VALUE_KEYS, *s_variable,
-                *s_grad_fn, *s_output_nr, *s_next_functions;
+                *s_grad_fn, *s_output_nr, *s_next_functions, *s_Snapshot, *s_HELD, *s_add;
 
 #define TENSOR 1
 #define NESTED 2
@@ -306,22 +306,12 @@ error:
     return NULL;
 }
 
-/* One argument of `hold`: 0, 1 when the tree walk must hold the call, -1 with an exception set. */
+/* The tensor `v` into `held` (id -> [v, its _version, None, None]) unless it is there already; its id into `grads`
+ * when it requires grad (not asked where grads is NULL), its bytes added to *nbytes. 0, or -1 with an exception
+ * set. */
 static int
-hold_one(Names *n, PyObject *v, PyObject *held, PyObject *grads, long long *nbytes)
+hold_tensor(PyObject *v, PyObject *held, PyObject *grads, long long *nbytes)
 {
-    PyObject *tp = (PyObject *)Py_TYPE(v);
-    long kind = kind_of(n, tp);
-    if (kind == -1 && PyErr_Occurred())
-        return -1;
-    if (kind == NESTED) {
-        if (tp != (PyObject *)&PyTuple_Type)
-            return 1;
-        int truth = holds_no_tensor(n, v);
-        return truth < 0 ? -1 : !truth;
-    }
-    if (kind != TENSOR)
-        return 0;
     PyObject *tid = PyLong_FromVoidPtr(v);   /* id(v) */
     if (tid == NULL)
         return -1;
@@ -339,7 +329,7 @@ hold_one(Names *n, PyObject *v, PyObject *held, PyObject *grads, long long *nbyt
         PyList_SET_ITEM(entry, 2, Py_NewRef(Py_None));
         PyList_SET_ITEM(entry, 3, Py_NewRef(Py_None));
         if (PyDict_SetItem(held, tid, entry) == 0) {
-            int truth = truth_of(PyObject_GetAttr(v, s_requires_grad));
+            int truth = grads == NULL ? 0 : truth_of(PyObject_GetAttr(v, s_requires_grad));
             if (truth >= 0 && (truth == 0 || PySet_Add(grads, tid) == 0)) {
                 long long numel = integer_of(PyObject_CallMethodNoArgs(v, s_numel));
                 long long size = numel == -1 && PyErr_Occurred() ? -1
@@ -355,6 +345,25 @@ hold_one(Names *n, PyObject *v, PyObject *held, PyObject *grads, long long *nbyt
     Py_XDECREF(version);
     Py_DECREF(tid);
     return failed ? -1 : 0;
+}
+
+/* One argument of `hold`: 0, 1 when the tree walk must hold the call, -1 with an exception set. */
+static int
+hold_one(Names *n, PyObject *v, PyObject *held, PyObject *grads, long long *nbytes)
+{
+    PyObject *tp = (PyObject *)Py_TYPE(v);
+    long kind = kind_of(n, tp);
+    if (kind == -1 && PyErr_Occurred())
+        return -1;
+    if (kind == NESTED) {
+        if (tp != (PyObject *)&PyTuple_Type)
+            return 1;
+        int truth = holds_no_tensor(n, v);
+        return truth < 0 ? -1 : !truth;
+    }
+    if (kind != TENSOR)
+        return 0;
+    return hold_tensor(v, held, grads, nbytes);
 }
 
 static PyObject *
@@ -386,6 +395,55 @@ hold(PyObject *unused, PyObject *const *args, Py_ssize_t nargs)
     if (done)
         Py_RETURN_NONE;
     return PyLong_FromLongLong(nbytes);
+}
+
+/* grads(values): snapshot.grads_snapshot(values) in C, for a list of gradients (tensors, or None where none
+ * arrived): the same held dict (each tensor once), the same bytes, then snapshot.Snapshot(list(values), nbytes, set(),
+ * held) registered by snapshot.HELD.add, both looked up in the namespace bound as "hold". */
+static PyObject *
+grads(PyObject *unused, PyObject *values)
+{
+    if (!PyList_Check(values)) {
+        PyErr_SetString(PyExc_TypeError, "grads(values: list)");
+        return NULL;
+    }
+    if (hold_names == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "grads: bind('hold', npu_agent.snapshot's namespace) first");
+        return NULL;
+    }
+    PyObject *items = PySequence_Tuple(values);   /* the values as they are now, whatever the calls below do */
+    PyObject *held = items == NULL ? NULL : PyDict_New();
+    PyObject *snap = NULL;
+    long long nbytes = 0;
+    if (held == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(items); i++) {
+        PyObject *v = PyTuple_GET_ITEM(items, i);
+        if (v != Py_None && hold_tensor(v, held, NULL, &nbytes) < 0)
+            goto done;
+    }
+    PyObject *cls = name_in(hold_names, s_Snapshot);
+    PyObject *registry = cls == NULL ? NULL : name_in(hold_names, s_HELD);
+    PyObject *tree = registry == NULL ? NULL : PySequence_List(items);
+    PyObject *size = tree == NULL ? NULL : PyLong_FromLongLong(nbytes);
+    PyObject *none_grad = size == NULL ? NULL : PySet_New(NULL);
+    if (none_grad != NULL) {
+        PyObject *stack[4] = {tree, size, none_grad, held};
+        snap = PyObject_Vectorcall(cls, stack, 4, NULL);
+        PyObject *added = snap == NULL ? NULL : PyObject_CallMethodOneArg(registry, s_add, snap);
+        if (added == NULL)
+            Py_CLEAR(snap);
+        Py_XDECREF(added);
+    }
+    Py_XDECREF(none_grad);
+    Py_XDECREF(size);
+    Py_XDECREF(tree);
+    Py_XDECREF(registry);
+    Py_XDECREF(cls);
+done:
+    Py_XDECREF(held);
+    Py_XDECREF(items);
+    return snap;
 }
 
 /* One tree entry's (edge, slot) pairs against the node's edges `nf`: 1 when each leads to this call's input of its
@@ -545,6 +603,8 @@ static PyMethodDef tap_methods[] = {
      "bind(name, namespace): 'scan' or 'hold' reads KIND_OF, arg_kind, without_tensors (and VALUE_KEYS) from it."},
     {"scan", (PyCFunction)(void (*)(void))scan, METH_FASTCALL,
      "scan(args, kwargs, signature) -> [(key, tensor, position)] or None: backward._scan_py in C."},
+    {"grads", (PyCFunction)grads, METH_O,
+     "grads(values) -> Snapshot: snapshot.grads_snapshot in C (Snapshot and HELD from the namespace bound as 'hold')."},
     {"hold", (PyCFunction)(void (*)(void))hold, METH_FASTCALL,
      "hold(args, kwargs, held, grads) -> bytes held or None: snapshot._hold_flat in C."},
     {NULL, NULL, 0, NULL},
@@ -564,6 +624,9 @@ PyInit__fasttap(void)
             || (s_dim = PyUnicode_InternFromString("dim")) == NULL
             || (s_version = PyUnicode_InternFromString("_version")) == NULL
             || (s_numel = PyUnicode_InternFromString("numel")) == NULL
+            || (s_Snapshot = PyUnicode_InternFromString("Snapshot")) == NULL
+            || (s_HELD = PyUnicode_InternFromString("HELD")) == NULL
+            || (s_add = PyUnicode_InternFromString("add")) == NULL
             || (s_element_size = PyUnicode_InternFromString("element_size")) == NULL
             || (s_KIND_OF = PyUnicode_InternFromString("KIND_OF")) == NULL
             || (s_arg_kind = PyUnicode_InternFromString("arg_kind")) == NULL

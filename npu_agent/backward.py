@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from npu_agent import snapshot
 from npu_agent.records import BACKWARD, PendingRecord
 from npu_agent.snapshot import (
     KIND_OF,
@@ -447,7 +448,7 @@ class BackwardTaps:
     def _emit(self, entry: _Entry) -> None:
         rec = PendingRecord(
             name=entry.name, step=entry.step, direction=BACKWARD,
-            grad_output=grads_snapshot(entry.grad_out), grad_input=grads_snapshot(entry.grad_in),
+            grad_output=snapshot.take_grads(entry.grad_out), grad_input=snapshot.take_grads(entry.grad_in),
             grad_input_positions=tuple(entry.positions), grad_enabled=True, module=entry.module, source=entry.source,
         )
         self.sink(rec)

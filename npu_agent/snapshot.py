@@ -297,18 +297,19 @@ VALUE_KEYS = frozenset({bool, int, str, type(None), torch.dtype, torch.device, t
 
 
 def use_compiled() -> None:
-    """`snapshot_call` reads its arguments in C from now on where npu_agent/_fasttap.c is built (npu_agent.compiled),
-    else in Python (a Capturer calls it when it is made). The C `hold` reads this module's KIND_OF, arg_kind and
-    without_tensors at each call, as `_hold_flat` does."""
-    global _read_flat
+    """`snapshot_call` reads its arguments, and `take_grads` holds a list of gradients, in C from now on where
+    npu_agent/_fasttap.c is built (npu_agent.compiled), else in Python (a Capturer calls it when it is made). The C
+    `hold` reads this module's KIND_OF, arg_kind and without_tensors at each call, as `_hold_flat` does, and `grads`
+    its Snapshot and HELD."""
+    global _read_flat, take_grads
     from npu_agent.compiled import TAP
 
     module = TAP.load()
     if module is None:
-        _read_flat = _hold_flat
+        _read_flat, take_grads = _hold_flat, grads_snapshot
         return
     module.bind("hold", globals())
-    _read_flat = module.hold
+    _read_flat, take_grads = module.hold, module.grads
 
 
 def snapshot_call(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Snapshot:
@@ -357,7 +358,8 @@ _read_flat: Callable[[tuple[Any, ...], dict[str, Any], dict[int, list[Any]], set
 
 
 def grads_snapshot(values: list[torch.Tensor | None]) -> Snapshot:
-    """A list of gradients (None where none arrived), held by reference."""
+    """A list of gradients (None where none arrived), held by reference. npu_agent/_fasttap.c's `grads` does the
+    same in C (`take_grads`)."""
     held: dict[int, list[Any]] = {}
     nbytes = 0
     for v in values:
@@ -367,6 +369,10 @@ def grads_snapshot(values: list[torch.Tensor | None]) -> Snapshot:
     snap = Snapshot(list(values), nbytes, set(), held)
     HELD.add(snap)
     return snap
+
+
+# grads_snapshot, or npu_agent/_fasttap.c's `grads` once `use_compiled()` found it (a backward record's two lists)
+take_grads: Callable[[list[torch.Tensor | None]], Snapshot] = grads_snapshot
 
 
 # -- mutations the capture mode does not see ---------------------------------------------------------------------

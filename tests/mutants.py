@@ -245,6 +245,12 @@ MUTATIONS = (
           "            same = variable == NULL ? -1 : 1;"),),
         ("tests/test_fasttap.py",)),
     Mutation(
+        "fasttap-grads-weigh-nothing",
+        "the compiled hold of a backward record's gradients counts none of their bytes",
+        (("npu_agent/_fasttap.c", "    PyObject *size = tree == NULL ? NULL : PyLong_FromLongLong(nbytes);",
+          "    PyObject *size = tree == NULL ? NULL : PyLong_FromLongLong(0);"),),
+        ("tests/test_fasttap.py",)),
+    Mutation(
         "fasthook-post-hook-gets-its-inputs-twice",
         "a post-hook put on in C++ gets the node's grad_inputs where its grad_outputs belong",
         (("npu_agent/_fasthook.cpp", "            outputs = wrap(grad_outputs);",

@@ -134,6 +134,46 @@ def test_what_is_held(hold):
         assert grads == {id(x)}
 
 
+_G = torch.randn(4, 3)
+_GRADS = {
+    "one": [_G],
+    "none arrived": [None, None],
+    "some": [None, _G, torch.ones(2, dtype=torch.bfloat16)],
+    "the same twice": [_G, None, _G],
+    "requiring grad (create_graph)": [torch.randn(2, requires_grad=True)],
+    "empty": [],
+    "a subclass": [torch.nn.Parameter(torch.randn(5))],
+}
+
+
+@pytest.mark.parametrize("case", list(_GRADS), ids=list(_GRADS))
+def test_a_backward_records_gradients_held_as_the_python_path_holds_them(hold, case):
+    """snapshot.take_grads in C (`grads`): the same tree, bytes, held entries and no ids requiring grad, registered
+    with HELD as the Python path registers them."""
+    values = list(_GRADS[case])
+    got = []
+    for take in (S.grads_snapshot, S.take_grads):
+        snap = take(values)
+        assert type(snap) is S.Snapshot
+        assert snap.tree == values and snap.tree is not values
+        ref = S.HELD.pending.get(id(snap))   # (an id may stand for a snapshot gone, its reference dead)
+        assert (ref is not None and ref() is snap) == bool(snap.held)
+        tensors = {id(t): t for t in values if t is not None}
+        assert list(snap.held) == list(tensors)   # each tensor once, in order
+        got.append((snap.nbytes, snap.requires_grad,
+                    [(e[0] is tensors[k], e[1], e[2:]) for k, e in snap.held.items()]))
+    assert S.take_grads is not S.grads_snapshot
+    assert got[0] == got[1]
+    assert got[1][1] == set()
+
+
+def test_grads_says_what_it_takes(hold):
+    with pytest.raises(TypeError, match="grads"):
+        S.take_grads((_G,))
+    with pytest.raises(AttributeError):   # not a tensor: as the Python path, which reads its _version
+        S.take_grads([object()])
+
+
 def test_what_each_argument_gives(scan):
     """The signature's parts, spelled out for one call (the Python path is checked against this too)."""
     args, kwargs = (_X, 0.0, 2.5, 3, torch.float16, _Y), {"p": _P, "flag": True}
