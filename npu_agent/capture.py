@@ -288,6 +288,31 @@ class CaptureMode(TorchFunctionMode):
             return out
 
 
+def _finite_nonzero_py(x: torch.Tensor) -> bool:
+    """Every element of `x` finite and not zero (a dropout's keep-mask is then where its output is not zero): one
+    device sync; NaN compares false. False where aminmax does not take the dtype (the mask is rebuilt then).
+    npu_agent/_fastmask.cpp's `finite_nonzero` gives the same answer in C++."""
+    try:
+        low, high = torch.stack(torch.aminmax(x.detach().abs())).tolist()
+    except (RuntimeError, TypeError):
+        return False
+    return bool(low > 0 and high < math.inf)
+
+
+# _finite_nonzero_py, or npu_agent/_fastmask.cpp's `finite_nonzero` once `use_compiled_mask()` found it
+_finite_nonzero: Callable[[torch.Tensor], bool] = _finite_nonzero_py
+
+
+def use_compiled_mask() -> None:
+    """The dropout's check in C++ from now on where npu_agent/_fastmask.cpp is built for this torch
+    (npu_agent.compiled), else in Python (a Capturer calls it when it is made)."""
+    global _finite_nonzero
+    from npu_agent.compiled import MASK
+
+    module = MASK.load()
+    _finite_nonzero = module.finite_nonzero if module is not None else _finite_nonzero_py
+
+
 def _nonzero(t: torch.Tensor) -> torch.Tensor:
     """`t != 0` as a bool tensor: the cast to bool is that comparison (NaN true, -0.0 false) at a quarter of its
     cost on a CPU (a 4 MiB float32 output: 0.19 against 0.78 ms)."""
@@ -385,6 +410,7 @@ class Capturer:
 
         self.skip = fastskip.skipper(self)
         use_compiled()   # a recorded call's arguments held (snapshot_call), in C where built
+        use_compiled_mask()   # a dropout's input checked, in C++ where built
 
     # -- step boundary -------------------------------------------------------------------------------------
     def next_step(self, step: int) -> None:
@@ -677,21 +703,14 @@ class Capturer:
     def _dropout_mask(self, ctx: CallContext, out: Any) -> torch.Tensor:
         """The true keep-mask of a dropout call. Where every input value is finite and not zero, it is where the
         output is not zero: a kept value is scaled by 1/(1-p) >= 1 (never to zero), a dropped one is zero, whatever
-        the kernel (checked with one aminmax of |x|, a fifth of rebuilding it). Otherwise it is rebuilt from the
+        the kernel (`_finite_nonzero`: one aminmax of |x|, a fifth of rebuilding it). Otherwise it is rebuilt from the
         generator state before the call, then the state is put back: the training's random stream is left exactly
         where the real call left it."""
         (state_before, p), category, api = ctx.dropout, ctx.category, ctx.api
         x = ctx.record.inputs.tree[0][0]  # type: ignore[union-attr]  # a dropout call has inputs
         if (isinstance(out, torch.Tensor) and out.shape == x.shape and x.is_floating_point() and x.numel()
-                and p < 1):
-            try:
-                # one device sync; NaN compares false: not usable
-                low, high = torch.stack(torch.aminmax(x.detach().abs())).tolist()
-                usable = low > 0 and high < math.inf
-            except (RuntimeError, TypeError):   # a dtype without aminmax: rebuild it below
-                usable = False
-            if usable:
-                return _nonzero(out.detach())
+                and p < 1 and _finite_nonzero(x)):
+            return _nonzero(out.detach())
         device_type = ctx.record.rng_device
         state_after = generator_state(device_type)
         try:

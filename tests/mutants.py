@@ -251,6 +251,17 @@ MUTATIONS = (
           "    PyObject *size = tree == NULL ? NULL : PyLong_FromLongLong(0);"),),
         ("tests/test_fasttap.py",)),
     Mutation(
+        "fastmask-nan-passes",
+        "the compiled dropout check reading a tensor in place takes NaN for finite and not zero",
+        (("npu_agent/_fastmask.cpp", "            if (!(v > 0 && v < inf)) {",
+          "            if (v == 0 || v == inf) {"),),
+        ("tests/test_fastmask.py",)),
+    Mutation(
+        "fastmask-zero-passes-through-the-ops",
+        "the compiled dropout check through torch's ops (another device, dtype or a subclass) takes 0 for not zero",
+        (("npu_agent/_fastmask.cpp", "    return v[0] > 0 && v[1]", "    return v[0] >= 0 && v[1]"),),
+        ("tests/test_fastmask.py",)),
+    Mutation(
         "fasthook-post-hook-gets-its-inputs-twice",
         "a post-hook put on in C++ gets the node's grad_inputs where its grad_outputs belong",
         (("npu_agent/_fasthook.cpp", "            outputs = wrap(grad_outputs);",

@@ -1,14 +1,30 @@
 """The keep-mask a dropout record carries is the true one, whichever way the agent finds it (npu_agent/capture.py
 `_dropout_mask`): read off the output where every input value is finite and not zero, rebuilt from the generator
 state otherwise (zeros, NaN, inf in the input). Pinned here against the mask rebuilt from the generator state, and
-the training's random stream is left where the real call left it."""
+the training's random stream is left where the real call left it; with the input checked in C++
+(npu_agent/_fastmask.cpp) and in Python."""
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from npu_agent import capture as C
+from npu_agent.compiled import MASK, PURE_PYTHON_ENV
 from tests.support import capture
+
+
+@pytest.fixture(params=["C++", "Python"])
+def check_in(request, monkeypatch):
+    """Where a capture made in the test checks the input: npu_agent/_fastmask.cpp (built here if the set-up did not
+    build it) or the Python path."""
+    if request.param == "C++":
+        if not MASK.binary_path().exists():
+            MASK.build(quiet=True)
+    else:
+        monkeypatch.setenv(PURE_PYTHON_ENV, "1")
+    monkeypatch.setattr(MASK, "loaded", [])
+    return request.param
 
 CALLS = {
     "F.dropout": lambda x: F.dropout(x, 0.3, training=True),
@@ -38,12 +54,13 @@ def _true_mask(call, x: torch.Tensor, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("kind", ["dense", "relu", "nan", "inf"])
 @pytest.mark.parametrize("name", list(CALLS))
-def test_the_recorded_mask_is_the_true_keep_mask(name, kind, dtype):
+def test_the_recorded_mask_is_the_true_keep_mask(name, kind, dtype, check_in):
     call = CALLS[name]
     x = _input(kind, dtype)
     expected = _true_mask(call, x, 11)
     torch.manual_seed(11)
     with capture(backward=False) as (mode, sink):
+        assert (C._finite_nonzero is C._finite_nonzero_py) == (check_in == "Python")
         with mode:
             y = call(x.clone())
     after = torch.rand(4)   # the stream goes on from where the real call left it
