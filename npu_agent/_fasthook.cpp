@@ -17,6 +17,11 @@
  * Under compiled autograd each hook hands `functools.partial(fn, *args)` to the compiler as torch's Python hooks do. A node that is not
  * a C++ node (a custom Function's) takes the Python registration.
  *
+ * A hook that gets a parameter's gradient keeps a copy of it (AccumulateGrad may adopt the gradient itself as the
+ * parameter's .grad, which later steps change in place): `copy_grad(grad)` is backward._copy_py's
+ * `grad.detach().clone()` with torch's Python functions out of the way, in C++ (the same ops through the dispatcher,
+ * without the interpreter lock while the copy runs), None for None.
+ *
  * Built against the torch it is loaded with (its headers and libraries): `python -m npu_agent.compiled --build`
  * (scripts/setup.sh runs it); the binary's name carries the torch version and build, so another torch finds it
  * missing and the taps register through Python (the same hooks, called the same way). */
@@ -225,7 +230,27 @@ PyObject* pre_hook(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
                         s_register_prehook);
 }
 
+PyObject* copy_grad(PyObject*, PyObject* grad) {
+    if (grad == Py_None)
+        Py_RETURN_NONE;
+    HANDLE_TH_ERRORS
+    if (!THPVariable_Check(grad)) {
+        PyErr_SetString(PyExc_TypeError, "copy_grad(grad): grad is a tensor or None");
+        return nullptr;
+    }
+    const at::Tensor& g = THPVariable_Unpack(grad);
+    at::Tensor copy;
+    {
+        pybind11::gil_scoped_release no_gil;
+        copy = g.detach().clone();
+    }
+    return THPVariable_Wrap(std::move(copy));
+    END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef hook_methods[] = {
+    {"copy_grad", copy_grad, METH_O,
+     "copy_grad(grad) -> grad.detach().clone() (torch's Python functions out of the way), or None for None."},
     {"post_hook", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(post_hook)), METH_FASTCALL,
      "post_hook(node, fn, *args): node.register_hook(functools.partial(fn, *args)) without a handle or a partial; "
      "fn's result is ignored."},

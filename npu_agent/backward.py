@@ -71,7 +71,9 @@ class _Entry:
     signature: Any = None                # the call's _tap_flat signature, while its graph may be learned
 
 
-def _copy(grad: torch.Tensor | None) -> torch.Tensor | None:
+def _copy_py(grad: torch.Tensor | None) -> torch.Tensor | None:
+    """A private copy of a gradient (a parameter's: `_arrived`). npu_agent/_fasthook.cpp's `copy_grad` makes the
+    same in C++."""
     if grad is None:
         return None
     with disable_torch_function():
@@ -614,14 +616,15 @@ _scan: Callable[[tuple[Any, ...], dict[str, Any], list[Any]], _Tapped | None] = 
 _hooks_of: Callable[[_Tree, Any, list[torch.Tensor], list[bool]], _Hooks | None] = _hooks_of_py
 _post_hook: Callable[..., None] = _post_hook_py
 _pre_hook: Callable[..., None] = _pre_hook_py
+_copy: Callable[[torch.Tensor | None], torch.Tensor | None] = _copy_py
 
 
 def use_compiled() -> None:
-    """`_scan` and `_hooks_of` in C from now on where npu_agent/_fasttap.c is built, `_post_hook` and `_pre_hook`
-    in C++ where npu_agent/_fasthook.cpp is built for this torch (npu_agent.compiled), else in Python (a
+    """`_scan` and `_hooks_of` in C from now on where npu_agent/_fasttap.c is built, `_post_hook`, `_pre_hook` and
+    `_copy` in C++ where npu_agent/_fasthook.cpp is built for this torch (npu_agent.compiled), else in Python (a
     BackwardTaps calls it when it is made). The C `scan` reads this module's KIND_OF, arg_kind, without_tensors and
     VALUE_KEYS at each call, as `_scan_py` does."""
-    global _scan, _hooks_of, _post_hook, _pre_hook
+    global _scan, _hooks_of, _post_hook, _pre_hook, _copy
     from npu_agent.compiled import HOOK, TAP
 
     module = TAP.load()
@@ -631,7 +634,10 @@ def use_compiled() -> None:
         module.bind("scan", globals())
         _scan, _hooks_of = module.scan, module.hooks_of
     hooks = HOOK.load()
-    _post_hook, _pre_hook = (hooks.post_hook, hooks.pre_hook) if hooks is not None else (_post_hook_py, _pre_hook_py)
+    if hooks is None:
+        _post_hook, _pre_hook, _copy = _post_hook_py, _pre_hook_py, _copy_py
+    else:
+        _post_hook, _pre_hook, _copy = hooks.post_hook, hooks.pre_hook, hooks.copy_grad
 
 
 def _direct_edges(fn: Any, alias_nodes: list[tuple[Any, int]], slots: int) -> list[tuple[int, int]] | None:

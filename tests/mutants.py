@@ -274,6 +274,11 @@ MUTATIONS = (
         (("npu_agent/_fasthook.cpp", "    if (dict != nullptr) {", "    if (dict != nullptr && false) {"),),
         ("tests/test_fasthook.py",)),
     Mutation(
+        "fasthook-gradient-not-copied",
+        "a parameter's gradient is kept as the compiled copy's detached view of it, not a copy",
+        (("npu_agent/_fasthook.cpp", "        copy = g.detach().clone();", "        copy = g.detach();"),),
+        ("tests/test_fasthook.py",)),
+    Mutation(
         "fasthook-compiled-post-hook-as-pre",
         "under compiled autograd, a post-hook put on in C++ is handed to the compiler as a pre-hook",
         (("npu_agent/_fasthook.cpp", "        args.add_post_hook(held.for_compiler());",

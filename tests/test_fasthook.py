@@ -245,19 +245,20 @@ def test_compiled_autograd_calls_the_hooks_as_torchs(hooks):
 def test_the_taps_use_them_where_built_and_python_otherwise(monkeypatch, tmp_path, hooks):
     monkeypatch.setattr(B, "_post_hook", None)   # (restored after the test)
     monkeypatch.setattr(B, "_pre_hook", None)
+    monkeypatch.setattr(B, "_copy", None)
     monkeypatch.setattr(HOOK, "loaded", [])
     B.use_compiled()
-    assert (B._post_hook, B._pre_hook) == (hooks.post_hook, hooks.pre_hook)
+    assert (B._post_hook, B._pre_hook, B._copy) == (hooks.post_hook, hooks.pre_hook, hooks.copy_grad)
     monkeypatch.setattr(HOOK, "loaded", [])
     monkeypatch.setenv(PURE_PYTHON_ENV, "1")
     B.use_compiled()
-    assert (B._post_hook, B._pre_hook) == (B._post_hook_py, B._pre_hook_py)
+    assert (B._post_hook, B._pre_hook, B._copy) == (B._post_hook_py, B._pre_hook_py, B._copy_py)
     monkeypatch.setattr(HOOK, "loaded", [])
     monkeypatch.delenv(PURE_PYTHON_ENV)
     monkeypatch.setattr(HOOK, "source", tmp_path / "_fasthook.cpp")   # a changed source: its binary is not built
     (tmp_path / "_fasthook.cpp").write_text("// another source\n")
     B.use_compiled()
-    assert (B._post_hook, B._pre_hook) == (B._post_hook_py, B._pre_hook_py)
+    assert (B._post_hook, B._pre_hook, B._copy) == (B._post_hook_py, B._pre_hook_py, B._copy_py)
 
 
 def test_another_torch_finds_the_binary_missing(monkeypatch, hooks):
@@ -265,3 +266,42 @@ def test_another_torch_finds_the_binary_missing(monkeypatch, hooks):
     built = HOOK.binary_path()
     monkeypatch.setattr(torch, "__version__", torch.__version__ + "+other")
     assert HOOK.binary_path() != built
+
+
+class Tagged(torch.Tensor):
+    """A subclass with its own __torch_function__ (the copy is made with torch's Python functions out of the way)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _grads() -> dict:
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(2))
+    return {
+        "dense": x,
+        "bfloat16": x.bfloat16(),
+        "transposed": x.t(),
+        "channels last": torch.randn(2, 3, 4, 5).contiguous(memory_format=torch.channels_last),
+        "a view": x[1:, ::2],
+        "requires grad": x.clone().requires_grad_(),
+        "a subclass": x.clone().as_subclass(Tagged),
+        "empty": torch.empty(0, 3),
+    }
+
+
+@pytest.mark.parametrize("name", list(_grads()), ids=list(_grads()))
+def test_a_gradient_copied_as_the_python_path_copies_it(hooks, name):
+    g = _grads()[name]
+    ours, theirs = hooks.copy_grad(g), B._copy_py(g)
+    for c in (ours, theirs):
+        assert c is not g and (c.numel() == 0 or c.untyped_storage().data_ptr() != g.untyped_storage().data_ptr())
+    assert type(ours) is type(theirs) and not ours.requires_grad
+    assert (ours.dtype, ours.shape, ours.stride()) == (theirs.dtype, theirs.shape, theirs.stride())
+    assert torch.equal(ours, theirs) and torch.equal(ours, g.detach())
+
+
+def test_copy_grad_of_none_and_of_what_is_no_tensor(hooks):
+    assert hooks.copy_grad(None) is None
+    with pytest.raises(TypeError, match="copy_grad"):
+        hooks.copy_grad([1.0])

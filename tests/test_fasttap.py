@@ -250,9 +250,12 @@ def _train(tmp_path, monkeypatch, tag: str, compiled: bool, steps: int = 4, hook
         monkeypatch.setattr(S, "_read_flat", S._hold_flat)
         monkeypatch.setattr(B, "_post_hook", B._post_hook_py)
         monkeypatch.setattr(B, "_pre_hook", B._pre_hook_py)
+        monkeypatch.setattr(B, "_copy", B._copy_py)
+        monkeypatch.setattr(S, "take_grads", S.grads_snapshot)
     python = (B._scan is B._scan_py, B._hooks_of is B._hooks_of_py, S._read_flat is S._hold_flat,
-              B._post_hook is B._post_hook_py, B._pre_hook is B._pre_hook_py)
-    assert python == (not compiled,) * 5, python
+              B._post_hook is B._post_hook_py, B._pre_hook is B._pre_hook_py, B._copy is B._copy_py,
+              S.take_grads is S.grads_snapshot)
+    assert python == (not compiled,) * 7, python
     if hooks_of is not None:
         monkeypatch.setattr(B, "_hooks_of", hooks_of)
     torch.manual_seed(0)
@@ -288,20 +291,22 @@ def test_a_training_makes_the_same_records_either_way(tmp_path, monkeypatch, sca
 
 
 def test_the_python_path_when_asked_or_not_built(monkeypatch, tmp_path, scan):
-    for module, name in ((B, "_scan"), (B, "_hooks_of"), (S, "_read_flat")):
+    for module, name in ((B, "_scan"), (B, "_hooks_of"), (S, "_read_flat"), (S, "take_grads")):
         monkeypatch.setattr(module, name, None)   # (restored after the test)
     monkeypatch.setattr(TAP, "loaded", [])
     monkeypatch.setenv(PURE_PYTHON_ENV, "1")
     B.use_compiled()
     S.use_compiled()
-    assert (B._scan, B._hooks_of, S._read_flat) == (B._scan_py, B._hooks_of_py, S._hold_flat)
+    assert (B._scan, B._hooks_of, S._read_flat, S.take_grads) == (B._scan_py, B._hooks_of_py, S._hold_flat,
+                                                                   S.grads_snapshot)
     monkeypatch.setattr(TAP, "loaded", [])
     monkeypatch.delenv(PURE_PYTHON_ENV)
     monkeypatch.setattr(TAP, "source", tmp_path / "_fasttap.c")   # a changed source: its binary is not built
     (tmp_path / "_fasttap.c").write_text("/* another source */\n")
     B.use_compiled()
     S.use_compiled()
-    assert (B._scan, B._hooks_of, S._read_flat) == (B._scan_py, B._hooks_of_py, S._hold_flat)
+    assert (B._scan, B._hooks_of, S._read_flat, S.take_grads) == (B._scan_py, B._hooks_of_py, S._hold_flat,
+                                                                   S.grads_snapshot)
 
 
 def test_every_known_tree_of_a_training_gets_the_same_hooks_both_ways(tmp_path, monkeypatch, scan):
