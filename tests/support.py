@@ -42,6 +42,17 @@ print("TRAINING DONE", float(loss))
 '''
 
 
+def built(compiled: Any) -> Any:
+    """The module of `compiled` (protos.compiled.Compiled), built here if the set-up did not build it
+    (scripts/setup.sh does), loaded afresh."""
+    if not compiled.binary_path().exists():
+        compiled.build(quiet=True)
+    compiled.loaded.clear()
+    module = compiled.load()
+    assert module is not None, f"{compiled.source.name} did not load"
+    return module
+
+
 def memory_of(pid: int, field: str = "VmHWM") -> int:
     """A process's memory in bytes from /proc/PID/status: VmHWM (its peak RSS, the default) or VmRSS (now)."""
     with open(f"/proc/{pid}/status") as fh:

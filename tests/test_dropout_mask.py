@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from npu_agent import capture as C
 from npu_agent.compiled import MASK, PURE_PYTHON_ENV
-from tests.support import capture
+from tests.support import built, capture
 
 
 @pytest.fixture(params=["C++", "Python"])
@@ -19,8 +19,7 @@ def check_in(request, monkeypatch):
     """Where a capture made in the test checks the input: npu_agent/_fastmask.cpp (built here if the set-up did not
     build it) or the Python path."""
     if request.param == "C++":
-        if not MASK.binary_path().exists():
-            MASK.build(quiet=True)
+        built(MASK)
     else:
         monkeypatch.setenv(PURE_PYTHON_ENV, "1")
     monkeypatch.setattr(MASK, "loaded", [])

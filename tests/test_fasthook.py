@@ -17,17 +17,13 @@ import torch.nn.functional as F
 
 from npu_agent import backward as B
 from npu_agent.compiled import HOOK, PURE_PYTHON_ENV
+from tests.support import built
 
 
 @pytest.fixture(scope="module")
 def hooks():
-    """The compiled module, built here if the set-up did not build it (scripts/setup.sh does)."""
-    if not HOOK.binary_path().exists():
-        HOOK.build(quiet=True)
-    HOOK.loaded.clear()
-    module = HOOK.load()
-    assert module is not None, "npu_agent/_fasthook.cpp did not load"
-    return module
+    """The compiled module, built here if the set-up did not build it."""
+    return built(HOOK)
 
 
 def _what(grads) -> tuple:

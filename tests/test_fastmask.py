@@ -10,17 +10,13 @@ import torch
 
 from npu_agent import capture as C
 from npu_agent.compiled import MASK, PURE_PYTHON_ENV
+from tests.support import built
 
 
 @pytest.fixture(scope="module")
 def check():
-    """The compiled check, built here if the set-up did not build it (scripts/setup.sh does)."""
-    if not MASK.binary_path().exists():
-        MASK.build(quiet=True)
-    MASK.loaded.clear()
-    module = MASK.load()
-    assert module is not None, "npu_agent/_fastmask.cpp did not load"
-    return module.finite_nonzero
+    """The compiled check, built here if the set-up did not build it."""
+    return built(MASK).finite_nonzero
 
 
 def _cases() -> dict[str, torch.Tensor]:

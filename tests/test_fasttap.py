@@ -19,17 +19,15 @@ from npu_agent import backward as B
 from npu_agent import snapshot as S
 from npu_agent.compiled import HOOK, PURE_PYTHON_ENV, TAP
 from npu_agent.snapshot import KIND_OF, iter_tensors
-from tests.support import ListSink, agent_config
+from tests.support import ListSink, agent_config, built
 
 
 @pytest.fixture(scope="module")
 def scan():
     """The compiled `scan`, built here if the set-up did not build it (scripts/setup.sh does), and the hooks put on
     in C++ (npu_agent/_fasthook.cpp, tests/test_fasthook.py), which a training's taps use beside it."""
-    for module in (TAP, HOOK):
-        if not module.binary_path().exists():
-            module.build(quiet=True)
-        module.loaded.clear()
+    built(TAP)
+    built(HOOK)
     B.use_compiled()
     assert B._scan is not B._scan_py and B._hooks_of is not B._hooks_of_py, "npu_agent/_fasttap.c did not load"
     assert B._post_hook is not B._post_hook_py, "npu_agent/_fasthook.cpp did not load"
