@@ -299,18 +299,29 @@ def _finite_nonzero_py(x: torch.Tensor) -> bool:
     return bool(low > 0 and high < math.inf)
 
 
-# _finite_nonzero_py, or npu_agent/_fastmask.cpp's `finite_nonzero` once `use_compiled_mask()` found it
+def _state_bytes_py(state: torch.Tensor) -> bytes:
+    """A generator state's bytes, as a random call's record carries them. npu_agent/_fastmask.cpp's `state_bytes`
+    gives the same bytes in C++."""
+    return state.cpu().numpy().tobytes()
+
+
+# _finite_nonzero_py and _state_bytes_py, or npu_agent/_fastmask.cpp's `finite_nonzero` and `state_bytes` once
+# `use_compiled_mask()` found it
 _finite_nonzero: Callable[[torch.Tensor], bool] = _finite_nonzero_py
+_state_bytes: Callable[[torch.Tensor], bytes] = _state_bytes_py
 
 
 def use_compiled_mask() -> None:
-    """The dropout's check in C++ from now on where npu_agent/_fastmask.cpp is built for this torch
-    (npu_agent.compiled), else in Python (a Capturer calls it when it is made)."""
-    global _finite_nonzero
+    """A random call's dropout check and generator state's bytes in C++ from now on where npu_agent/_fastmask.cpp is
+    built for this torch (npu_agent.compiled), else in Python (a Capturer calls it when it is made)."""
+    global _finite_nonzero, _state_bytes
     from npu_agent.compiled import MASK
 
     module = MASK.load()
-    _finite_nonzero = module.finite_nonzero if module is not None else _finite_nonzero_py
+    if module is None:
+        _finite_nonzero, _state_bytes = _finite_nonzero_py, _state_bytes_py
+    else:
+        _finite_nonzero, _state_bytes = module.finite_nonzero, module.state_bytes
 
 
 def _nonzero(t: torch.Tensor) -> torch.Tensor:
@@ -410,7 +421,7 @@ class Capturer:
 
         self.skip = fastskip.skipper(self)
         use_compiled()   # a recorded call's arguments held (snapshot_call), in C where built
-        use_compiled_mask()   # a dropout's input checked, in C++ where built
+        use_compiled_mask()   # a random call's dropout check and generator state, in C++ where built
 
     # -- step boundary -------------------------------------------------------------------------------------
     def next_step(self, step: int) -> None:
@@ -694,7 +705,7 @@ class Capturer:
         if state is None:
             return None
         rec.rng_device = device_type
-        rec.rng_state = state.cpu().numpy().tobytes()
+        rec.rng_state = _state_bytes(state)
         params = _dropout_params(category, api, args, kwargs) if api in naming.DROPOUT_MASKED else None
         if params is not None and params[1] and params[0] > 0 and args and isinstance(args[0], torch.Tensor):
             return state, params[0]

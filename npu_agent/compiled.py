@@ -6,9 +6,9 @@ and tensor table (npu_agent.records), `_fastlocate.c` finds the modules on a cap
 (npu_agent.location), `_fasttap.c` reads a captured call's flat arguments (npu_agent.snapshot, npu_agent.backward)
 and checks a known tree of autograd nodes against its inputs (npu_agent.backward), `_fasthook.cpp` (C++ against
 torch) puts the backward taps' hooks on autograd nodes (npu_agent.backward), `_fastmask.cpp` (C++ against torch)
-checks whether a dropout's keep-mask can be read off its output (npu_agent.capture). Each has a pure-Python path that
-gives the same records; that path runs where the module is not built, where it fails to load, or with
-ONLINE_CHECK_PURE_PYTHON=1.
+checks whether a dropout's keep-mask can be read off its output and reads a generator state's bytes
+(npu_agent.capture). Each has a pure-Python path that gives the same records; that path runs where the module is not
+built, where it fails to load, or with ONLINE_CHECK_PURE_PYTHON=1.
 
 `python -m npu_agent.compiled --build` (scripts/setup.sh runs it) compiles them all, about 35 s.
 """
@@ -28,7 +28,8 @@ LOCATE = Compiled("_fastlocate", "module paths are read off the frames in Python
 TAP = Compiled("_fasttap", "a captured call's arguments are read in Python", HERE, "npu_agent")
 HOOK = Compiled("_fasthook", "autograd hooks are put on through torch's Python registration", HERE, "npu_agent",
                 torch=True)
-MASK = Compiled("_fastmask", "a dropout's input is checked in Python", HERE, "npu_agent", torch=True)
+MASK = Compiled("_fastmask", "a random call's dropout check and generator state are read in Python", HERE, "npu_agent",
+                torch=True)
 ALL = (SKIP, ENCODE, LOCATE, TAP, HOOK, MASK)
 
 

@@ -262,6 +262,12 @@ MUTATIONS = (
         (("npu_agent/_fastmask.cpp", "    return v[0] > 0 && v[1]", "    return v[0] >= 0 && v[1]"),),
         ("tests/test_fastmask.py",)),
     Mutation(
+        "fastmask-state-read-as-stored",
+        "the compiled read of a generator state's bytes reads its memory as stored, not its elements in order",
+        (("npu_agent/_fastmask.cpp", "        host = THPVariable_Unpack(arg).cpu().contiguous();",
+          "        host = THPVariable_Unpack(arg).cpu();"),),
+        ("tests/test_fastmask.py",)),
+    Mutation(
         "fasthook-post-hook-gets-its-inputs-twice",
         "a post-hook put on in C++ gets the node's grad_inputs where its grad_outputs belong",
         (("npu_agent/_fasthook.cpp", "            outputs = wrap(grad_outputs);",

@@ -59,7 +59,8 @@ def test_the_recorded_mask_is_the_true_keep_mask(name, kind, dtype, check_in):
     expected = _true_mask(call, x, 11)
     torch.manual_seed(11)
     with capture(backward=False) as (mode, sink):
-        assert (C._finite_nonzero is C._finite_nonzero_py) == (check_in == "Python")
+        assert (C._finite_nonzero is C._finite_nonzero_py) == (C._state_bytes is C._state_bytes_py) \
+            == (check_in == "Python")
         with mode:
             y = call(x.clone())
     after = torch.rand(4)   # the stream goes on from where the real call left it

@@ -1,8 +1,9 @@
-"""A dropout's input checked in C++ (npu_agent/_fastmask.cpp, issue 25 goal 2): `finite_nonzero(x)` answers exactly
+"""A random call's record in C++ (npu_agent/_fastmask.cpp, issue 25 goal 2): `finite_nonzero(x)` answers exactly
 as the Python path (capture._finite_nonzero_py: aminmax of |x|, low > 0 and high < inf) on every kind of tensor:
 floating dtypes with zeros, -0, NaN, infinities and subnormals, views and strided tensors (read in place), subclasses,
-other dtypes and a meta tensor (through torch's ops); a capture picks it where built and Python otherwise
-(tests/test_dropout_mask.py runs its masks both ways)."""
+other dtypes and a meta tensor (through torch's ops); `state_bytes(state)` gives the bytes capture._state_bytes_py
+gives; a capture picks them where built and Python otherwise (tests/test_dropout_mask.py runs its masks both
+ways)."""
 from __future__ import annotations
 
 import pytest
@@ -70,20 +71,36 @@ def test_what_the_answers_are(check):
 def test_not_a_tensor(check):
     with pytest.raises(TypeError, match="finite_nonzero"):
         check([1.0, 2.0])
+    with pytest.raises(TypeError, match="state_bytes"):
+        MASK.load().state_bytes(b"\x00")
+
+
+def test_a_generator_states_bytes_as_the_python_path_gives_them(check):
+    state_bytes = MASK.load().state_bytes
+    torch.manual_seed(5)
+    torch.rand(3)
+    states = {"the CPU generator": torch.get_rng_state(), "a Generator's": torch.Generator().manual_seed(9).get_state(),
+              "strided": torch.arange(40, dtype=torch.uint8)[::3], "empty": torch.empty(0, dtype=torch.uint8),
+              "int64": torch.tensor([1, -2, 3 << 40])}
+    for name, state in states.items():
+        got = state_bytes(state)
+        assert type(got) is bytes and got == C._state_bytes_py(state), name
+    assert len(state_bytes(states["the CPU generator"])) == 5056
 
 
 def test_a_capture_picks_it_where_built(monkeypatch, tmp_path, check):
     monkeypatch.setattr(C, "_finite_nonzero", None)   # (restored after the test)
+    monkeypatch.setattr(C, "_state_bytes", None)
     monkeypatch.setattr(MASK, "loaded", [])
     C.use_compiled_mask()
-    assert C._finite_nonzero is check
+    assert C._finite_nonzero is check and C._state_bytes is MASK.load().state_bytes
     monkeypatch.setattr(MASK, "loaded", [])
     monkeypatch.setenv(PURE_PYTHON_ENV, "1")
     C.use_compiled_mask()
-    assert C._finite_nonzero is C._finite_nonzero_py
+    assert (C._finite_nonzero, C._state_bytes) == (C._finite_nonzero_py, C._state_bytes_py)
     monkeypatch.setattr(MASK, "loaded", [])
     monkeypatch.delenv(PURE_PYTHON_ENV)
     monkeypatch.setattr(MASK, "source", tmp_path / "_fastmask.cpp")   # a changed source: its binary is not built
     (tmp_path / "_fastmask.cpp").write_text("// another source\n")
     C.use_compiled_mask()
-    assert C._finite_nonzero is C._finite_nonzero_py
+    assert (C._finite_nonzero, C._state_bytes) == (C._finite_nonzero_py, C._state_bytes_py)

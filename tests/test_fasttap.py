@@ -16,8 +16,9 @@ import torch.nn.functional as F
 
 from npu_agent import PrecisionDebugger
 from npu_agent import backward as B
+from npu_agent import capture as C
 from npu_agent import snapshot as S
-from npu_agent.compiled import HOOK, PURE_PYTHON_ENV, TAP
+from npu_agent.compiled import HOOK, MASK, PURE_PYTHON_ENV, TAP
 from npu_agent.snapshot import KIND_OF, iter_tensors
 from tests.support import ListSink, agent_config, built
 
@@ -25,9 +26,11 @@ from tests.support import ListSink, agent_config, built
 @pytest.fixture(scope="module")
 def scan():
     """The compiled `scan`, built here if the set-up did not build it (scripts/setup.sh does), and the hooks put on
-    in C++ (npu_agent/_fasthook.cpp, tests/test_fasthook.py), which a training's taps use beside it."""
+    in C++ (npu_agent/_fasthook.cpp, tests/test_fasthook.py) and the random calls' pieces (npu_agent/_fastmask.cpp,
+    tests/test_fastmask.py), which a training uses beside it."""
     built(TAP)
     built(HOOK)
+    built(MASK)
     B.use_compiled()
     assert B._scan is not B._scan_py and B._hooks_of is not B._hooks_of_py, "npu_agent/_fasttap.c did not load"
     assert B._post_hook is not B._post_hook_py, "npu_agent/_fasthook.cpp did not load"
@@ -250,10 +253,13 @@ def _train(tmp_path, monkeypatch, tag: str, compiled: bool, steps: int = 4, hook
         monkeypatch.setattr(B, "_pre_hook", B._pre_hook_py)
         monkeypatch.setattr(B, "_copy", B._copy_py)
         monkeypatch.setattr(S, "take_grads", S.grads_snapshot)
+        monkeypatch.setattr(C, "_finite_nonzero", C._finite_nonzero_py)
+        monkeypatch.setattr(C, "_state_bytes", C._state_bytes_py)
     python = (B._scan is B._scan_py, B._hooks_of is B._hooks_of_py, S._read_flat is S._hold_flat,
               B._post_hook is B._post_hook_py, B._pre_hook is B._pre_hook_py, B._copy is B._copy_py,
-              S.take_grads is S.grads_snapshot)
-    assert python == (not compiled,) * 7, python
+              S.take_grads is S.grads_snapshot, C._finite_nonzero is C._finite_nonzero_py,
+              C._state_bytes is C._state_bytes_py)
+    assert python == (not compiled,) * 9, python
     if hooks_of is not None:
         monkeypatch.setattr(B, "_hooks_of", hooks_of)
     torch.manual_seed(0)
@@ -274,7 +280,8 @@ def _train(tmp_path, monkeypatch, tag: str, compiled: bool, steps: int = 4, hook
     for r in sink:
         tensors = [t for snap in (r.inputs, r.output, r.grad_input, r.grad_output) if snap is not None
                    for t in iter_tensors(snap.tree)]
-        records.append((r.step, r.name, r.direction, r.backward_expected, r.module, r.skip_reason,
+        records.append((r.step, r.name, r.direction, r.backward_expected, r.module, r.skip_reason, r.rng_state,
+                        None if r.mask is None else r.mask.tolist(),
                         [(t.shape, t.dtype, t.double().sum().item()) for t in tensors],
                         sorted(len(s.held) for s in (r.inputs, r.output) if s is not None)))
     return [records, known]
@@ -285,7 +292,8 @@ def test_a_training_makes_the_same_records_either_way(tmp_path, monkeypatch, sca
     slow = _train(tmp_path, monkeypatch, "slow", False)
     assert fast[0] == slow[0]   # names, directions, modules, every input, output and gradient of every record
     assert fast[1] == slow[1] > 0   # the same calls learned as known trees (the signatures are the same)
-    assert any(r[2] == 2 and r[6] for r in fast[0]), "no backward record with gradients: the test proves nothing"
+    assert any(r[2] == 2 and r[8] for r in fast[0]), "no backward record with gradients: the test proves nothing"
+    assert any(r[6] and r[7] is not None for r in fast[0]), "no dropout record with its state and mask"
 
 
 def test_the_python_path_when_asked_or_not_built(monkeypatch, tmp_path, scan):
