@@ -15,8 +15,8 @@ fi
 # record's values; npu_agent/_fastlocate.c: the modules on a call's stack; npu_agent/_fasttap.c: a captured call's
 # arguments; plain C, a few seconds; npu_agent/_fasthook.cpp: the backward taps' hooks put on autograd nodes, and
 # npu_agent/_fastmask.cpp: a random call's dropout check and generator state, C++ against the torch just installed,
-# about 15 s each). Where
-# they cannot be compiled the agent does that work in Python, with the same records: setup goes on.
+# about 15 s each). Where they cannot be compiled the agent does that work in Python, with the same records: setup
+# goes on.
 .venv/bin/python -m npu_agent.compiled --build || true
 # The server's (gpu_server/_fastdecode.c: a record's header and values read off its bytes), likewise: without it the
 # server decodes records in Python, with the same jobs.
