@@ -8,14 +8,16 @@
  * *args)` put the hook `functools.partial(fn, *args)` on the node directly, without making it: when the engine runs
  * the node, `fn(*args, grad_inputs, grad_outputs)` (post) or `fn(*args, grad_outputs)` (pre) is called with the
  * same tuples (a tensor, or None where a gradient is undefined) that torch's Python hooks get, and an exception it
- * raises propagates out of the backward the same way. Torch keeps a
- * node's Python hooks in one dict, run in the order they were put on; where the node has that dict already (a hook
- * of the training's own), the hook goes into it as torch's registration would put it (under a key of its own:
- * torch's handles count up from 0, ours down from -1), so the order among them is the same. Otherwise it is a hook of
- * its own, and a Python hook put on later runs after it, as it would. What `fn` returns is ignored: the taps' hooks
- * return None (a Python hook that returns tensors would replace the gradients; `fn` cannot, outside such a dict).
- * Under compiled autograd each hook hands `functools.partial(fn, *args)` to the compiler as torch's Python hooks do. A node that is not
- * a C++ node (a custom Function's) takes the Python registration.
+ * raises propagates out of the backward the same way.
+ *
+ * Torch keeps a node's Python hooks in one dict, run in the order they were put on; where the node has that dict
+ * already (a hook of the training's own), the hook goes into it as torch's registration would put it (under a key
+ * of its own: torch's handles count up from 0, ours down from -1), so the order among them is the same. Otherwise
+ * it is a hook of its own, and a Python hook put on later runs after it, as it would. What `fn` returns is
+ * ignored: the taps' hooks return None (a Python hook that returns tensors would replace the gradients; `fn`
+ * cannot, outside such a dict). Under compiled autograd each hook hands `functools.partial(fn, *args)` to the
+ * compiler as torch's Python hooks do. A node that is not a C++ node (a custom Function's) takes the Python
+ * registration.
  *
  * A hook that gets a parameter's gradient keeps a copy of it (AccumulateGrad may adopt the gradient itself as the
  * parameter's .grad, which later steps change in place): `copy_grad(grad)` is backward._copy_py's

@@ -53,7 +53,7 @@ bool in_memory(const at::Tensor& x) {
 
 /* The Python path's ops: the extremes of |x|, copied to the host together. */
 bool by_ops(const at::Tensor& x) {
-    auto extremes = at::aminmax(x.abs());
+    auto extremes = at::aminmax(x.detach().abs());   // as Python: no autograd node for the check
     auto both = at::stack({std::get<0>(extremes), std::get<1>(extremes)}).to(at::kDouble).cpu();
     const double* v = both.const_data_ptr<double>();
     return v[0] > 0 && v[1] < std::numeric_limits<double>::infinity();

@@ -364,7 +364,7 @@ class BackwardTaps:
     # -- backward side (autograd engine threads) ------------------------------------------------------------
     # Each hook is one of the three methods below with the call's entry (and where the gradients are) bound to it:
     # `_post_hook(node, self._node_grads, entry, nr, edges)` calls `self._node_grads(entry, nr, edges, grad_inputs,
-    # grad_outputs)` (no closure made a call).
+    # grad_outputs)` (no closure made for each call).
     def _out_grads(self, entry: _Entry, slots: list[tuple[int, int]], grads: tuple[Any, ...]) -> None:
         """A pre-hook on an output's node: each (output number on the node, output index)'s grad_output."""
         with self._lock:

@@ -4,11 +4,11 @@
 Each is a CPython extension next to the Python module that uses it, and each has a pure-Python path that gives the
 same results; that path runs where the module is not built, where it fails to load, or with
 ONLINE_CHECK_PURE_PYTHON=1. Most are plain C (no torch headers), compiled with the C compiler Python was built with,
-a few seconds; one (`npu_agent/_fasthook.cpp`) is C++ against torch's own headers and libraries, compiled with
-Python's C++ compiler in about 15 s. `python -m npu_agent.compiled --build` and `python -m gpu_server.compiled
---build` (scripts/setup.sh runs both) compile them. A binary's name carries a hash of its source (and, for a module
-against torch, of the torch it was built for), so a changed source or another torch never runs a stale binary: the
-module is then missing until rebuilt, and its Python path runs.
+a few seconds; two (`npu_agent/_fasthook.cpp`, `npu_agent/_fastmask.cpp`) are C++ against torch's own headers and
+libraries, compiled with Python's C++ compiler in about 15 s each. `python -m npu_agent.compiled --build` and
+`python -m gpu_server.compiled --build` (scripts/setup.sh runs both) compile them. A binary's name carries a hash of
+its source (and, for a module against torch, of the torch it was built for), so a changed source or another torch
+never runs a stale binary: the module is then missing until rebuilt, and its Python path runs.
 """
 from __future__ import annotations
 
