@@ -88,10 +88,25 @@ class HeldRefs:
                 if ref() is None and self.pending.get(sid) is ref:
                     del self.pending[sid]
 
+    def uncopied(self) -> bool:
+        """Does a pending snapshot still hold a tensor by reference (not yet given its private copy)? Forgets the
+        snapshots that are gone on the way. A writer with nothing to protect then skips listing its tensors."""
+        with self.lock:
+            for sid, ref in list(self.pending.items()):
+                snap = ref()
+                if snap is None:
+                    if self.pending.get(sid) is ref:
+                        del self.pending[sid]
+                    continue
+                for entry in snap.held.values():
+                    if entry[2] is None:
+                        return True
+        return False
+
     def protect(self, tensors: Iterable[torch.Tensor]) -> int:
         """Before `tensors` are written: give every pending snapshot that references their storage a private copy.
         Returns the number of tensors copied."""
-        if not self.pending:
+        if not self.pending or not self.uncopied():
             return 0
         keys = {k for k in map(_storage_key, tensors) if k is not None}
         if not keys:
@@ -394,7 +409,7 @@ def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _before_optimizer_step(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if HELD.pending:
+    if HELD.pending and HELD.uncopied():   # (else its hundreds of tensors are not even listed)
         try:
             HELD.protect(_optimizer_tensors(opt))
         except Exception:  # noqa: BLE001 - never into the training; the version check still guards the records
@@ -415,7 +430,7 @@ def install() -> None:
 
             def zero_grad(self: Any, set_to_none: bool = True, _original: Callable[..., None] = original,
                           _module: bool = cls is torch.nn.Module) -> None:
-                if not set_to_none and HELD.pending:
+                if not set_to_none and HELD.pending and HELD.uncopied():
                     try:
                         params = self.parameters() if _module else (p for g in self.param_groups
                                                                        for p in g["params"])
