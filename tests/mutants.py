@@ -268,6 +268,15 @@ MUTATIONS = (
           "        host = THPVariable_Unpack(arg).cpu();"),),
         ("tests/test_fastmask.py",)),
     Mutation(
+        "held-copies-forget-nothing",
+        "a writer's check for references still held says yes once any snapshot is pending, gone or copied",
+        (("npu_agent/snapshot.py",
+          "                for entry in snap.held.values():\n                    if entry[2] is None:\n"
+          "                        return True\n        return False\n",
+          "                for entry in snap.held.values():\n                    if entry[2] is None:\n"
+          "                        return True\n        return bool(self.pending)\n"),),
+        ("tests/test_capture_refs.py",)),
+    Mutation(
         "fasthook-post-hook-gets-its-inputs-twice",
         "a post-hook put on in C++ gets the node's grad_inputs where its grad_outputs belong",
         (("npu_agent/_fasthook.cpp", "            outputs = wrap(grad_outputs);",

@@ -108,3 +108,27 @@ def test_views_are_sent_with_the_layout_of_a_private_copy():
     add, mul = to_job(sink.forward("Torch.add.0")), to_job(sink.forward("Torch.mul.0"))
     assert _same(add.args[0], sliced) and add.args[0].is_contiguous()
     assert _same(mul.args[0], transposed) and mul.args[0].stride() == transposed.stride()
+
+
+def test_a_writer_lists_nothing_where_no_reference_is_left():
+    """HELD.protect (the optimizer's step, zero_grad, a write the mode sees) asks first whether a pending snapshot
+    still holds a tensor by reference: where each is gone or has its copy, the tensors to be written are not even
+    listed; where one is held, it gets its copy as before."""
+    from npu_agent.snapshot import HeldRefs, snapshot
+
+    def never():
+        raise AssertionError("the tensors were listed")
+        yield
+
+    held = HeldRefs()
+    x = torch.randn(3)
+    snap = snapshot(x)
+    held.add(snap)
+    assert held.uncopied()
+    assert held.protect([x]) == 1 and not held.uncopied()   # copied: nothing left by reference
+    assert held.protect(never()) == 0
+    gone = snapshot(torch.randn(2))
+    held.add(gone)
+    del gone
+    assert held.pending and not held.uncopied() and len(held.pending) == 1   # the gone one forgotten on the way
+    assert held.protect(never()) == 0
