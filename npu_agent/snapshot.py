@@ -84,24 +84,23 @@ class HeldRefs:
 
     def _sweep(self) -> None:
         with self.lock:
-            for sid, ref in list(self.pending.items()):
-                if ref() is None and self.pending.get(sid) is ref:
-                    del self.pending[sid]
+            for _ in self._live():
+                pass
+
+    def _live(self) -> Iterator[Snapshot]:
+        """The pending snapshots still alive; those gone are forgotten on the way (the caller holds the lock)."""
+        for sid, ref in list(self.pending.items()):
+            snap = ref()
+            if snap is not None:
+                yield snap
+            elif self.pending.get(sid) is ref:
+                del self.pending[sid]
 
     def uncopied(self) -> bool:
         """Does a pending snapshot still hold a tensor by reference (not yet given its private copy)? Forgets the
         snapshots that are gone on the way. A writer with nothing to protect then skips listing its tensors."""
         with self.lock:
-            for sid, ref in list(self.pending.items()):
-                snap = ref()
-                if snap is None:
-                    if self.pending.get(sid) is ref:
-                        del self.pending[sid]
-                    continue
-                for entry in snap.held.values():
-                    if entry[2] is None:
-                        return True
-        return False
+            return any(entry[2] is None for snap in self._live() for entry in snap.held.values())
 
     def protect(self, tensors: Iterable[torch.Tensor]) -> int:
         """Before `tensors` are written: give every pending snapshot that references their storage a private copy.
@@ -160,12 +159,7 @@ class HeldRefs:
         true; forget snapshots that are gone. Returns the number of tensors copied."""
         n = 0
         with self.lock, disable_torch_function(), torch.no_grad():
-            for sid, ref in list(self.pending.items()):
-                snap = ref()
-                if snap is None:
-                    if self.pending.get(sid) is ref:
-                        del self.pending[sid]
-                    continue
+            for snap in self._live():
                 for entry in snap.held.values():
                     if entry[2] is None and wanted(entry):
                         t = entry[0]

@@ -271,10 +271,8 @@ MUTATIONS = (
         "held-copies-forget-nothing",
         "a writer's check for references still held says yes once any snapshot is pending, gone or copied",
         (("npu_agent/snapshot.py",
-          "                for entry in snap.held.values():\n                    if entry[2] is None:\n"
-          "                        return True\n        return False\n",
-          "                for entry in snap.held.values():\n                    if entry[2] is None:\n"
-          "                        return True\n        return bool(self.pending)\n"),),
+          "            return any(entry[2] is None for snap in self._live() for entry in snap.held.values())",
+          "            return bool(self.pending)"),),
         ("tests/test_capture_refs.py",)),
     Mutation(
         "fasthook-post-hook-gets-its-inputs-twice",
