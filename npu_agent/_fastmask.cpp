@@ -7,7 +7,9 @@
  * inf`: 20-30 us a dropout call in a training, where each small op costs several times what it costs warm.
  * `finite_nonzero(x)` gives the same answer: True exactly when every element's absolute value is above 0 and below
  * infinity (NaN fails both, as it fails both comparisons in Python). A plain tensor in CPU memory of a floating dtype
- * is read in place, without the interpreter lock; any other (another device, a subclass, a functorch wrapper) goes
+ * is read in place by the bits of its values (a zero, an infinity, a NaN each has a pattern), in chunks the compiler
+ * turns into vector instructions: about 0.1 ns a value (0.4-0.5 ns read one by one as floats before), without the
+ * interpreter lock above 256 KiB; any other (another device, a subclass, a functorch wrapper) goes
  * through the same ops as the Python path, in C++, with one copy of the two extremes to the host. An error of those
  * ops gives False, as the Python path's RuntimeError or TypeError does.
  *
@@ -19,12 +21,11 @@
  * binary's name carries the torch version and build, so another torch finds it missing and Python checks. */
 #include <Python.h>
 
-#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
-#include <type_traits>
 
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -32,23 +33,52 @@
 
 namespace {
 
-/* The elements of a contiguous CPU tensor, read in place: all finite and not zero. */
-bool in_memory(const at::Tensor& x) {
-    bool ok = true;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "finite_nonzero", [&] {
-        const scalar_t* p = x.const_data_ptr<scalar_t>();
-        const int64_t n = x.numel();
-        using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;   // exact for each
-        const acc_t inf = std::numeric_limits<acc_t>::infinity();
-        for (int64_t i = 0; i < n; i++) {
-            const acc_t v = std::abs(static_cast<acc_t>(p[i]));
-            if (!(v > 0 && v < inf)) {
-                ok = false;
-                break;
-            }
+/* Every value in `data` (n values of U's width) finite and not zero, told by its bits: a floating value with its
+ * sign bit cleared (`magnitude`) is zero when all its bits are 0, and infinite or NaN when they are at least those
+ * of infinity (`inf`: the exponent all ones). Subnormal values are neither (as |x| > 0 says of them). The values are
+ * read in chunks whose loop has no exit (the compiler makes it vector instructions), a chunk with a bad value ending
+ * the read. */
+template <typename U>
+bool finite_nonzero_bits(const unsigned char* data, int64_t n, U magnitude, U inf) {
+    constexpr int64_t chunk = 256;
+    int64_t i = 0;
+    for (; i + chunk <= n; i += chunk) {
+        unsigned bad = 0;
+        for (int64_t j = 0; j < chunk; j++) {
+            U u;
+            std::memcpy(&u, data + (i + j) * sizeof(U), sizeof(U));
+            u &= magnitude;
+            bad |= static_cast<unsigned>(u == 0) | static_cast<unsigned>(u >= inf);
         }
-    });
-    return ok;
+        if (bad)
+            return false;
+    }
+    for (; i < n; i++) {
+        U u;
+        std::memcpy(&u, data + i * sizeof(U), sizeof(U));
+        u &= magnitude;
+        if (u == 0 || u >= inf)
+            return false;
+    }
+    return true;
+}
+
+/* The elements of a contiguous CPU tensor of a floating dtype, read in place: all finite and not zero. */
+bool in_memory(const at::Tensor& x) {
+    const auto* data = static_cast<const unsigned char*>(x.const_data_ptr());
+    const int64_t n = x.numel();
+    switch (x.scalar_type()) {
+    case at::kFloat:
+        return finite_nonzero_bits<uint32_t>(data, n, 0x7FFFFFFFu, 0x7F800000u);
+    case at::kDouble:
+        return finite_nonzero_bits<uint64_t>(data, n, 0x7FFFFFFFFFFFFFFFull, 0x7FF0000000000000ull);
+    case at::kHalf:
+        return finite_nonzero_bits<uint16_t>(data, n, 0x7FFF, 0x7C00);
+    case at::kBFloat16:
+        return finite_nonzero_bits<uint16_t>(data, n, 0x7FFF, 0x7F80);
+    default:
+        TORCH_CHECK(false, "finite_nonzero: read in place only for float, double, half and bfloat16");
+    }
 }
 
 /* The Python path's ops: the extremes of |x|, copied to the host together. */
@@ -58,6 +88,10 @@ bool by_ops(const at::Tensor& x) {
     const double* v = both.const_data_ptr<double>();
     return v[0] > 0 && v[1] < std::numeric_limits<double>::infinity();
 }
+
+/* A plain tensor of at most this many bytes is read without letting go of the interpreter lock: the read takes well
+ * under a microsecond, less than giving the lock to another thread and taking it back. */
+constexpr size_t in_place_with_lock = 256 << 10;
 
 PyObject* finite_nonzero(PyObject*, PyObject* arg) {
     HANDLE_TH_ERRORS
@@ -70,6 +104,8 @@ PyObject* finite_nonzero(PyObject*, PyObject* arg) {
                  && x.device().is_cpu() && x.has_storage() && x.is_contiguous()
                  && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble || x.scalar_type() == at::kHalf
                      || x.scalar_type() == at::kBFloat16);
+    if (plain && x.nbytes() <= in_place_with_lock)
+        return PyBool_FromLong(in_memory(x));
     bool ok;
     {
         pybind11::gil_scoped_release no_gil;

@@ -251,10 +251,16 @@ MUTATIONS = (
           "    PyObject *size = tree == NULL ? NULL : PyLong_FromLongLong(0);"),),
         ("tests/test_fasttap.py",)),
     Mutation(
-        "fastmask-nan-passes",
-        "the compiled dropout check reading a tensor in place takes NaN for finite and not zero",
-        (("npu_agent/_fastmask.cpp", "            if (!(v > 0 && v < inf)) {",
-          "            if (v == 0 || v == inf) {"),),
+        "fastmask-chunks-pass-nan",
+        "the compiled dropout check reading a tensor in place takes NaN and infinity for finite in its chunks",
+        (("npu_agent/_fastmask.cpp",
+          "            bad |= static_cast<unsigned>(u == 0) | static_cast<unsigned>(u >= inf);",
+          "            bad |= static_cast<unsigned>(u == 0);"),),
+        ("tests/test_fastmask.py",)),
+    Mutation(
+        "fastmask-tail-passes-infinity",
+        "the compiled dropout check reading a tensor in place takes infinity for finite after its last chunk",
+        (("npu_agent/_fastmask.cpp", "        if (u == 0 || u >= inf)", "        if (u == 0 || u > inf)"),),
         ("tests/test_fastmask.py",)),
     Mutation(
         "fastmask-zero-passes-through-the-ops",

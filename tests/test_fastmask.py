@@ -38,6 +38,22 @@ def _cases() -> dict[str, torch.Tensor]:
         y[0, 0, 0] = 0.0
         out[f"{name} a view past its zero"] = y.view(-1)[1:]   # storage offset: the zero is outside the view
         out[f"{name} a huge value"] = x * torch.finfo(dtype).max
+        # longer than the compiled check's chunks of 256 values (its tail 232): a bad value at either end of a chunk
+        long = torch.randn(1000, generator=torch.Generator().manual_seed(2)).to(dtype)
+        edges = long.clone()
+        edges[[0, 255, 256, 999]] = torch.tensor([torch.finfo(dtype).max, -torch.finfo(dtype).smallest_normal,
+                                                  torch.finfo(dtype).tiny / 2, -torch.finfo(dtype).max]).to(dtype)
+        out[f"{name} long, the extremes of finite"] = edges
+        for what, value in (("zero", 0.0), ("-0", -0.0), ("nan", float("nan")), ("inf", float("inf"))):
+            for at in (0, 255, 256, 767, 768, 999):
+                y = long.clone()
+                y[at] = value
+                out[f"{name} long, {what} at {at}"] = y
+    big = torch.randn(300_000, generator=torch.Generator().manual_seed(3))   # read without the interpreter lock
+    out["float32 over 256 KiB"] = big
+    big_nan = big.clone()
+    big_nan[-1] = float("nan")
+    out["float32 over 256 KiB, nan last"] = big_nan
     out["one element"] = torch.tensor([2.5])
     out["a scalar"] = torch.tensor(-1.0)
     out["requires grad"] = torch.randn(4, requires_grad=True)
@@ -64,7 +80,9 @@ def test_what_the_answers_are(check):
     for name, answer in (("float32 dense", True), ("float32 zero", False), ("float32 -0", False),
                          ("bfloat16 nan", False), ("float16 inf", False), ("float64 -inf", False),
                          ("float32 subnormal", True), ("float32 a view past its zero", True),
-                         ("bfloat16 a huge value", False), ("meta", False)):
+                         ("bfloat16 a huge value", False), ("meta", False), ("float16 long, nan at 767", False),
+                         ("bfloat16 long, the extremes of finite", True), ("float32 over 256 KiB", True),
+                         ("float32 over 256 KiB, nan last", False)):
         assert check(CASES[name]) is answer, name
 
 
