@@ -9,7 +9,7 @@
  * infinity (NaN fails both, as it fails both comparisons in Python). A plain tensor in CPU memory of a floating dtype
  * is read in place by the bits of its values (a zero, an infinity, a NaN each has a pattern), in chunks the compiler
  * turns into vector instructions: about 0.1 ns a value (0.4-0.5 ns read one by one as floats before), without the
- * interpreter lock above 256 KiB; any other (another device, a subclass, a functorch wrapper) goes
+ * interpreter lock above 64 KiB; any other (another device, a subclass, a functorch wrapper) goes
  * through the same ops as the Python path, in C++, with one copy of the two extremes to the host. An error of those
  * ops gives False, as the Python path's RuntimeError or TypeError does.
  *
@@ -89,9 +89,10 @@ bool by_ops(const at::Tensor& x) {
     return v[0] > 0 && v[1] < std::numeric_limits<double>::infinity();
 }
 
-/* A plain tensor of at most this many bytes is read without letting go of the interpreter lock: the read takes well
- * under a microsecond, less than giving the lock to another thread and taking it back. */
-constexpr size_t in_place_with_lock = 256 << 10;
+/* A plain tensor of at most this many bytes is read without letting go of the interpreter lock: the read takes a few
+ * microseconds at most (TinyLM's 16 KiB: under one), and a lock let go may be taken by one of the agent's threads,
+ * which the training then waits for. */
+constexpr size_t in_place_with_lock = 64 << 10;
 
 PyObject* finite_nonzero(PyObject*, PyObject* arg) {
     HANDLE_TH_ERRORS

@@ -49,11 +49,11 @@ def _cases() -> dict[str, torch.Tensor]:
                 y = long.clone()
                 y[at] = value
                 out[f"{name} long, {what} at {at}"] = y
-    big = torch.randn(300_000, generator=torch.Generator().manual_seed(3))   # read without the interpreter lock
-    out["float32 over 256 KiB"] = big
+    big = torch.randn(300_000, generator=torch.Generator().manual_seed(3))   # read without the interpreter lock (above 64 KiB)
+    out["float32 of 1.2 MB"] = big
     big_nan = big.clone()
     big_nan[-1] = float("nan")
-    out["float32 over 256 KiB, nan last"] = big_nan
+    out["float32 of 1.2 MB, nan last"] = big_nan
     out["one element"] = torch.tensor([2.5])
     out["a scalar"] = torch.tensor(-1.0)
     out["requires grad"] = torch.randn(4, requires_grad=True)
@@ -81,8 +81,8 @@ def test_what_the_answers_are(check):
                          ("bfloat16 nan", False), ("float16 inf", False), ("float64 -inf", False),
                          ("float32 subnormal", True), ("float32 a view past its zero", True),
                          ("bfloat16 a huge value", False), ("meta", False), ("float16 long, nan at 767", False),
-                         ("bfloat16 long, the extremes of finite", True), ("float32 over 256 KiB", True),
-                         ("float32 over 256 KiB, nan last", False)):
+                         ("bfloat16 long, the extremes of finite", True), ("float32 of 1.2 MB", True),
+                         ("float32 of 1.2 MB, nan last", False)):
         assert check(CASES[name]) is answer, name
 
 
