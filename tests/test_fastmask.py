@@ -49,7 +49,7 @@ def _cases() -> dict[str, torch.Tensor]:
                 y = long.clone()
                 y[at] = value
                 out[f"{name} long, {what} at {at}"] = y
-    big = torch.randn(300_000, generator=torch.Generator().manual_seed(3))   # read without the interpreter lock (above 64 KiB)
+    big = torch.randn(300_000, generator=torch.Generator().manual_seed(3))   # over 64 KiB: read without the lock
     out["float32 of 1.2 MB"] = big
     big_nan = big.clone()
     big_nan[-1] = float("nan")
