@@ -389,21 +389,21 @@ _installed = False
 _install_lock = threading.Lock()
 
 
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
+def _optimizer_tensors(opt: torch.optim.Optimizer) -> Iterator[torch.Tensor]:
+    """The tensors the optimizer's step writes, listed only as HELD.protect reads them (it reads none where no
+    pending snapshot holds a tensor by reference)."""
     for group in opt.param_groups:
         for p in group["params"]:
-            out.append(p)
+            yield p
             if p.grad is not None:
-                out.append(p.grad)
+                yield p.grad
             for v in opt.state.get(p, {}).values():
                 if isinstance(v, _Tensor):
-                    out.append(v)
-    return out
+                    yield v
 
 
 def _before_optimizer_step(opt: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    if HELD.pending and HELD.uncopied():   # (else its hundreds of tensors are not even listed)
+    if HELD.pending:
         try:
             HELD.protect(_optimizer_tensors(opt))
         except Exception:  # noqa: BLE001 - never into the training; the version check still guards the records
@@ -424,11 +424,11 @@ def install() -> None:
 
             def zero_grad(self: Any, set_to_none: bool = True, _original: Callable[..., None] = original,
                           _module: bool = cls is torch.nn.Module) -> None:
-                if not set_to_none and HELD.pending and HELD.uncopied():
+                if not set_to_none and HELD.pending:
                     try:
                         params = self.parameters() if _module else (p for g in self.param_groups
                                                                        for p in g["params"])
-                        HELD.protect([p.grad for p in params if p.grad is not None])
+                        HELD.protect(p.grad for p in params if p.grad is not None)   # (read only if needed)
                     except Exception:  # noqa: BLE001
                         pass
                 return _original(self, set_to_none)
