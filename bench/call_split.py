@@ -45,7 +45,6 @@ import torch.nn.functional as F  # noqa: E402
 
 from examples.demo import TinyLM, batches, train_step  # noqa: E402
 from npu_agent import backward, capture, location  # noqa: E402
-from npu_agent.capture import CaptureMode, Capturer  # noqa: E402
 
 
 def _nothing(*args, **kwargs) -> None:
@@ -85,20 +84,6 @@ def left_out(patches: tuple[tuple[object, str, Callable], ...]) -> Iterator[None
             setattr(obj, name, value)
 
 
-class _NoTaps(overhead._CaptureOnly):
-    """The capture mode without backward taps (forward records only), its records discarded."""
-
-    def __init__(self) -> None:
-        self.records = 0
-        self.locate = True
-        self.cap = Capturer(self._sink, backward=None, locate=True)
-        self.mode = CaptureMode(self.cap)
-
-    def step(self):
-        self.cap.release_regions()
-        self.cap.next_step(self.cap.step + 1)
-
-
 def split(steps: int, rounds: int) -> dict:
     """us a captured call above off of each variant (the fastest step of each), TinyLM."""
     kwargs, batch, dtype = overhead.MODELS["tiny"]
@@ -106,7 +91,7 @@ def split(steps: int, rounds: int) -> dict:
     model = TinyLM(dropout=0.1, **kwargs).to(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     data = list(batches(steps, batch=batch, seq=kwargs["seq"], vocab=kwargs["vocab"]))
-    every, no_taps = overhead._CaptureOnly(), _NoTaps()
+    every, no_taps = overhead._CaptureOnly(), overhead._CaptureOnly(taps=False)
     variants: dict[str, tuple[object, tuple]] = {"off": (None, ()), "every piece": (every, ()), NO_TAPS: (no_taps, ()),
                                                  **{name: (every, patches) for name, patches in LEFT_OUT.items()}}
     for dbg, patches in variants.values():   # warm-up: every call site met, every known tree learned

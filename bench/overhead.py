@@ -128,12 +128,14 @@ MODELS = {
 
 
 class _CaptureOnly:
-    """The capture mode alone, as a start/stop/step facade, its records discarded."""
+    """The capture mode alone, as a start/stop/step facade, its records discarded (`taps=False`: forward records
+    only, no backward taps)."""
 
-    def __init__(self, locate: bool = True, sampler: Sampler | None = None) -> None:
+    def __init__(self, locate: bool = True, sampler: Sampler | None = None, taps: bool = True) -> None:
         self.records = 0
         self.locate = locate
-        self.cap = Capturer(self._sink, backward=BackwardTaps(self._sink), locate=locate, sampler=sampler)
+        self.cap = Capturer(self._sink, backward=BackwardTaps(self._sink) if taps else None, locate=locate,
+                            sampler=sampler)
         self.mode = CaptureMode(self.cap)
 
     def _sink(self, rec) -> None:
@@ -150,7 +152,8 @@ class _CaptureOnly:
 
     def step(self):
         self.cap.release_regions()
-        self.cap.backward.end_step()
+        if self.cap.backward is not None:
+            self.cap.backward.end_step()
         self.cap.next_step(self.cap.step + 1)
 
     def drain(self):
