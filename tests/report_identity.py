@@ -35,12 +35,16 @@ def _collect(out: str, dest: str, prefix: str) -> int:
 
 
 def run(dest: str) -> None:
+    os.makedirs(dest, exist_ok=True)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    with tempfile.TemporaryDirectory(prefix="report-identity-") as work:   # the servers' records, spools and logs
+        _run_in(work, dest)
+
+
+def _run_in(work: str, dest: str) -> None:
     from tests import support
     from tests.faulty_kernels import run_trainings
 
-    os.makedirs(dest, exist_ok=True)
-    os.environ["OMP_NUM_THREADS"] = "1"
-    work = tempfile.mkdtemp(prefix="report-identity-")
     common = ["--model", "tinylm", "--dtype", "bfloat16", "--steps", "2", "--second-device"]
 
     server = support.Server(work, args=["--workers", "1"]).start()

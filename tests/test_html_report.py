@@ -9,7 +9,7 @@ strings are escaped.
 End to end (marked slow): the report of a real run with known failures (tests/report_run.py: Functional.gelu.0 and .1
 fail forward on rank 0 at steps 0 and 1), rendered by a real browser: Debian's headless Chromium. The DOM after the
 page's own script ran must name the failing API with the right counts; the screenshot must not be blank. The
-screenshots are kept (REPORT_SCREENSHOT, default a temporary folder; docs/report.png is one).
+screenshot is kept where REPORT_SCREENSHOT names (docs/report.png is one), else in the test's tmp_path.
 
 The browser tests are skipped, saying so, when `chromium` is not installed (.ci/run installs it with apt-get).
 """
@@ -156,10 +156,10 @@ def test_browser_dom_names_the_failing_api_and_counts(report):
 
 @slow
 @needs_chromium
-def test_browser_screenshot_is_not_blank(report):
+def test_browser_screenshot_is_not_blank(report, tmp_path):
     from PIL import Image
 
-    keep = os.environ.get("REPORT_SCREENSHOT") or os.path.join(tempfile.mkdtemp(prefix="report-shot-"), "report.png")
+    keep = os.environ.get("REPORT_SCREENSHOT") or str(tmp_path / "report.png")   # REPORT_SCREENSHOT: kept there
     t0 = time.time()
     proc = chromium("--window-size=1400,2000", f"--screenshot={keep}", "file://" + report)
     assert proc.returncode == 0 and os.path.exists(keep), proc.stderr[-2000:]

@@ -27,9 +27,10 @@ applied = malloc_policy.keep_freed_memory()
 '''
 # the agent started on a shared folder (nothing captured): what a training's `debugger.start()` does
 AGENT = r'''
-import json, os, sys, tempfile
+import json, os, sys
 from npu_agent import PrecisionDebugger, freed_memory
-folder = tempfile.mkdtemp()
+folder = sys.argv[2]   # under the test's tmp_path (pytest removes it), not left in /tmp
+os.makedirs(folder, exist_ok=True)
 cfg = os.path.join(folder, "agent.json")
 with open(cfg, "w") as fh:
     json.dump({"task": "tensor", "level": "L1", "tensor": {"online_run_ut": True, "nfs_path": folder,
@@ -57,11 +58,11 @@ print(applied, faults)
 '''
 
 
-def _run(setup: str = SERVER, keys: str = "{}", **env: str) -> tuple[bool, int]:
+def _run(setup: str = SERVER, keys: str = "{}", folder: str = "", **env: str) -> tuple[bool, int]:
     clean = {k: v for k, v in os.environ.items()
              if k != malloc_policy.ENV and k != "GLIBC_TUNABLES" and not k.startswith("MALLOC_")}
-    out = subprocess.run([sys.executable, "-c", setup + ROUNDS, keys], capture_output=True, text=True, timeout=120,
-                         check=True, env={**clean, "PYTHONPATH": ROOT, **env}).stdout.split()
+    out = subprocess.run([sys.executable, "-c", setup + ROUNDS, keys, folder], capture_output=True, text=True,
+                         timeout=120, check=True, env={**clean, "PYTHONPATH": ROOT, **env}).stdout.split()
     return out[-2] == "True", int(out[-1])
 
 
@@ -75,15 +76,15 @@ def test_freed_memory_is_taken_again_without_new_pages():
 @pytest.mark.parametrize("env", [{"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1048576"},
                                  {"MALLOC_TRIM_THRESHOLD_": "1048576"}])
 @pytest.mark.parametrize("setup", [SERVER, AGENT], ids=["server", "agent"])
-def test_a_malloc_the_user_tuned_is_left_alone(env, setup):
-    applied, faults = _run(setup, **env)
+def test_a_malloc_the_user_tuned_is_left_alone(env, setup, tmp_path):
+    applied, faults = _run(setup, folder=str(tmp_path), **env)
     assert not applied and faults > 20_000
 
 
-def test_the_agent_keeps_what_the_training_frees_unless_told_not_to():
-    applied, faults = _run(AGENT)
+def test_the_agent_keeps_what_the_training_frees_unless_told_not_to(tmp_path):
+    applied, faults = _run(AGENT, folder=str(tmp_path / "kept"))
     assert applied and faults < 1000   # 30,720 pages written, none new
-    applied, faults = _run(AGENT, json.dumps({"online_keep_freed_memory": False}))
+    applied, faults = _run(AGENT, json.dumps({"online_keep_freed_memory": False}), folder=str(tmp_path / "not"))
     assert not applied and faults > 20_000
 
 
