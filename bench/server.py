@@ -27,7 +27,8 @@ server code of another source tree (e.g. a `git archive` of main) on the same re
 before and after are printed side by side.
 
 Prints records/s, the server's seconds per training step for each worker count and the ratio to the training's
-step time (and how many of its backward replays ran on their forward's kept graphs, from its summary.json), then the
+step time (and how many of its backward replays ran on their forward's kept graphs, from its summary.json; under it,
+where its CPU went: its process by thread role and its replay workers, summary.json `cpu_s`), then the
 floor's seconds and records/s (and its backward replays that ran their forward again), the ratio server / floor for
 each worker count (wall; CPU in brackets), and records/s of 2 workers over 1 (the floor's own, on this machine,
 beside it) last.
@@ -133,10 +134,11 @@ def train(work: str, ns, checked: bool, rank: int = 0) -> dict:
 
 
 def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str = ROOT,
-          replay_in: str = "process") -> tuple[float, int, float, str]:
+          replay_in: str = "process") -> tuple[float, int, float, str, str]:
     """Seconds from the server's start to its exit once every rank's records are checked, records checked, the
-    server's CPU seconds (user + system; steadier than wall time on a shared machine), and how many backward replays
-    ran on their forward's kept graphs (summary.json `memory`; "" from a server that does not count them)."""
+    server's CPU seconds (user + system; steadier than wall time on a shared machine), how many backward replays
+    ran on their forward's kept graphs (summary.json `memory`; "" from a server that does not count them), and
+    where its CPU went (`cpu_line`; "" from a server that does not say)."""
     out = tempfile.mkdtemp(prefix="out-", dir=work)
     cfg = os.path.join(work, f"server{workers}.json")
     with open(cfg, "w") as fh:
@@ -164,7 +166,19 @@ def serve(work: str, nfs: str, workers: int, ranks: int, device: str, root: str 
     kept, again = memory.get("backward_replays_on_kept_graphs"), memory.get("backward_replays_forward_again")
     graphs = f"; backward replays on kept graphs: {kept} of {kept + again}" if kept is not None and again is not None \
         else ""
-    return seconds, sum(summary["records_received"].values()), cpu, graphs
+    return seconds, sum(summary["records_received"].values()), cpu, graphs, cpu_line(summary.get("cpu_s"))
+
+
+def cpu_line(cpu: dict | None) -> str:
+    """summary.json `cpu_s` (gpu_server/reports/cpu_use.py) as one line: the server process's CPU by thread role,
+    busiest first (roles under 0.1 s with the rest), and its replay workers'."""
+    if not cpu:
+        return ""
+    shown = {name: s for name, s in cpu["threads"].items() if s >= 0.1}
+    rest = cpu["rest"] + sum(s for name, s in cpu["threads"].items() if name not in shown)
+    parts = ", ".join(f"{name} {s:.1f}" for name, s in shown.items())
+    return (f"its CPU: the server process {cpu['process']:.1f} s ({parts}{', ' if parts else ''}the rest {rest:.1f}), "
+            f"its replay workers {cpu['replay_workers']:.1f} s")
 
 
 def _folder_records(nfs: str, rank: int):
@@ -395,8 +409,9 @@ def main() -> None:
                     runs[label].append(serve(work, nfs, workers, ns.ranks, ns.device, root, mode))
             floors[workers] = fastest_floor(floor_runs)
             for label, got in runs.items():   # the fastest round of each (wall and CPU apart): other work only adds
-                rows.append((f"{workers}{label}", min(g[0] for g in got), got[0][1], min(g[2] for g in got),
-                             got[0][3]))
+                fastest = min(got, key=lambda g: g[0])
+                rows.append((f"{workers}{label}", fastest[0], got[0][1], min(g[2] for g in got), got[0][3],
+                             fastest[4]))
         base = plain["cpu_per_step"]
         print(f"training alone (1 core): {base * 1e3:.0f} ms CPU/step ({plain['wall_per_step'] * 1e3:.0f} ms wall); "
               f"with the agent writing to a folder: {recorded[0]['cpu_per_step'] * 1e3:.0f} ms CPU/step; "
@@ -408,16 +423,18 @@ def main() -> None:
         if ns.rounds > 1:
             print(f"the floor and each server code ran {ns.rounds} times per worker count, in alternating order: the "
                   "fastest below")
-        for workers, seconds, records, cpu, graphs in rows:
+        for workers, seconds, records, cpu, graphs, split in rows:
             per_step = seconds / (ns.steps + 1) / ns.ranks
             cores = workers.split()[0]
             print(f"server --workers {workers} on {ns.device} ({cores} core(s)): {records} records in "
                   f"{seconds:.1f} s = {records / seconds:.0f} records/s; {per_step:.2f} s per training step "
                   f"= {per_step / base:.1f}x the training's step; server CPU {cpu:.1f} s = "
                   f"{cpu / (ns.steps + 1) / ns.ranks / base:.1f}x the training's CPU per step{graphs}")
+            if split:   # the fastest round's
+                print(f"  {split}")
         print("ratio (server time per training step / training CPU per step): "
               + ", ".join(f"workers={w}: {s / (ns.steps + 1) / ns.ranks / base:.1f}x (CPU "
-                          f"{c / (ns.steps + 1) / ns.ranks / base:.1f}x)" for w, s, _, c, _ in rows))
+                          f"{c / (ns.steps + 1) / ns.ranks / base:.1f}x)" for w, s, _, c, *_ in rows))
         for workers, f in floors.items():
             print(f"replay floor, {workers} worker(s) ({workers} process(es), one core each, side by side): "
                   f"{f['replayed']} of {f['records']} records replayed (bench + same-dtype, forward and backward) in "
@@ -426,9 +443,9 @@ def main() -> None:
                   f"{f['full_backward']}")
         print("ratio (server time / its replay floor): " + ", ".join(
             f"workers={w}: {s / floors[int(w.split()[0])]['seconds']:.2f}x (CPU "
-            f"{c / floors[int(w.split()[0])]['cpu']:.2f}x)" for w, s, _, c, _ in rows))
+            f"{c / floors[int(w.split()[0])]['cpu']:.2f}x)" for w, s, _, c, *_ in rows))
         if len(floors) == 2:
-            by = {w: r / s for w, s, r, _, _ in rows}
+            by = {w: r / s for w, s, r, *_ in rows}
             print("records/s, 2 workers / 1 worker: " + ", ".join(
                 f"{w[1:].strip() or 'this tree'}: {by['2' + w[1:]] / by[w]:.2f}x" for w in by if w.startswith("1"))
                   + f"; replay floor: {floors[1]['seconds'] / floors[2]['seconds']:.2f}x")

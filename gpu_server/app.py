@@ -26,6 +26,7 @@ from gpu_server.intake.stream import RecordSource
 from gpu_server.job import Job
 from gpu_server.replay.registry import known
 from gpu_server.replay.sandbox import SandboxLimits, host_memory
+from gpu_server.reports.cpu_use import CpuUse
 from gpu_server.reports.error_data import Evidence
 from gpu_server.reports.rank_reports import OPEN_FILES
 from gpu_server.reports.summary import Summary
@@ -56,6 +57,7 @@ class ServerApp:
             log.info("extension file %s: %d references (%s), %d post-processed APIs, %d per-API judgings",
                      loaded.path, len(loaded.references), ", ".join(loaded.references) or "none",
                      len(loaded.postprocess), len(loaded.judging))
+        self.cpu_use = CpuUse().start()   # where the server's CPU goes (summary.json cpu_s), from its set-up on
         self.config = config
         self.out_dir = out_dir
         self.limits = limits
@@ -262,6 +264,8 @@ class ServerApp:
         self.summary.set_graphs_dropped(self.pending.graphs_dropped)
         bias = self._api_bias_csv()
         self.summary.pooled = self.pooled
+        self.cpu_use.stop()   # the replay workers were stopped and waited for above (pool.drain_and_stop)
+        self.summary.cpu = self.cpu_use.as_dict()
         path = self.summary.write_json(self.out_dir, self.ts)
         files = [p for paths in self.summary.files.values() for p in paths]
         return files + [path] + bias + self._html_report()

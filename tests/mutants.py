@@ -462,6 +462,19 @@ MUTATIONS = (
         (("npu_agent/refusal.py",
           "        if _has(why, _PLAINTEXT_SERVER):\n            return _plaintext_server(why, tls_dir)\n", ""),),
         ("tests/test_agent_refusal.py",)),
+    Mutation(
+        "cpu-use-counts-before-its-start",
+        "the server's CPU by thread counts what a thread spent before the count began (the summary's split would "
+        "hold a test process's or the start's CPU)",
+        (("gpu_server/reports/cpu_use.py", "[t.name, seconds if first else 0.0, seconds]", "[t.name, 0.0, seconds]"),),
+        ("tests/test_cpu_use.py",)),
+    Mutation(
+        "cpu-use-forgets-ended-threads",
+        "the server's CPU by thread keeps only the threads alive at its end (the checking threads end before the "
+        "summary is written)",
+        (("gpu_server/reports/cpu_use.py", "            self._thread.join(timeout=5)\n        self.read()\n",
+          "            self._thread.join(timeout=5)\n        self._seen.clear()\n        self.read()\n"),),
+        ("tests/test_cpu_use.py",)),
 )
 
 

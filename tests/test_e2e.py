@@ -88,6 +88,12 @@ def test_training_runs_get_one_row_per_forward_call_and_no_error(server, tmp_pat
     with open(summary_path) as fh:
         summary = json.load(fh)
     assert summary["calls_checked"]["0"] == runs[0][1]["forward_calls"]
+    # where the server's CPU went (gpu_server/reports/cpu_use.py): its checking threads, its gRPC intake and its
+    # replay worker processes (replays in processes: the default) each spent some; the split is within the whole
+    cpu = summary["cpu_s"]
+    assert cpu["threads"]["gpu-server-worker"] > 0 and cpu["threads"]["gpu-server-grpc"] > 0, cpu
+    assert cpu["replay_workers"] > 0, cpu
+    assert sum(cpu["threads"].values()) <= cpu["process"] + 0.05 and cpu["rest"] >= 0, cpu
 
 
 def test_inplace_apis_are_replayed_from_their_inputs_before_the_call(tmp_path):

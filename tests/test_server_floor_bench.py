@@ -106,3 +106,23 @@ def test_second_device_records_hold_matmuls_the_host_rounds_otherwise(tmp_path):
     assert same > 0 and differ == 0
     same, differ = linears(second=True)
     assert differ > 0 and same == 0
+
+
+def test_each_server_run_says_where_its_cpu_went(tmp_path):
+    """Under each server line, the server's CPU by thread role and its replay workers' (summary.json `cpu_s`), from
+    a real gpu-server on a recorded folder; nothing from a server that does not say (an older --baseline tree)."""
+    bench = _bench()
+    nfs = str(tmp_path / "nfs")
+    os.makedirs(nfs)
+    _write(nfs, 0, 4, skipped=set())
+    work = str(tmp_path / "work")
+    os.makedirs(work)
+    seconds, records, cpu, graphs, line = bench.serve(work, nfs, 1, 1, "cpu")
+    assert records == 4 and cpu > 0
+    # (4 small records: each thread role under the 0.1 s a role needs to be named; tests/test_e2e.py checks the split)
+    assert line.startswith("its CPU: the server process ") and "its replay workers " in line, line
+    assert bench.cpu_line(None) == ""
+    split = bench.cpu_line({"process": 3.0, "replay_workers": 2.5, "rest": 1.0,
+                            "threads": {"gpu-server-worker": 1.5, "MainThread": 0.45, "gpu-server-spool": 0.05}})
+    assert split == ("its CPU: the server process 3.0 s (gpu-server-worker 1.5, MainThread 0.5, the rest 1.1), its "
+                     "replay workers 2.5 s")

@@ -58,6 +58,7 @@ class Summary:
         self.pooled = None     # gpu_server.checking.pooled.PooledErrors of the run (the app sets it): "api_bias"
         self.evidence: dict[tuple[int, str, int], str] = {}   # (rank, call, step) -> its error_data folder
         self.collectives = CollectiveCounts()   # the collectives checked across ranks (collective CSV rows)
+        self.cpu: dict | None = None   # where the server's CPU went (gpu_server/reports/cpu_use.py; the app sets it)
 
     def add_files(self, rank: int, paths: list[str]) -> None:
         with self._lock:
@@ -321,6 +322,7 @@ class Summary:
                 "quarantined_records": list(self.quarantined),
                 "durability": dict(self.durability),
                 "collectives": self.collectives.as_dict(),
+                "cpu_s": self.cpu,
             }
 
     def write_json(self, out_dir: str, ts: str) -> str:
