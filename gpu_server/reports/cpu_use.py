@@ -47,8 +47,10 @@ class CpuUse:
     def __init__(self, every_s: float = EVERY_S) -> None:
         self._every = every_s
         self._lock = threading.Lock()
-        # (thread ident, native id) -> [name, CPU seconds at its first reading, at its last]
+        # the threads alive at the last reading: (thread ident, native id) -> [name, CPU seconds at its first reading,
+        # at its last]; those that ended since: CPU seconds by role (so a long run keeps one entry a live thread)
         self._seen: dict[tuple[int, int | None], list[Any]] = {}
+        self._ended: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -67,7 +69,13 @@ class CpuUse:
 
     def read(self, first: bool = False) -> None:
         """Read every live Python thread's CPU (`first`: the readings the count starts from)."""
-        for t in threading.enumerate():
+        live = threading.enumerate()
+        alive = {(t.ident, t.native_id) for t in live}
+        with self._lock:
+            for key in [k for k in self._seen if k not in alive]:   # ended: its last reading stays, by role
+                name, start, last = self._seen.pop(key)
+                self._ended[role(name)] = self._ended.get(role(name), 0.0) + max(0.0, last - start)
+        for t in live:
             if t.ident is None or t.native_id is None:
                 continue
             try:
@@ -78,10 +86,10 @@ class CpuUse:
             key = (t.ident, t.native_id)
             with self._lock:
                 entry = self._seen.get(key)
-                if entry is None or entry[0] != t.name:   # a new thread (an ident can be used again)
+                if entry is None:   # a thread started since the last reading: all of its CPU counts
                     self._seen[key] = [t.name, seconds if first else 0.0, seconds]
                 else:
-                    entry[2] = seconds
+                    entry[0], entry[2] = t.name, seconds
 
     def stop(self) -> None:
         """A last reading; the reading thread ends."""
@@ -92,8 +100,8 @@ class CpuUse:
 
     def as_dict(self) -> dict[str, Any]:
         """summary.json `cpu_s` (seconds, rounded to milliseconds; the roles busiest first)."""
-        by_role: dict[str, float] = {}
         with self._lock:
+            by_role = dict(self._ended)
             for name, first, last in self._seen.values():
                 by_role[role(name)] = by_role.get(role(name), 0.0) + max(0.0, last - first)
         process = _cpu(resource.getrusage(resource.RUSAGE_SELF))
