@@ -22,18 +22,14 @@ from protos import online_check_pb2 as pb
 from protos.codec import DTYPES, Opaque, RecordDecoder
 from protos.compiled import PURE_PYTHON_ENV
 from protos.limits import DEFAULT_LIMITS
+from tests.support import built
 from tests.test_fastencode import _record, _training_records, _values
 
 
 @pytest.fixture(scope="module")
 def fast():
     """The compiled module, built here if the set-up did not build it (scripts/setup.sh does)."""
-    if not compiled.DECODE.binary_path().exists():
-        compiled.DECODE.build(quiet=True)
-    compiled.DECODE.loaded.clear()
-    module = compiled.DECODE.load()
-    assert module is not None, "gpu_server/_fastdecode.c did not load"
-    return module
+    return built(compiled.DECODE)
 
 
 def _wire(rec: PendingRecord, run_id: str = "run-1", rank: int = 2) -> tuple[pb.Record, bytes]:

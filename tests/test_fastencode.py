@@ -23,7 +23,7 @@ from npu_agent.snapshot import snapshot
 from protos import online_check_pb2 as pb
 from protos.codec import Opaque
 from protos.limits import CHUNK_BYTES
-from tests.support import ListSink
+from tests.support import ListSink, built
 
 Point = collections.namedtuple("Point", "x y")
 
@@ -43,9 +43,7 @@ class Tagged(torch.Tensor):
 @pytest.fixture(scope="module")
 def fast():
     """The compiled module, built here if the set-up did not build it (scripts/setup.sh does)."""
-    if not compiled.ENCODE.binary_path().exists():
-        compiled.ENCODE.build(quiet=True)
-    compiled.ENCODE.loaded.clear()
+    built(compiled.ENCODE)
     records._WALK.clear()
     walk = records.walker()
     assert walk is not records.PythonWalk, "npu_agent/_fastencode.c did not load"

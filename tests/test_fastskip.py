@@ -14,18 +14,13 @@ from npu_agent import PrecisionDebugger, fastskip, naming
 from npu_agent.capture import CaptureMode, Capturer
 from npu_agent.sampling import Policy, Sampler
 from npu_agent.snapshot import HELD
-from tests.support import ListSink, agent_config
+from tests.support import ListSink, agent_config, built
 
 
 @pytest.fixture(scope="module")
 def compiled():
     """The compiled module, built here if the set-up did not build it (scripts/setup.sh does)."""
-    if not fastskip.SKIP.binary_path().exists():
-        fastskip.SKIP.build(quiet=True)
-    fastskip.SKIP.loaded.clear()
-    module = fastskip.load()
-    assert module is not None, "npu_agent/_fastskip.c did not load"
-    return module
+    return built(fastskip.SKIP)   # (fastskip.load() is SKIP.load())
 
 
 class Block(torch.nn.Module):

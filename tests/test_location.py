@@ -18,7 +18,7 @@ from npu_agent import location
 from npu_agent.compiled import LOCATE
 from npu_agent.records import PendingRecord, encode_record
 from npu_agent.snapshot import snapshot
-from tests.support import Server, agent_config, capture, read_csv, read_header, run_training, to_job
+from tests.support import Server, agent_config, built, capture, read_csv, read_header, run_training, to_job
 
 HERE = os.path.relpath(__file__) if os.path.abspath(__file__).startswith(os.getcwd() + os.sep) else __file__
 
@@ -72,11 +72,8 @@ def hooks(request, monkeypatch):
 
 
 def _compiled_walk():
-    if not LOCATE.binary_path().exists():
-        LOCATE.build(quiet=True)
-    LOCATE.loaded.clear()
-    module = LOCATE.load()
-    assert module is not None and hasattr(module, "modules"), "npu_agent/_fastlocate.c did not load"
+    module = built(LOCATE)
+    assert hasattr(module, "modules"), "npu_agent/_fastlocate.c did not load"
     return module.modules
 
 
