@@ -41,7 +41,10 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
 ]
 _ACK_STATUS = {v.number: v.name for v in pb.Ack.Status.DESCRIPTOR.values}
 _CLOSE = b""   # never a real frame (a serialized Frame is never empty): ends a stream's request iterator
-_QUEUED_FRAMES = 8   # frames queued for gRPC's request thread, at most
+# Frames queued for gRPC's request thread, at most. Two: one waits while gRPC sends the other. While the sender waits
+# for room, the training's small records pile up in its own queue and go out together, in fewer and larger Batch
+# frames; with 8 they went out in more, smaller ones (docs/performance.md, "A shallower queue to gRPC").
+_QUEUED_FRAMES = 2
 
 
 class FrameQueue:
