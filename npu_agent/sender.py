@@ -21,6 +21,11 @@ CPU: the sender's thread adds up the CPU it spends (`time.thread_time()` around 
 transport threads that deliver acknowledgements is read from their thread clocks: `cpu_seconds()` is the running
 total the overhead budget charges (npu_agent/sampling.py), `records_done` the records it covers.
 
+Answers when asked: a transport whose server holds its answers until asked (`ask`; the gRPC stream, docs/design.md
+§5) is asked for them after a quarter of the budget or ASK_RECORDS records sent, at once when the training or `close`
+waits for room, and when the sender has been idle for ASK_AFTER_S with records sent and not asked for. One answer
+then covers many records: the server writes, and the agent's threads read, far fewer messages.
+
 Refusal: when the transport reports that it can never deliver (`on_refused`), everything held is dropped and
 counted, `submit` returns at once from then on, and `close` does not wait.
 While the training waits for the budget, or `close` waits for acknowledgements, a line is logged every 30 s.
@@ -48,6 +53,10 @@ BATCH_RECORD_BYTES = 256 << 10
 BATCH_BYTES = 2 << 20
 BATCH_RECORDS = 512
 LINGER_S = 0.003   # how long a small record that found the sender idle waits for others (see above)
+# Answers when asked (module docstring): the sender asks once it has sent a quarter of its budget or ASK_RECORDS
+# records since it last asked, at once when the training or `close` waits for room, and after ASK_AFTER_S idle.
+ASK_RECORDS = 2048
+ASK_AFTER_S = 0.005
 _THREAD_CLOCKS = hasattr(time, "pthread_getcpuclockid")   # Unix: another thread's CPU clock
 
 
@@ -79,6 +88,9 @@ class Sender:
         self._gen = 0                      # the transport stream the queue's order is valid for
         self._closing = False
         self._refusal: Refusal | None = None
+        self._ask = getattr(transport, "ask", None)   # the transport's `ask`, where its server may wait to be asked
+        self._unasked = 0                  # bytes sent on stream `_gen` since the sender last asked for answers
+        self._unasked_records = 0          # ... and records
         self._warned_block = -WAIT_LOG_S
         # the agent's CPU outside the training thread (the overhead budget charges it): the sender thread's own,
         # added up by that thread, and that of the transport threads that deliver acknowledgements
@@ -116,7 +128,7 @@ class Sender:
                                 "training waits (policy 'block'). %s", self._held >> 20, self.budget >> 20,
                                 self.transport.describe_state())
                 self._room_wanted.append(size)
-                self._end_linger()
+                self._wants_room()
                 self._room.wait(1.0)
                 self._room_wanted.remove(size)
             if self._refusal is not None:
@@ -154,13 +166,21 @@ class Sender:
         cpu = time.thread_time()
         while True:
             with self._lock:
-                woken = False
+                woken = idle_long = False
                 while not self._queue and not self._resend and not self._closing and self._refusal is None:
+                    if self._unasked_records and (idle_long or self._room_wanted):
+                        break   # records sent and not asked for, and the sender idle a while or room wanted: ask
                     self._sender_idle = woken = True
-                    self._work.wait()
+                    idle_long = not self._work.wait(ASK_AFTER_S if self._unasked_records else None)
                     self._sender_idle = False
-                if woken:
+                ask = not self._queue and not self._resend and not self._closing and self._refusal is None
+                if not ask and woken:
                     self._linger()
+                gen = self._gen
+            if ask:
+                self._ask_for_answers(gen)
+                continue
+            with self._lock:
                 if self._refusal is not None:
                     return
                 if self._resend:
@@ -171,6 +191,7 @@ class Sender:
                     self._queue = collections.deque(sorted(self._unacked.values(), key=lambda r: r.seq))
                     self._queued_bytes = sum(r.held_bytes for r in self._queue)
                     self._queued_large = sum(r.held_bytes > BATCH_RECORD_BYTES for r in self._queue)
+                    self._unasked = self._unasked_records = 0   # a new stream: nothing sent on it yet
                 if not self._queue:
                     if self._closing:
                         return
@@ -189,6 +210,13 @@ class Sender:
                         self._work.wait(1.0)
                     continue
                 self.counts.sent += len(ready)
+                ask = False
+                if self._ask is not None and gen == self._gen:
+                    self._unasked += sum(rec.held_bytes for rec in ready)
+                    self._unasked_records += len(ready)
+                    ask = self._unasked >= self.budget // 4 or self._unasked_records >= ASK_RECORDS
+            if ask:
+                self._ask_for_answers(gen)
             now = time.thread_time()   # this thread's CPU, added up per batch (read by the budget meanwhile)
             self.sender_cpu += now - cpu
             self.records_done += len(batch)
@@ -212,6 +240,22 @@ class Sender:
                 break
             self._work.wait(left)
         self._lingering = False
+
+    def _ask_for_answers(self, gen: int) -> None:
+        """Ask stream `gen`'s server for the answers to what was sent on it (`Transport.ask`; a server that answers
+        unasked needs nothing, and a stream gone re-sends what it did not answer)."""
+        assert self._ask is not None
+        self._ask(gen)
+        with self._lock:
+            if gen == self._gen:
+                self._unasked = self._unasked_records = 0
+
+    def _wants_room(self) -> None:
+        """(Under the lock.) The training or `close` waits for room: the sender stops lingering, and an idle sender
+        asks at once for the answers to what it sent."""
+        self._end_linger()
+        if self._sender_idle and self._unasked_records:
+            self._work.notify()
 
     def _end_linger(self) -> None:
         """(Under the lock.) The sender stops lingering now."""
@@ -345,7 +389,7 @@ class Sender:
                                 "up to %.0f s more. %s", len(self._unacked), self._held >> 20, deadline - now,
                                 self.transport.describe_state())
                 self._room_wanted.append(self.budget + 1)   # woken when nothing is left unacknowledged
-                self._end_linger()
+                self._wants_room()
                 self._room.wait(min(1.0, max(0.01, deadline - now)))
                 self._room_wanted.remove(self.budget + 1)
             self._closing = True

@@ -10,6 +10,10 @@ opens, it calls `on_reconnect(generation)`, and the Sender re-sends everything n
 stream. `send_records(recs, generation)` sends only on that stream and returns False when it is gone, so nothing new
 overtakes the re-send. The folder has a single stream, generation 1, for its whole life.
 
+Answers when asked: a transport whose server may hold its answers until the agent asks for them (the gRPC stream,
+docs/design.md §5) also has `ask(generation) -> bool`, which the Sender calls (npu_agent/sender.py, "Answers when
+asked"); a transport without it (the folder) answers what it writes without being asked.
+
 Refusals: a transport that learns it can never deliver (a TLS or certificate mismatch, another protocol version, a
 rank folder that is a symbolic link) calls `on_refused` once with the cause and the fix; it then delivers nothing
 more, and the Sender stops holding records for it.

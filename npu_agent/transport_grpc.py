@@ -45,6 +45,7 @@ _CLOSE = b""   # never a real frame (a serialized Frame is never empty): ends a 
 # for room, the training's small records pile up in its own queue and go out together, in fewer and larger Batch
 # frames; with 8 they went out in more, smaller ones (docs/performance.md, "A shallower queue to gRPC").
 _QUEUED_FRAMES = 2
+ASK_FRAME = pb.Frame(ask=pb.Ask()).SerializeToString()   # "answer what I sent" (`GrpcTransport.ask`)
 
 
 class FrameQueue:
@@ -117,6 +118,7 @@ class GrpcTransport:
         self._generation = 0
         self._closed = False
         self._end_acked = threading.Event()
+        self._asked_on = 0   # the stream whose server answers when asked (ASKS_TAKEN); 0: none
         self._state = "connecting"
         self._warned_down = False
         self._reached = False
@@ -236,7 +238,10 @@ class GrpcTransport:
             self._events.on_reconnect(generation)
             for ack in call:
                 self._reached = True
-                self._dispatch(ack)
+                if ack.status == pb.Ack.ASKS_TAKEN:
+                    self._asks_taken(q, generation)
+                else:
+                    self._dispatch(ack)
             self._down("the server closed the stream")
         except grpc.RpcError as exc:
             code = exc.code() if isinstance(exc, grpc.Call) else None
@@ -260,7 +265,7 @@ class GrpcTransport:
     def _requests(self, q: FrameQueue) -> Iterator[bytes]:
         who = self.identity
         hello = pb.Frame(hello=pb.Hello(run_id=who.run_id, rank=who.rank, world_size=who.world_size,
-                                        agent_version="0.1.0"))
+                                        agent_version="0.1.0", asks=True))
         yield hello.SerializeToString()
         while True:
             item = q.get()
@@ -362,6 +367,24 @@ class GrpcTransport:
             if self._put(frame, generation) is None:
                 return False
         return True
+
+    def _asks_taken(self, q: FrameQueue, generation: int) -> None:
+        """Stream `generation`'s server holds its answers until asked (`ask`). A first Ask goes at once, behind the
+        frames queued, so that it holds them from now on (until then it answers every message); where the queue is
+        full it is left to the sender's next ask, not waited for on this thread, which reads the answers."""
+        try:
+            q.put_nowait(ASK_FRAME)
+        except queue.Full:
+            pass
+        self._asked_on = generation
+
+    def ask(self, generation: int) -> bool:
+        """Ask the server of stream `generation` for the answers to everything sent on it so far (an Ask frame), if
+        it holds them until asked (it answered this agent's Hello with ASKS_TAKEN). False when no Ask went: the
+        server answers without being asked, or that stream is gone (what it did not answer is re-sent)."""
+        if generation != self._asked_on:
+            return False
+        return self._put(ASK_FRAME, generation) is not None
 
     def send_end(self, frame: bytes, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

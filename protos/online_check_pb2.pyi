@@ -256,32 +256,40 @@ class End(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., captured: _Optional[int] = ..., sent: _Optional[int] = ..., acknowledged: _Optional[int] = ..., dropped: _Optional[int] = ..., last_seq: _Optional[int] = ..., world_size: _Optional[int] = ..., sampling: _Optional[_Mapping[str, int]] = ..., job: _Optional[str] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("run_id", "rank", "agent_version", "world_size")
+    __slots__ = ("run_id", "rank", "agent_version", "world_size", "asks")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    ASKS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     rank: int
     agent_version: str
     world_size: int
-    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., agent_version: _Optional[str] = ..., world_size: _Optional[int] = ...) -> None: ...
+    asks: bool
+    def __init__(self, run_id: _Optional[str] = ..., rank: _Optional[int] = ..., agent_version: _Optional[str] = ..., world_size: _Optional[int] = ..., asks: _Optional[bool] = ...) -> None: ...
+
+class Ask(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class Frame(_message.Message):
-    __slots__ = ("record", "chunk", "end", "hello", "batch", "data")
+    __slots__ = ("record", "chunk", "end", "hello", "batch", "ask", "data")
     RECORD_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
+    ASK_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     record: Record
     chunk: Chunk
     end: End
     hello: Hello
     batch: Batch
+    ask: Ask
     data: bytes
-    def __init__(self, record: _Optional[_Union[Record, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, record: _Optional[_Union[Record, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., end: _Optional[_Union[End, _Mapping]] = ..., hello: _Optional[_Union[Hello, _Mapping]] = ..., batch: _Optional[_Union[Batch, _Mapping]] = ..., ask: _Optional[_Union[Ask, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("seq", "status", "reason", "count")
@@ -292,11 +300,13 @@ class Ack(_message.Message):
         DUPLICATE: _ClassVar[Ack.Status]
         REJECTED: _ClassVar[Ack.Status]
         END_ACCEPTED: _ClassVar[Ack.Status]
+        ASKS_TAKEN: _ClassVar[Ack.Status]
     STATUS_UNSPECIFIED: Ack.Status
     ACCEPTED: Ack.Status
     DUPLICATE: Ack.Status
     REJECTED: Ack.Status
     END_ACCEPTED: Ack.Status
+    ASKS_TAKEN: Ack.Status
     SEQ_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]

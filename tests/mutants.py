@@ -475,6 +475,22 @@ MUTATIONS = (
         (("gpu_server/reports/cpu_use.py", "self._ended.get(role(name), 0.0) + max(0.0, last - start)",
           "self._ended.get(role(name), 0.0)"),),
         ("tests/test_cpu_use.py",)),
+    Mutation(
+        "server-never-holds-answers",
+        "the server answers every message at once, though the agent asked for its answers",
+        (("gpu_server/intake/grpc_service.py", "            self.asked = True\n", "            self.asked = False\n"),),
+        ("tests/test_answers_when_asked.py",)),
+    Mutation(
+        "held-answers-without-bound",
+        "an agent that asked once and never again holds its stream's answers without bound",
+        (("gpu_server/intake/grpc_service.py", "self.messages >= HELD_MESSAGES or",
+          "self.messages >= HELD_MESSAGES * 1000 or"),),
+        ("tests/test_answers_when_asked.py",)),
+    Mutation(
+        "agent-never-asks",
+        "the agent's sender never asks for its answers (its server answers message by message)",
+        (("npu_agent/sender.py", 'self._ask = getattr(transport, "ask", None)', "self._ask = None"),),
+        ("tests/test_answers_when_asked.py",)),
 )
 
 

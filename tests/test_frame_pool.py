@@ -181,14 +181,20 @@ def test_an_agent_reusing_frames_gets_every_record_checked_with_its_own_values(t
 
 
 def test_a_sender_slower_than_its_server_reuses_its_frames(tmp_path):
-    """Each record is acknowledged while gRPC still holds its frame (the message it wrote last, until it takes the
-    next one): the frame is handed out again only after that, so record k + 2 is written into record k's frame."""
+    """Each record is sent alone, then the idle sender asks for its answer (docs/design.md §5, "Answers when
+    asked"): gRPC has taken the Ask after the record's frame, so the frame is free when the answer comes, and record
+    k + 1 is written into record k's frame. (A server that answers unasked answers while gRPC still holds the frame,
+    the message it wrote last: then record k + 2 takes record k's frame.)"""
     FRAMES.clear()
     reused = FRAMES.reused
     n = 8
     with support.Server(str(tmp_path)) as server:
         transport = GrpcTransport(Endpoint("127.0.0.1", server.port), "", "slow", 0, 1)
         sender = Sender(transport, budget_bytes=16 << 20)   # the pool keeps a quarter: several frames
+        deadline = time.monotonic() + 60
+        while transport._asked_on != 1:   # the server takes asks: every record below is answered when asked
+            assert time.monotonic() < deadline, "no ASKS_TAKEN in 60 s"
+            time.sleep(0.005)
         for i, seq in enumerate(range(10, 10 + n)):   # names of one length: frames of one length
             sender.submit(_record(seq, 72 << 10))
             deadline = time.monotonic() + 60
@@ -197,8 +203,8 @@ def test_a_sender_slower_than_its_server_reuses_its_frames(tmp_path):
                 time.sleep(0.005)
         counts = sender.close(timeout=120)
         assert counts["acknowledged"] == n and counts["rejected"] == 0
-    # the first two find no free frame of their class; each later one finds the frame of the record two before it
-    assert FRAMES.reused - reused == n - 2
+    # the first finds no free frame of its class; each later one finds the frame of the record before it
+    assert FRAMES.reused - reused == n - 1
     rows = support.read_csv(server.out, "accuracy_checking_result")
     assert sorted(int(r["API name"].rsplit(".", 1)[1]) for r in rows) == list(range(10, 10 + n))
     assert {r["Forward Test Success"] for r in rows} == {"pass"}, rows

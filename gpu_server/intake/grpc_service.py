@@ -42,7 +42,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gpu_server.intake.admission import Intake
 from gpu_server.intake.assembler import FrameAssembler
 from gpu_server.intake.budget import HEADER_FACTOR, ByteBudget, ConnectionShare
-from gpu_server.intake.stream import RecordStream
+from gpu_server.intake.stream import ASKED, RecordStream
 from protos import online_check_pb2 as pb
 from protos.contract import SERVICE_NAME
 from protos.limits import CHUNK_BYTES, Limits, MiB, log_text
@@ -56,6 +56,8 @@ SERVICE = SERVICE_NAME
 STREAM_WINDOW = CHUNK_BYTES
 GRPC_WINDOW = 64 * 1024   # gRPC's own initial window: the least a stream gets
 _ACK_QUEUE = 256          # messages whose answers wait to be sent on one stream; then the stream stops reading
+HELD_MESSAGES = 256       # messages whose answers a stream holds for its agent's Ask, at most (`_Held`)
+HELD_ANSWERS = 4096       # ... and answers (records)
 _TICKET_SLICE_S = 0.25    # a thread waits this long at most for one ticket before giving its place to another
 
 
@@ -64,6 +66,39 @@ class _Cut:
 
     def __init__(self, code: grpc.StatusCode, reason: str):
         self.code, self.reason = code, reason
+
+
+class _Held:
+    """The answers a stream holds until its agent asks for them (docs/design.md §5, "Answers when asked"). Until the
+    agent's first Ask, every message is answered at once, as for an agent that never asks; from then on a message's
+    answers wait for the next Ask, an End's answer, the stream's end, or `HELD_MESSAGES` messages or `HELD_ANSWERS`
+    answers held (an agent that asks too seldom, or never again, costs the server that much)."""
+
+    __slots__ = ("answers", "messages", "asked")
+
+    def __init__(self) -> None:
+        self.answers: list = []
+        self.messages = 0
+        self.asked = False
+
+    def flush(self, item) -> bool:
+        """Take one message's answers (or the Ask); whether the answers held are to be sent now."""
+        if item is ASKED:
+            self.asked = True
+            return True
+        self.answers += item
+        self.messages += 1
+        return (not self.asked or self.messages >= HELD_MESSAGES or len(self.answers) >= HELD_ANSWERS
+                or _ends(item))
+
+    def take(self) -> list:
+        answers, self.answers, self.messages = self.answers, [], 0
+        return answers
+
+
+def _ends(answers: list) -> bool:
+    """Whether these are the answer to an End (answered at once: the agent waits for it)."""
+    return len(answers) == 1 and isinstance(answers[0], pb.Ack) and answers[0].status == pb.Ack.END_ACCEPTED
 
 
 class _Connection:
@@ -134,15 +169,17 @@ class StreamHandler:
         self.intake.origin_opened(conn.origin)
         acks: asyncio.Queue = asyncio.Queue(maxsize=_ACK_QUEUE)
         reader = asyncio.get_running_loop().create_task(self._read(request_iterator, acks, peer, conn))
+        held = _Held()
         try:
             while True:
                 item = await acks.get()
-                if item is None:
-                    return
-                if isinstance(item, _Cut):
-                    await context.abort(item.code, item.reason)
-                for ack in await self._acks(item):
-                    yield ack
+                if item is None or isinstance(item, _Cut) or held.flush(item):
+                    for ack in await self._acks(held.take()):
+                        yield ack
+                    if item is None:
+                        return
+                    if isinstance(item, _Cut):
+                        await context.abort(item.code, item.reason)
         finally:
             self.active -= 1
             reader.cancel()
@@ -188,7 +225,7 @@ class StreamHandler:
 
     async def _read(self, request_iterator, acks: asyncio.Queue, peer: str, conn: _Connection) -> None:
         door = RecordStream(self.intake, self.limits, self.budget, conn.origin, self.on_end,
-                            peer=peer, share=conn.share)
+                            peer=peer, share=conn.share, takes_asks=True)
         asm = door.asm
         messages = request_iterator.__aiter__()
         cut = False

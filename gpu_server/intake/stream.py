@@ -82,6 +82,14 @@ class Arrival(NamedTuple):
 Steps = Generator["Reserve | Call", Any, Any]
 
 
+class Asked:
+    """What `RecordStream.message` returns for an Ask frame: the agent wants the answers to everything it sent
+    before it (docs/design.md §5, "Answers when asked")."""
+
+
+ASKED = Asked()
+
+
 class Stopped(Exception):
     """The stream was cancelled while it waited for the memory budget."""
 
@@ -100,8 +108,10 @@ class RecordStream:
 
     def __init__(self, intake: Intake, limits: Limits, budget: ByteBudget | None, origin: str,
                  on_end: Callable[[pb.End], None], *, peer: str = "", where: str = "",
-                 share: ConnectionShare | None = None, cancelled: Callable[[], bool] = lambda: False):
+                 share: ConnectionShare | None = None, cancelled: Callable[[], bool] = lambda: False,
+                 takes_asks: bool = False):
         self.intake, self.budget, self.origin, self.on_end = intake, budget, origin, on_end
+        self.takes_asks = takes_asks   # the transport may hold answers until asked (the gRPC stream)
         self.peer, self.where = peer, where or f"stream from {peer}"   # who sends (gRPC), the log's prefix
         self.max_batch_records = limits.max_batch_records
         self.cancelled = cancelled
@@ -109,7 +119,8 @@ class RecordStream:
 
     # -- frames ----------------------------------------------------------------------------------------------
     def message(self, raw: bytes) -> Steps:
-        """The answers to one gRPC message (its bytes counted, `FrameAssembler.arrived`), in order."""
+        """The answers to one gRPC message (its bytes counted, `FrameAssembler.arrived`), in order; `ASKED` for an
+        Ask frame. A Hello whose agent asks for its answers is answered ASKS_TAKEN where the transport takes asks."""
         try:
             frame, data = parse_frame(raw)   # data: a view into raw
         except DecodeError:
@@ -123,7 +134,9 @@ class RecordStream:
             log.info("agent connected from %s: run %s rank %d of %d (agent %s)", self.peer, log_text(h.run_id, 64),
                      h.rank, h.world_size, log_text(h.agent_version, 32))
             self.intake.adopt(h.run_id, h.rank, self.origin)
-            return []
+            return [pb.Ack(status=pb.Ack.ASKS_TAKEN)] if h.asks and self.takes_asks else []
+        if body == "ask" and self.takes_asks:
+            return ASKED
         if body == "end":
             return [(yield from self.end(frame.end))]
         items = yield from self.records(frame, data)
