@@ -16,8 +16,9 @@ logged and sent) when nothing arrives for `--record-timeout-s`, when after that 
 `--min-record-rate-mb` (time spent waiting for the budget does not count), or when it has been half received for
 `--record-max-s`, whatever its size. Frames come in as raw bytes and go through the stream's `RecordStream`
 (gpu_server/intake/stream.py: parsed, never unpickled; large records validated off the event loop); every record gets
-an acknowledgement, bad ones a REJECTED with the reason, and the stream goes on. This module is the I/O: reading,
-waiting for room, cutting a stalled record, sending the answers.
+an acknowledgement, bad ones a REJECTED with the reason, and the stream goes on. An agent that asks for its answers
+gets them when it asks, within a bound (`_Held`; docs/design.md §5, "Answers when asked"). This module is the I/O:
+reading, waiting for room, cutting a stalled record, sending the answers.
 
 End messages count only for a (run, rank) whose records came over the same connection (under mutual TLS: with the
 same client certificate). Every wire string that reaches the log is escaped (`protos.limits.log_text`). With mutual
