@@ -166,14 +166,14 @@ class Sender:
         cpu = time.thread_time()
         while True:
             with self._lock:
-                woken = idle_long = False
+                woken = idle_long = ask = False
                 while not self._queue and not self._resend and not self._closing and self._refusal is None:
                     if self._unasked_records and (idle_long or self._room_wanted):
-                        break   # records sent and not asked for, and the sender idle a while or room wanted: ask
+                        ask = True   # records sent and not asked for, and the sender idle a while or room wanted
+                        break
                     self._sender_idle = woken = True
                     idle_long = not self._work.wait(ASK_AFTER_S if self._unasked_records else None)
                     self._sender_idle = False
-                ask = not self._queue and not self._resend and not self._closing and self._refusal is None
                 if not ask and woken:
                     self._linger()
                 gen = self._gen
